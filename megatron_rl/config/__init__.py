@@ -1,0 +1,48 @@
+"""Recipe configuration: schema, loading with overrides, cross-field validation.
+
+Imports neither Megatron nor Ray, so a recipe is checked in a second, before
+anything expensive starts.
+"""
+
+from megatron_rl.config.checks import Finding, check_recipe
+from megatron_rl.config.layout import TrainerLayout, trainer_layout
+from megatron_rl.config.loading import RecipeError, load_recipe, recipe_to_yaml, validate_recipe_tree
+from megatron_rl.config.model_shape import ModelShape, ModelShapeError, read_model_shape
+from megatron_rl.config.schema import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    ParallelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+    WeightSyncConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "DataConfig",
+    "Finding",
+    "LoggingConfig",
+    "ModelConfig",
+    "ModelShape",
+    "ModelShapeError",
+    "ParallelConfig",
+    "RecipeError",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
+    "TrainerLayout",
+    "WeightSyncConfig",
+    "check_recipe",
+    "load_recipe",
+    "read_model_shape",
+    "recipe_to_yaml",
+    "trainer_layout",
+    "validate_recipe_tree",
+]

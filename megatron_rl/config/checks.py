@@ -1,0 +1,259 @@
+"""Cross-field checks of a recipe, run before any rank or engine starts.
+
+Each check is a small named function taking the recipe (and the model's
+:class:`ModelShape`) and returning :class:`Finding` objects; a finding names the
+dotted field, what is wrong and how to fix it. Errors stop the run; warnings are
+printed and the run goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from megatron_rl.config.layout import trainer_layout
+from megatron_rl.config.model_shape import ModelShape
+from megatron_rl.config.schema import RunConfig
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem of a recipe: the dotted field it concerns and a message with the fix."""
+
+    level: Literal["error", "warning"]
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def _error(field: str, message: str) -> Finding:
+    return Finding("error", field, message)
+
+
+def _warning(field: str, message: str) -> Finding:
+    return Finding("warning", field, message)
+
+
+Check = Callable[[RunConfig, ModelShape], Iterator[Finding]]
+
+
+def _check_attention_vs_tp(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    tp = cfg.parallel.tp
+    if shape.num_attention_heads % tp:
+        yield _error("parallel.tp", f"{tp} does not divide the model's {shape.num_attention_heads} attention heads")
+    if shape.num_kv_heads % tp:
+        yield _error(
+            "parallel.tp",
+            f"{tp} does not divide the model's {shape.num_kv_heads} key/value heads; "
+            f"use a tp that divides {shape.num_kv_heads}",
+        )
+
+
+def _check_expert_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    par = cfg.parallel
+    if not shape.is_moe:
+        if par.ep > 1 or par.expert_tp != par.tp:
+            yield _error("parallel.ep", f"{shape.architecture} has no experts: leave ep at 1 and etp unset")
+        return
+    if shape.num_experts % par.ep:
+        yield _error("parallel.ep", f"{par.ep} does not divide the model's {shape.num_experts} experts")
+    if par.tp > 1 and not par.sequence_parallel:
+        yield _error("parallel.sequence_parallel", "Megatron-core needs sequence parallelism for MoE with tp > 1: set it true")
+    layout = trainer_layout(par, cfg.cluster, cfg.rollout)
+    if layout.world_size > 0 and layout.expert_dp == 0:
+        yield _error(
+            "parallel.ep",
+            f"etp ({par.expert_tp}) x ep ({par.ep}) x pp ({par.pp}) = {par.expert_tp * par.ep * par.pp} "
+            f"does not divide the {layout.world_size} trainer ranks",
+        )
+
+
+def _check_pipeline_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    par = cfg.parallel
+    vpp = par.vpp or 1
+    if par.vpp is not None and par.pp == 1:
+        yield _error("parallel.vpp", "virtual pipeline stages need pp > 1; unset vpp or raise pp")
+    if shape.num_layers % (par.pp * vpp):
+        yield _error(
+            "parallel.pp",
+            f"pp ({par.pp}) x vpp ({vpp}) = {par.pp * vpp} does not divide the model's {shape.num_layers} layers",
+        )
+
+
+def _check_world_size(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    par, cluster, rollout = cfg.parallel, cfg.cluster, cfg.rollout
+    total_gpus = cluster.nodes * cluster.gpus_per_node
+    if rollout.placement == "disaggregated" and cluster.gpus_per_node > 0:
+        if rollout.num_gpus is None or rollout.num_gpus >= total_gpus:
+            yield _error(
+                "rollout.num_gpus",
+                f"disaggregated placement needs the engines' GPU count below the {total_gpus} GPUs of the job, "
+                f"got {rollout.num_gpus}",
+            )
+            return
+    layout = trainer_layout(par, cluster, rollout)
+    model_parallel = par.tp * par.pp * par.cp
+    if layout.dp == 0:
+        yield _error(
+            "parallel",
+            f"tp ({par.tp}) x pp ({par.pp}) x cp ({par.cp}) = {model_parallel} does not divide the "
+            f"{layout.world_size} trainer ranks",
+        )
+
+
+def _check_engine_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    rollout, cluster = cfg.rollout, cfg.cluster
+    if rollout.engine == "sglang" and cluster.gpus_per_node == 0:
+        yield _error("rollout.engine", "SGLang needs GPUs; use engine 'reference' on CPU")
+    if rollout.tp % rollout.ep:
+        yield _error("rollout.ep", f"engine ep ({rollout.ep}) must divide engine tp ({rollout.tp})")
+    if shape.num_attention_heads % rollout.tp:
+        yield _error("rollout.tp", f"{rollout.tp} does not divide the model's {shape.num_attention_heads} attention heads")
+    if cluster.gpus_per_node == 0:
+        return
+    engine_gpus = rollout.tp * rollout.dp
+    pool = rollout.num_gpus if rollout.placement == "disaggregated" else cluster.nodes * cluster.gpus_per_node
+    if pool and pool % engine_gpus:
+        yield _error(
+            "rollout.tp",
+            f"each engine takes tp x dp = {engine_gpus} GPUs, which does not divide the {pool} rollout GPUs",
+        )
+
+
+def _check_batch_divisibility(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    train, n = cfg.train, cfg.rollout.n_samples_per_prompt
+    if train.prompts_per_step % train.mini_batches_per_step:
+        yield _error(
+            "train.mini_batches_per_step",
+            f"{train.mini_batches_per_step} does not divide train.prompts_per_step ({train.prompts_per_step})",
+        )
+        return
+    dp = trainer_layout(cfg.parallel, cfg.cluster, cfg.rollout).dp
+    responses = train.prompts_per_step // train.mini_batches_per_step * n
+    if dp and responses % dp:
+        yield _error(
+            "train.prompts_per_step",
+            f"each mini-batch has {responses} responses, which do not split evenly over the {dp} data-parallel "
+            "ranks; change prompts_per_step, mini_batches_per_step or rollout.n_samples_per_prompt",
+        )
+    if n < 2:
+        yield _error("rollout.n_samples_per_prompt", "group-relative advantages need at least 2 responses per prompt")
+
+
+def _check_sequence_lengths(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    rollout = cfg.rollout
+    total = rollout.max_prompt_length + rollout.max_response_length
+    if total > shape.max_position_embeddings:
+        yield _error(
+            "rollout.max_response_length",
+            f"max_prompt_length + max_response_length = {total} exceeds the model's "
+            f"max_position_embeddings ({shape.max_position_embeddings})",
+        )
+    if cfg.train.max_tokens_per_micro_batch < total:
+        yield _error(
+            "train.max_tokens_per_micro_batch",
+            f"{cfg.train.max_tokens_per_micro_batch} cannot hold one sequence of up to {total} tokens",
+        )
+    overlong = cfg.algorithm.overlong
+    if overlong.enable and overlong.buffer_length > rollout.max_response_length:
+        yield _error(
+            "algorithm.overlong.buffer_length",
+            f"{overlong.buffer_length} exceeds rollout.max_response_length ({rollout.max_response_length})",
+        )
+
+
+def _check_preset(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    algo = cfg.algorithm
+    fix = "fix it or set algorithm.preset: custom"
+    if algo.preset == "dapo":
+        if algo.loss_agg_mode != "token-mean":
+            yield _error("algorithm.loss_agg_mode", f"DAPO uses the token-level loss 'token-mean', got {algo.loss_agg_mode!r}; {fix}")
+        if algo.use_kl_loss:
+            yield _error("algorithm.use_kl_loss", f"DAPO has no KL term; {fix}")
+        if algo.clip_high <= algo.clip_low:
+            yield _error("algorithm.clip_high", f"DAPO's Clip-Higher needs clip_high > clip_low (paper: 0.28 > 0.2); {fix}")
+        if not algo.dynamic_sampling.enable:
+            yield _error("algorithm.dynamic_sampling.enable", f"DAPO samples dynamically; {fix}")
+        if not (algo.overlong.enable or algo.overlong.filter_truncated):
+            yield _warning("algorithm.overlong", "DAPO shapes or filters overlong responses; both are off")
+    elif algo.preset == "drgrpo":
+        if algo.norm_adv_by_std:
+            yield _error("algorithm.norm_adv_by_std", f"Dr.GRPO drops the std normalisation of advantages; {fix}")
+        if algo.loss_agg_mode != "seq-mean-token-sum-norm":
+            yield _error(
+                "algorithm.loss_agg_mode",
+                f"Dr.GRPO divides token sums by a constant: use 'seq-mean-token-sum-norm', got {algo.loss_agg_mode!r}; {fix}",
+            )
+    elif algo.preset == "grpo":
+        if not algo.norm_adv_by_std:
+            yield _error("algorithm.norm_adv_by_std", f"GRPO normalises advantages by the group std; {fix}")
+        if algo.loss_agg_mode != "seq-mean-token-mean":
+            yield _error("algorithm.loss_agg_mode", f"GRPO averages token means over sequences; {fix}")
+
+
+def _check_loss_terms(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    algo = cfg.algorithm
+    if algo.use_kl_loss and algo.kl_coef == 0.0:
+        yield _warning("algorithm.kl_coef", "use_kl_loss is on with coefficient 0: the KL term does nothing")
+    if not algo.use_kl_loss and algo.kl_coef > 0.0:
+        yield _warning("algorithm.kl_coef", "ignored because use_kl_loss is false")
+    if algo.clip_c is not None and algo.policy_loss != "ppo_clip":
+        yield _error("algorithm.clip_c", f"dual clip applies to ppo_clip only, not {algo.policy_loss!r}")
+    if algo.dynamic_sampling.enable and cfg.rollout.n_samples_per_prompt < 2:
+        yield _error("algorithm.dynamic_sampling.enable", "needs rollout.n_samples_per_prompt >= 2")
+    if algo.routing_replay and not shape.is_moe:
+        yield _error("algorithm.routing_replay", f"{shape.architecture} has no experts to replay")
+
+
+def _check_precision(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    train = cfg.train
+    if train.precision == "fp8":
+        if cfg.cluster.gpus_per_node == 0:
+            yield _error("train.precision", "fp8 needs GPUs with Transformer Engine; use fp32 or bf16 on CPU")
+        if train.fp8_recipe is None:
+            yield _error("train.fp8_recipe", "precision fp8 needs a recipe: delayed, tensorwise, blockwise or mxfp8")
+    elif train.fp8_recipe is not None:
+        yield _error("train.fp8_recipe", f"set only with precision fp8 (precision is {train.precision!r})")
+    if train.moe_aux_loss_type != "none" and not shape.is_moe:
+        yield _error("train.moe_aux_loss_type", f"{shape.architecture} has no router to balance")
+    if train.moe_aux_loss_type == "none" and train.moe_aux_loss_coef > 0.0:
+        yield _warning("train.moe_aux_loss_coef", "ignored because moe_aux_loss_type is none")
+
+
+def _check_sources(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+    if cfg.data.synthetic is None and cfg.model.tokenizer is None and cfg.model.path is None:
+        yield _error("model.tokenizer", "no tokenizer: set model.tokenizer (or model.path, or data.synthetic)")
+    if cfg.train.val_interval > 0 and cfg.data.synthetic is None and not cfg.data.val_files:
+        yield _error("data.val_files", "train.val_interval > 0 needs validation files")
+    for key in ("train_files", "val_files"):
+        for path in getattr(cfg.data, key):
+            if not Path(path).is_file():
+                yield _error(f"data.{key}", f"no such file: {path!r}")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not Path(resume).is_dir():
+        yield _error("checkpoint.resume", f"{resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
+
+
+CHECKS: tuple[Check, ...] = (
+    _check_attention_vs_tp,
+    _check_expert_layout,
+    _check_pipeline_layout,
+    _check_world_size,
+    _check_engine_layout,
+    _check_batch_divisibility,
+    _check_sequence_lengths,
+    _check_preset,
+    _check_loss_terms,
+    _check_precision,
+    _check_sources,
+)
+
+
+def check_recipe(cfg: RunConfig, shape: ModelShape) -> list[Finding]:
+    """Run every cross-field check; errors first, then warnings, each in check order."""
+    findings = [finding for check in CHECKS for finding in check(cfg, shape)]
+    return sorted(findings, key=lambda f: f.level != "error")

@@ -1,0 +1,42 @@
+"""The trainer's rank layout derived from a recipe: world size and data-parallel sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.config.schema import ClusterConfig, ParallelConfig, RolloutConfig
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """Rank counts of the trainer.
+
+    ``world_size = tp * pp * cp * dp`` for dense layers and
+    ``world_size = etp * ep * expert_dp * pp`` for expert layers (Megatron-core's
+    two decompositions of the same ranks). ``dp`` and ``expert_dp`` are 0 when
+    the world size does not divide; :mod:`megatron_rl.config.checks` reports that.
+    """
+
+    world_size: int
+    dp: int
+    expert_dp: int
+
+
+def trainer_world_size(cluster: ClusterConfig, rollout: RolloutConfig) -> int:
+    """Trainer ranks: all GPUs when colocated, the GPUs engines do not take when disaggregated, else CPU ranks."""
+    if cluster.gpus_per_node == 0:
+        return cluster.cpu_trainer_ranks
+    total = cluster.nodes * cluster.gpus_per_node
+    if rollout.placement == "disaggregated":
+        return total - (rollout.num_gpus or 0)
+    return total
+
+
+def trainer_layout(parallel: ParallelConfig, cluster: ClusterConfig, rollout: RolloutConfig) -> TrainerLayout:
+    """The :class:`TrainerLayout` of a recipe's sections."""
+    world = trainer_world_size(cluster, rollout)
+    model_parallel = parallel.tp * parallel.pp * parallel.cp
+    expert_parallel = parallel.expert_tp * parallel.ep * parallel.pp
+    dp = world // model_parallel if world > 0 and world % model_parallel == 0 else 0
+    expert_dp = world // expert_parallel if world > 0 and world % expert_parallel == 0 else 0
+    return TrainerLayout(world_size=world, dp=dp, expert_dp=expert_dp)

@@ -1,0 +1,275 @@
+"""The recipe schema: one pydantic model per section, every field documented.
+
+A recipe is a YAML file (see ``recipes/``) validated into :class:`RunConfig`.
+Section models check what can be checked from the section alone (types, ranges,
+unknown keys); checks that relate several sections or the model's Hugging Face
+config live in :mod:`megatron_rl.config.checks`.
+
+Components receive their own section (``cfg.rollout``, ``cfg.train``), never the
+whole recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, types are not coerced from strings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, frozen=True)
+
+
+class ModelConfig(Section):
+    """The policy model: a Hugging Face checkpoint, or a random initialisation from an inline config."""
+
+    path: str | None = Field(None, description="Hugging Face checkpoint directory (config.json + safetensors).")
+    random_init: dict[str, Any] | None = Field(
+        None,
+        description="Hugging Face config fields (with 'architectures') of a model to initialise at random "
+        "instead of loading `path`; used by the tiny CPU recipes.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory; defaults to `path`. Not needed with a synthetic data task."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.random_init is None):
+            raise ValueError("set exactly one of model.path (a Hugging Face checkpoint) or model.random_init")
+        return self
+
+
+class ParallelConfig(Section):
+    """Megatron-core parallel sizes of the trainer."""
+
+    tp: PositiveInt = Field(1, description="Tensor-parallel size.")
+    pp: PositiveInt = Field(1, description="Pipeline-parallel size.")
+    vpp: PositiveInt | None = Field(None, description="Virtual pipeline stages per PP rank (interleaved schedule).")
+    cp: PositiveInt = Field(1, description="Context-parallel size.")
+    ep: PositiveInt = Field(1, description="Expert-parallel size.")
+    etp: PositiveInt | None = Field(None, description="Expert tensor-parallel size; defaults to `tp`.")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (required for MoE with tp > 1).")
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size after defaulting to ``tp``."""
+        return self.tp if self.etp is None else self.etp
+
+
+class OverlongConfig(Section):
+    """DAPO overlong handling: soft punishment and/or filtering of truncated responses."""
+
+    enable: bool = Field(False, description="Add DAPO's soft overlong punishment to the score.")
+    buffer_length: PositiveInt = Field(4096, description="L_cache: the penalty ramps over this many tokens before the maximum.")
+    penalty_factor: PositiveFloat = Field(1.0, description="Penalty at and beyond the maximum response length.")
+    filter_truncated: bool = Field(False, description="Mask truncated responses out of the loss (overlong filtering).")
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO dynamic sampling: drop zero-variance groups and over-sample until the step is full."""
+
+    enable: bool = Field(False, description="Drop groups whose scores all agree and generate more batches.")
+    max_gen_batches: PositiveInt = Field(10, description="Generation batches per step before giving up.")
+    on_exhausted: Literal["error", "train_partial"] = Field(
+        "error",
+        description="When max_gen_batches is hit short of a full step: stop with an error, or train on the groups "
+        "kept so far (logged).",
+    )
+
+
+class AlgorithmConfig(Section):
+    """Advantage, loss and regularisation settings (DESIGN.md section 3)."""
+
+    preset: Literal["dapo", "drgrpo", "grpo", "custom"] = Field(
+        "custom",
+        description="The algorithm this recipe claims to be; settings that contradict it are errors. "
+        "Use `custom` for ablations.",
+    )
+    advantage_estimator: Literal["grpo"] = Field("grpo", description="Group-relative advantage estimator.")
+    norm_adv_by_std: bool = Field(True, description="Divide advantages by the group std (off for Dr.GRPO).")
+    loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses become the step loss.")
+    loss_norm_constant: PositiveInt | None = Field(
+        None, description="Divisor of seq-mean-token-sum-norm; defaults to rollout.max_response_length."
+    )
+    policy_loss: Literal["ppo_clip", "gspo"] = Field("ppo_clip", description="Policy-gradient loss.")
+    clip_low: PositiveFloat = Field(0.2, description="Lower PPO clip: ratio >= 1 - clip_low.")
+    clip_high: PositiveFloat = Field(0.2, description="Upper PPO clip: ratio <= 1 + clip_high (DAPO: 0.28).")
+    clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (> 1), or off.")
+    use_kl_loss: bool = Field(False, description="Add a KL(policy || reference) loss term.")
+    kl_type: KLKind = Field("low_var_kl", description="KL estimator of the loss term.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the KL loss term.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    tis_cap: PositiveFloat | None = Field(
+        None, description="Truncated importance sampling cap on exp(logp_old_trainer - logp_rollout), or off."
+    )
+    routing_replay: bool = Field(False, description="Replay the experts the rollout engine routed to (R3, MoE only).")
+
+
+class RolloutConfig(Section):
+    """Generation engines and sampling."""
+
+    engine: Literal["sglang", "reference"] = Field("sglang", description="Rollout engine implementation.")
+    tp: PositiveInt = Field(1, description="Tensor-parallel size of each engine.")
+    ep: PositiveInt = Field(1, description="Expert-parallel size of each engine.")
+    dp: PositiveInt = Field(1, description="Data-parallel replicas inside each engine.")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="Engines share the trainer's GPUs (colocated) or have their own (disaggregated)."
+    )
+    num_gpus: PositiveInt | None = Field(None, description="GPUs reserved for engines when disaggregated.")
+    n_samples_per_prompt: PositiveInt = Field(8, description="Responses per prompt (the group size).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k 0 would sample nothing; use -1 to disable top-k or a positive k")
+        return value
+    max_prompt_length: PositiveInt = Field(1024, description="Longer prompts are filtered out of the dataset.")
+    max_response_length: PositiveInt = Field(1024, description="Maximum new tokens per response.")
+    mem_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="Engine GPU memory fraction (SGLang mem_fraction_static).")
+    quantization: Literal["fp8"] | None = Field(None, description="Rollout weight quantisation in the engine.")
+    max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight per engine.")
+    startup_timeout_s: PositiveFloat = Field(600.0, description="Seconds to wait for an engine to become healthy.")
+    request_timeout_s: PositiveFloat = Field(3600.0, description="Seconds before a generate request is an error.")
+
+
+class WeightSyncConfig(Section):
+    """How trained weights reach the engines."""
+
+    transport: Literal["auto", "tensor", "distributed", "disk"] = Field(
+        "auto", description="auto: tensor when colocated, distributed when disaggregated."
+    )
+    bucket_size_mb: PositiveInt = Field(512, description="Size of each transfer bucket in MiB.")
+
+
+class SyntheticDataConfig(Section):
+    """A generated task instead of parquet files (tiny CPU recipes)."""
+
+    task: str = Field(description="Name of the synthetic task (megatron_rl.data.synthetic).")
+    num_train: PositiveInt = Field(4096, description="Training prompts to generate.")
+    num_val: PositiveInt = Field(256, description="Validation prompts to generate.")
+    seed: int = Field(0, description="Seed of the generator.")
+
+
+class DataConfig(Section):
+    """Prompt datasets and the reward."""
+
+    train_files: list[str] = Field(default_factory=list, description="Parquet files of training prompts.")
+    val_files: list[str] = Field(default_factory=list, description="Parquet files of validation prompts.")
+    synthetic: SyntheticDataConfig | None = Field(None, description="Generate a synthetic task instead of files.")
+    prompt_key: str = Field("prompt", description="Column with the prompt (string or chat messages).")
+    answer_key: str = Field("reward_model.ground_truth", description="Dotted column path of the reference answer.")
+    apply_chat_template: bool = Field(True, description="Render prompts with the tokenizer's chat template.")
+    reward: str = Field("math_dapo", description="Registered reward name, or an import path `pkg.module:function`.")
+    reward_num_workers: PositiveInt = Field(4, description="Processes that score responses.")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by train.seed).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.synthetic is None and not self.train_files:
+            raise ValueError("set data.train_files (parquet) or data.synthetic")
+        if self.synthetic is not None and (self.train_files or self.val_files):
+            raise ValueError("data.synthetic generates its own files: leave data.train_files and data.val_files empty")
+        return self
+
+
+class TrainConfig(Section):
+    """Optimisation: batch sizes, schedule, precision."""
+
+    steps: PositiveInt = Field(description="Total optimizer steps of the run (each step is one rollout batch).")
+    prompts_per_step: PositiveInt = Field(description="Prompts (groups) per step after dynamic-sampling filtering.")
+    mini_batches_per_step: PositiveInt = Field(1, description="Optimizer updates per PPO epoch (1: on-policy).")
+    ppo_epochs: PositiveInt = Field(1, description="Passes over each step's batch.")
+    max_tokens_per_micro_batch: PositiveInt = Field(8192, description="Token budget of a micro-batch per DP rank.")
+    lr: PositiveFloat = Field(1e-6, description="Peak learning rate.")
+    min_lr: float = Field(0.0, ge=0.0, description="Final learning rate of the cosine schedule.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup in optimizer updates.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, gt=0.0, lt=1.0, description="Adam beta1.")
+    adam_beta2: float = Field(0.999, gt=0.0, lt=1.0, description="Adam beta2.")
+    adam_eps: PositiveFloat = Field(1e-8, description="Adam epsilon.")
+    grad_clip: PositiveFloat | None = Field(1.0, description="Global gradient-norm clip, or off.")
+    seed: int = Field(1234, description="Seed of sampling order, initialisation and generation.")
+    precision: Literal["bf16", "fp32", "fp8"] = Field("bf16", description="Training precision.")
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = Field(
+        None, description="Transformer Engine FP8 recipe; required with precision fp8."
+    )
+    recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recomputation.")
+    moe_aux_loss_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = Field(
+        "none", description="MoE load-balancing loss (off by default for RL)."
+    )
+    moe_aux_loss_coef: float = Field(0.0, ge=0.0, description="Coefficient of the MoE load-balancing loss.")
+    val_interval: int = Field(0, ge=0, description="Validate every N steps (0: never; also before step 1 when > 0).")
+    val_samples_per_prompt: PositiveInt = Field(1, description="Responses per validation prompt.")
+    val_temperature: float = Field(0.0, ge=0.0, description="Validation sampling temperature (0: greedy).")
+
+
+class CheckpointConfig(Section):
+    """Distributed checkpoints and resume."""
+
+    dir: str | None = Field(None, description="Checkpoint directory; defaults to runs/<name>/checkpoints.")
+    interval: int = Field(0, ge=0, description="Save every N steps (0: only at the end).")
+    keep_last: PositiveInt = Field(2, description="Checkpoints to keep.")
+    resume: str = Field("auto", description="auto (from `latest` when present), none, or a checkpoint path.")
+    export_hf: bool = Field(False, description="Also write Hugging Face safetensors at each save.")
+
+
+class ClusterConfig(Section):
+    """The machines of the job."""
+
+    nodes: PositiveInt = Field(1, description="Nodes in the allocation.")
+    gpus_per_node: int = Field(8, ge=0, description="GPUs per node; 0 runs on CPU.")
+    cpu_trainer_ranks: PositiveInt = Field(1, description="Trainer ranks when gpus_per_node is 0.")
+
+
+class LoggingConfig(Section):
+    """Metric sinks."""
+
+    dir: str | None = Field(None, description="Log directory; defaults to runs/<name>/logs.")
+    sinks: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["console", "jsonl", "tensorboard"], description="Where metrics go."
+    )
+    wandb_project: str | None = Field(None, description="W&B project when the wandb sink is on.")
+
+
+class RunConfig(Section):
+    """A whole run. Build it with :func:`megatron_rl.config.load_recipe`, which also runs the cross-field checks."""
+
+    name: str = Field(description="Run name; default output folders are runs/<name>/.")
+    model: ModelConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    data: DataConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Checkpoint directory after defaulting to ``runs/<name>/checkpoints``."""
+        return self.checkpoint.dir or f"runs/{self.name}/checkpoints"
+
+    @property
+    def log_dir(self) -> str:
+        """Log directory after defaulting to ``runs/<name>/logs``."""
+        return self.logging.dir or f"runs/{self.name}/logs"
+
+    @property
+    def loss_norm_constant(self) -> int:
+        """Dr.GRPO's divisor after defaulting to the maximum response length."""
+        return self.algorithm.loss_norm_constant or self.rollout.max_response_length

@@ -1,0 +1,160 @@
+"""Reward-function registry, the reward contract, and its start-up check.
+
+Contract: a reward function is a module-level callable
+
+    fn(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput
+
+``response`` is the decoded response text, ``ground_truth`` the dataset's answer string and
+``extra_info`` the row's ``extra_info`` dict (empty when the dataset has none). Functions run in
+worker processes, so they must be picklable by reference: defined at module top level, not
+lambdas, closures or methods.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import pickle
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+
+@dataclass(frozen=True, slots=True)
+class RewardOutput:
+    """The score of one response and whether its answer is correct.
+
+    ``score`` is what the advantage estimator sees (e.g. +1/-1); ``correct`` feeds accuracy
+    metrics, dynamic sampling and length-bias diagnostics, independently of the score scale.
+    """
+
+    score: float
+    correct: bool
+
+    def __post_init__(self) -> None:
+        if isinstance(self.score, bool) or not isinstance(self.score, (int, float)):
+            raise TypeError(f"RewardOutput.score must be a float, got {type(self.score).__name__}")
+        if not math.isfinite(self.score):
+            raise ValueError(f"RewardOutput.score must be finite, got {self.score}")
+        if not isinstance(self.correct, bool):
+            raise TypeError(f"RewardOutput.correct must be a bool, got {type(self.correct).__name__}")
+        object.__setattr__(self, "score", float(self.score))
+
+
+class RewardFn(Protocol):
+    """Signature every reward function satisfies (see the module docstring)."""
+
+    def __call__(self, response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput: ...
+
+
+class RewardContractError(TypeError):
+    """A reward function violates the contract; the message says which part and how to fix it."""
+
+
+_F = TypeVar("_F", bound=Callable[..., RewardOutput])
+_REGISTRY: dict[str, Callable[..., RewardOutput]] = {}
+
+
+def _qualified_name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def register_reward(name: str) -> Callable[[_F], _F]:
+    """Decorator registering a top-level reward function under ``name``; returns it unchanged.
+
+    Re-registering the same function (e.g. when a worker re-imports its module) is a no-op;
+    registering a different function under a taken name raises ValueError naming both.
+    """
+    if not name or ":" in name:
+        raise ValueError(f"reward name {name!r} must be non-empty and contain no ':' (reserved for import paths)")
+
+    def decorator(fn: _F) -> _F:
+        qualname = getattr(fn, "__qualname__", "")
+        if "." in qualname:
+            raise RewardContractError(
+                f"reward {name!r}: {_qualified_name(fn)} is nested or a method; define it at module top level "
+                "so worker processes can unpickle it"
+            )
+        existing = _REGISTRY.get(name)
+        if existing is not None and _qualified_name(existing) != _qualified_name(fn):
+            raise ValueError(
+                f"reward name {name!r} is already registered to {_qualified_name(existing)}; "
+                f"cannot register {_qualified_name(fn)} under it"
+            )
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def registered_rewards() -> tuple[str, ...]:
+    """Names of all registered reward functions, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def get_reward(name: str) -> RewardFn:
+    """Return the reward function registered as ``name``, or import ``"package.module:function"``.
+
+    Raises ValueError for an unknown name (listing the registered ones), an import path whose
+    module cannot be imported, or whose attribute is missing; TypeError if it is not callable.
+    """
+    if ":" not in name:
+        if name not in _REGISTRY:
+            raise ValueError(
+                f"unknown reward {name!r}; registered rewards: {', '.join(registered_rewards())}; "
+                "or give an import path 'package.module:function'"
+            )
+        return _REGISTRY[name]
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute.isidentifier():
+        raise ValueError(f"reward import path {name!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {exc}") from exc
+    if not hasattr(module, attribute):
+        raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attribute!r}")
+    fn = getattr(module, attribute)
+    if not callable(fn):
+        raise TypeError(f"reward {name!r}: {module_name}.{attribute} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def check_reward_contract(
+    fn: Callable[..., Any],
+    probe: tuple[str, str, Mapping[str, Any]] = ("", "0", {}),
+) -> None:
+    """Raise RewardContractError unless ``fn`` honours the reward contract.
+
+    Checks, in order: callable; picklable by reference (module top level); accepts
+    ``(response, ground_truth, extra_info)`` positionally; returns a RewardOutput when called on
+    ``probe``. An exception raised by the probe call is re-raised as RewardContractError.
+    """
+    name = _qualified_name(fn)
+    if not callable(fn):
+        raise RewardContractError(f"reward {name} is a {type(fn).__name__}, not callable")
+    if "<locals>" in getattr(fn, "__qualname__", "") or getattr(fn, "__name__", "") == "<lambda>":
+        raise RewardContractError(f"reward {name} is a lambda or closure; define it at module top level")
+    try:
+        if pickle.loads(pickle.dumps(fn)) is not fn:
+            raise RewardContractError(f"reward {name} does not unpickle to itself; define it at module top level")
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise RewardContractError(f"reward {name} is not picklable ({exc}); define it at module top level") from exc
+    try:
+        inspect.signature(fn).bind(*probe)
+    except TypeError as exc:
+        raise RewardContractError(
+            f"reward {name} must accept (response: str, ground_truth: str, extra_info: Mapping) positionally: {exc}"
+        ) from exc
+    except ValueError:
+        pass  # builtins without an introspectable signature: the probe call below decides.
+    try:
+        result = fn(*probe)
+    except Exception as exc:
+        raise RewardContractError(f"reward {name} raised {type(exc).__name__} on probe {probe!r}: {exc}") from exc
+    if not isinstance(result, RewardOutput):
+        raise RewardContractError(
+            f"reward {name} returned {type(result).__name__}; it must return "
+            "RewardOutput(score=float, correct=bool) from megatron_rl.data"
+        )

@@ -1,0 +1,278 @@
+"""Recipe loading, overrides and cross-field validation (the `megatron-rl validate` behaviour)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import main
+from megatron_rl.config import RecipeError, load_recipe, recipe_to_yaml
+from megatron_rl.config.loading import apply_overrides, parse_yaml, read_recipe_tree, validate_recipe_tree
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+TINY = RECIPES / "tiny_moe_cpu_dapo.yaml"
+
+# Public facts of Qwen/Qwen3-30B-A3B's config.json (the sizes the recipe checks read).
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+}
+
+
+def _problems(recipe: Path, *overrides: str) -> list[str]:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(recipe, overrides)
+    return info.value.problems
+
+
+@pytest.fixture
+def qwen3_30b_overrides(tmp_path: Path) -> list[str]:
+    """Overrides pointing the 30B recipes at a config-only checkpoint and empty data files."""
+    ckpt = tmp_path / "Qwen3-30B-A3B"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.touch()
+    val.touch()
+    return [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
+
+
+@pytest.mark.parametrize("recipe", ["tiny_moe_cpu_dapo", "tiny_moe_cpu_drgrpo", "tiny_moe_cpu_grpo"])
+def test_shipped_tiny_recipes_validate(recipe: str) -> None:
+    cfg, _ = load_recipe(RECIPES / f"{recipe}.yaml")
+    assert cfg.cluster.gpus_per_node == 0 and cfg.rollout.engine == "reference"
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b_dapo", "qwen3_30b_a3b_drgrpo"])
+def test_shipped_qwen3_30b_recipes_validate(recipe: str, qwen3_30b_overrides: list[str]) -> None:
+    cfg, warnings = load_recipe(RECIPES / f"{recipe}.yaml", qwen3_30b_overrides)
+    assert cfg.parallel.ep == 8 and cfg.cluster.nodes * cfg.cluster.gpus_per_node == 32
+    assert warnings == []
+
+
+def test_qwen3_30b_recipe_rejects_tp8_against_four_kv_heads(qwen3_30b_overrides: list[str]) -> None:
+    problems = _problems(RECIPES / "qwen3_30b_a3b_dapo.yaml", *qwen3_30b_overrides, "parallel.tp=8")
+    assert "parallel.tp: 8 does not divide the model's 4 key/value heads; use a tp that divides 4" in problems
+
+
+def test_dapo_recipe_values_match_the_paper() -> None:
+    cfg, _ = load_recipe(TINY)
+    algo = cfg.algorithm
+    assert (algo.clip_low, algo.clip_high) == (0.2, 0.28)
+    assert algo.loss_agg_mode == "token-mean" and not algo.use_kl_loss and algo.dynamic_sampling.enable
+
+
+def test_base_recipe_values_are_inherited_and_overridden() -> None:
+    tree = read_recipe_tree(TINY)
+    assert tree["name"] == "tiny-moe-cpu-dapo"
+    assert tree["model"]["random_init"]["num_experts"] == 4
+    assert "base" not in tree
+
+
+def test_override_parses_scientific_notation_as_float() -> None:
+    cfg, _ = load_recipe(TINY, ["train.lr=1e-6", "rollout.top_k=5"])
+    assert cfg.train.lr == pytest.approx(1e-6) and cfg.rollout.top_k == 5
+
+
+def test_override_sets_list_and_creates_missing_section() -> None:
+    tree = apply_overrides({"a": {"b": 1}}, ["a.c=[x, y]", "d.e=true"])
+    assert tree == {"a": {"b": 1, "c": ["x", "y"]}, "d": {"e": True}}
+
+
+def test_override_does_not_mutate_the_input_tree() -> None:
+    tree = {"a": {"b": 1}}
+    apply_overrides(tree, ["a.b=2"])
+    assert tree == {"a": {"b": 1}}
+
+
+@pytest.mark.parametrize("override", ["train.lr", "=3", "train..lr=3"])
+def test_malformed_override_is_rejected(override: str) -> None:
+    with pytest.raises(RecipeError, match="section.field=value"):
+        apply_overrides({}, [override])
+
+
+def test_override_into_a_value_is_rejected() -> None:
+    with pytest.raises(RecipeError, match="train.lr is a value, not a section"):
+        apply_overrides({"train": {"lr": 1.0}}, ["train.lr.x=1"])
+
+
+def test_yaml_reads_exponent_without_dot_as_float() -> None:
+    assert parse_yaml("a: 1e-6\nb: 2E5\nc: 1.5\nd: 10", "t") == {"a": 1e-6, "b": 2e5, "c": 1.5, "d": 10}
+
+
+def test_unknown_key_names_the_field_and_suggests_the_close_match() -> None:
+    (problem,) = _problems(TINY, "algorithm.clip_hgh=0.3")
+    assert problem.startswith("algorithm.clip_hgh: unknown key; did you mean 'clip_high'?")
+
+
+def test_unknown_top_level_section_is_rejected() -> None:
+    (problem,) = _problems(TINY, "trainer.lr=1")
+    assert problem.startswith("trainer: unknown key; did you mean 'train'?")
+
+
+def test_wrong_type_names_the_field_and_the_value() -> None:
+    (problem,) = _problems(TINY, "train.prompts_per_step=many")
+    assert problem.startswith("train.prompts_per_step:") and "'many'" in problem
+
+
+def test_numeric_string_is_not_coerced() -> None:
+    (problem,) = _problems(TINY, "train.steps='5'")
+    assert problem.startswith("train.steps:") and "'5'" in problem
+
+
+def test_out_of_range_value_says_what_is_allowed() -> None:
+    (problem,) = _problems(TINY, "rollout.top_p=1.5")
+    assert problem.startswith("rollout.top_p: Input should be less than or equal to 1")
+
+
+def test_top_k_zero_is_rejected_with_the_fix() -> None:
+    (problem,) = _problems(TINY, "rollout.top_k=0")
+    assert "use -1 to disable top-k" in problem
+
+
+def test_missing_required_field_is_named() -> None:
+    tree = read_recipe_tree(TINY)
+    del tree["train"]["steps"]
+    with pytest.raises(RecipeError) as info:
+        validate_recipe_tree(tree, "t")
+    assert info.value.problems == ["train.steps: required, not set"]
+
+
+def test_indivisible_experts_by_ep() -> None:
+    problems = _problems(TINY, "parallel.ep=3", "cluster.cpu_trainer_ranks=3")
+    assert "parallel.ep: 3 does not divide the model's 4 experts" in problems
+
+
+def test_indivisible_heads_by_tp() -> None:
+    problems = _problems(TINY, "parallel.tp=3", "parallel.ep=1", "parallel.sequence_parallel=true", "cluster.cpu_trainer_ranks=3")
+    assert "parallel.tp: 3 does not divide the model's 4 attention heads" in problems
+
+
+def test_indivisible_layers_by_pp_times_vpp() -> None:
+    problems = _problems(TINY, "parallel.pp=2", "parallel.vpp=2", "parallel.ep=1")
+    assert "parallel.pp: pp (2) x vpp (2) = 4 does not divide the model's 2 layers" in problems
+
+
+def test_vpp_without_pipeline_is_rejected() -> None:
+    assert "parallel.vpp: virtual pipeline stages need pp > 1; unset vpp or raise pp" in _problems(TINY, "parallel.vpp=2")
+
+
+def test_world_size_must_factor_into_model_parallel_sizes() -> None:
+    problems = _problems(TINY, "cluster.cpu_trainer_ranks=3", "parallel.pp=2", "parallel.ep=1")
+    assert "parallel: tp (1) x pp (2) x cp (1) = 2 does not divide the 3 trainer ranks" in problems
+
+
+def test_expert_layout_must_factor_the_world_size() -> None:
+    problems = _problems(TINY, "cluster.cpu_trainer_ranks=3")
+    assert "parallel.ep: etp (1) x ep (2) x pp (1) = 2 does not divide the 3 trainer ranks" in problems
+
+
+def test_moe_with_tensor_parallel_requires_sequence_parallel() -> None:
+    problems = _problems(TINY, "parallel.tp=2", "parallel.ep=1")
+    assert any(p.startswith("parallel.sequence_parallel:") for p in problems)
+
+
+def test_batch_must_split_over_data_parallel_ranks() -> None:
+    problems = _problems(TINY, "train.prompts_per_step=3", "rollout.n_samples_per_prompt=3")
+    assert any(p.startswith("train.prompts_per_step: each mini-batch has 9 responses") for p in problems)
+
+
+def test_mini_batches_must_divide_prompts() -> None:
+    problems = _problems(TINY, "train.mini_batches_per_step=3")
+    assert "train.mini_batches_per_step: 3 does not divide train.prompts_per_step (16)" in problems
+
+
+def test_sequence_lengths_must_fit_model_positions() -> None:
+    problems = _problems(TINY, "rollout.max_response_length=60")
+    assert any(p.startswith("rollout.max_response_length: max_prompt_length + max_response_length = 76") for p in problems)
+
+
+def test_drgrpo_with_std_normalisation_is_an_error() -> None:
+    problems = _problems(RECIPES / "tiny_moe_cpu_drgrpo.yaml", "algorithm.norm_adv_by_std=true")
+    assert problems == [
+        "algorithm.norm_adv_by_std: Dr.GRPO drops the std normalisation of advantages; fix it or set algorithm.preset: custom"
+    ]
+
+
+def test_custom_preset_allows_ablations() -> None:
+    cfg, _ = load_recipe(RECIPES / "tiny_moe_cpu_drgrpo.yaml", ["algorithm.norm_adv_by_std=true", "algorithm.preset=custom"])
+    assert cfg.algorithm.norm_adv_by_std
+
+
+def test_dapo_without_clip_higher_is_an_error() -> None:
+    assert any(p.startswith("algorithm.clip_high: DAPO's Clip-Higher") for p in _problems(TINY, "algorithm.clip_high=0.2"))
+
+
+def test_sglang_on_cpu_is_rejected() -> None:
+    assert "rollout.engine: SGLang needs GPUs; use engine 'reference' on CPU" in _problems(TINY, "rollout.engine=sglang")
+
+
+def test_fp8_needs_a_recipe_and_gpus() -> None:
+    problems = _problems(TINY, "train.precision=fp8")
+    assert any(p.startswith("train.precision: fp8 needs GPUs") for p in problems)
+    assert any(p.startswith("train.fp8_recipe: precision fp8 needs a recipe") for p in problems)
+
+
+def test_routing_replay_needs_an_moe_model(tmp_path: Path) -> None:
+    overrides = ["model.random_init.architectures=[Qwen3ForCausalLM]", "parallel.ep=1", "algorithm.routing_replay=true"]
+    assert "algorithm.routing_replay: Qwen3ForCausalLM has no experts to replay" in _problems(TINY, *overrides)
+
+
+def test_unsupported_architecture_is_named() -> None:
+    (problem,) = _problems(TINY, "model.random_init.architectures=[LlamaForCausalLM]")
+    assert "LlamaForCausalLM" in problem and "Qwen3MoeForCausalLM" in problem
+
+
+def test_model_path_without_config_json(tmp_path: Path) -> None:
+    (problem,) = _problems(TINY, "model.random_init=null", f"model.path={tmp_path}")
+    assert problem.startswith("model.path: no config.json")
+
+
+def test_missing_data_file_is_named(qwen3_30b_overrides: list[str]) -> None:
+    problems = _problems(RECIPES / "qwen3_30b_a3b_dapo.yaml", *qwen3_30b_overrides, "data.val_files=[nowhere.parquet]")
+    assert "data.val_files: no such file: 'nowhere.parquet'" in problems
+
+
+def test_kl_coefficient_without_kl_loss_is_a_warning() -> None:
+    _, warnings = load_recipe(TINY, ["algorithm.kl_coef=0.1"])
+    assert [str(w) for w in warnings] == ["algorithm.kl_coef: ignored because use_kl_loss is false"]
+
+
+def test_base_cycle_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(RecipeError, match="cycle"):
+        read_recipe_tree(tmp_path / "a.yaml")
+
+
+def test_resolved_recipe_round_trips(tmp_path: Path) -> None:
+    cfg, _ = load_recipe(TINY, ["train.lr=3e-4"])
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(recipe_to_yaml(cfg))
+    again, _ = load_recipe(resolved)
+    assert again == cfg
+
+
+def test_validate_command_prints_resolved_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(TINY), "train.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "# trainer: 2 ranks (CPU) = tp 1 x pp 1 x cp 1 x dp 2" in out
+    assert "steps: 7" in out
+
+
+def test_validate_command_lists_errors_and_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(TINY), "parallel.ep=3", "algorithm.clip_hgh=1"]) == 1
+    err = capsys.readouterr().err
+    assert "algorithm.clip_hgh: unknown key" in err
