@@ -28,8 +28,10 @@ if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
 fi
 echo "[setup] installing megatron-rl and its pinned dependencies (first time: a few minutes, about 6 GB)"
-"$venv/bin/python" -m pip install --quiet --upgrade pip
-"$venv/bin/python" -m pip install --quiet -c "$lock" -e "$root[test]"
+# This machine's pip configuration may name local package folders that do not exist; drop that noise.
+quiet_pip() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
+quiet_pip install --quiet --upgrade pip
+quiet_pip install --quiet -c "$lock" -e "$root[test]"
 rm -f "$venv"/.installed-*
 touch "$stamp"
 echo "[setup] done"

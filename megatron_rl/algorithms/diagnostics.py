@@ -49,18 +49,12 @@ def length_bias_metrics(
             nor ``max_response_length`` given; ``max_response_length`` <= 0.
     """
     _check_same_batch(lengths=lengths, correct=correct, scores=scores, truncated=truncated)
-    if truncated is None and max_response_length is None:
-        raise ValueError("pass truncated (preferred) or max_response_length to measure the truncation rate")
     if max_response_length is not None and max_response_length <= 0:
         raise ValueError(f"max_response_length must be > 0 tokens; got {max_response_length!r}")
-
     lengths_B = lengths.detach().to(device="cpu", dtype=torch.float64)
     scores_B = scores.detach().to(device="cpu", dtype=torch.float64)
     correct_B = correct.detach().to(device="cpu", dtype=torch.bool)
-    if truncated is None:
-        truncated_B = lengths_B >= max_response_length
-    else:
-        truncated_B = truncated.detach().to(device="cpu", dtype=torch.bool)
+    truncated_B = _truncation_flags(lengths_B, truncated, max_response_length)
 
     correct_mean = _mean(lengths_B[correct_B])
     wrong_mean = _mean(lengths_B[~correct_B])
@@ -72,6 +66,16 @@ def length_bias_metrics(
         "length_score_corr": _pearson(lengths_B, scores_B),
         "truncation_rate": _mean(truncated_B.to(torch.float64)),
     }
+
+
+def _truncation_flags(
+    lengths_B: torch.Tensor, truncated: torch.Tensor | None, max_response_length: int | None
+) -> torch.Tensor:
+    if truncated is not None:
+        return truncated.detach().to(device="cpu", dtype=torch.bool)
+    if max_response_length is not None:
+        return lengths_B >= max_response_length
+    raise ValueError("pass truncated (preferred) or max_response_length to measure the truncation rate")
 
 
 def _mean(values: torch.Tensor) -> float:

@@ -57,9 +57,7 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
 
 
-def group_mean_std(
-    values_B: torch.Tensor, index_B: torch.Tensor, num_groups: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def group_mean_std(values_B: torch.Tensor, index_B: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each response's group mean and unbiased (n - 1) group std, both [B].
 
     A group of one response has std 0 by definition (the unbiased std is

@@ -24,8 +24,7 @@ def as_bool_mask(mask_BT: torch.Tensor, like_BT: torch.Tensor, name: str = "mask
     """
     if mask_BT.shape != like_BT.shape:
         raise ValueError(
-            f"{name} must have the shape of the values it masks, {tuple(like_BT.shape)}; "
-            f"got {tuple(mask_BT.shape)}"
+            f"{name} must have the shape of the values it masks, {tuple(like_BT.shape)}; got {tuple(mask_BT.shape)}"
         )
     return mask_BT if mask_BT.dtype == torch.bool else mask_BT != 0
 

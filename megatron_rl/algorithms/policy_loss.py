@@ -75,16 +75,16 @@ def ppo_clip_loss(
     Raises:
         ValueError: on shape mismatches or clip parameters out of range.
     """
-    log_prob, old_log_prob, valid_BT = _prepare_token_inputs(log_prob, old_log_prob, mask, importance_weights)
-    advantages_BT = _advantages_per_token(advantages, log_prob)
     _check_clip_range(clip_low, clip_high)
     if clip_c is not None and not clip_c > 1:
         raise ValueError(f"clip_c must be > 1 (or None to disable dual clip); got {clip_c!r}")
+    log_prob_BT, old_log_prob_BT, valid_BT = _prepare_token_inputs(log_prob, old_log_prob, mask, importance_weights)
+    advantages_BT = _advantages_per_token(advantages, log_prob_BT)
 
-    log_ratio_BT = (log_prob - old_log_prob).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    log_ratio_BT = (log_prob_BT - old_log_prob_BT).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio_BT = log_ratio_BT.exp()
     loss_BT, dual_BT = _clipped_surrogate(ratio_BT, advantages_BT, clip_low, clip_high, clip_c)
-    loss = _reduce(loss_BT, valid_BT, importance_weights, mode, num_tokens, num_seqs, norm_constant)
+    loss = _weight_and_aggregate(loss_BT, valid_BT, importance_weights, mode, num_tokens, num_seqs, norm_constant)
     metrics = _surrogate_metrics(ratio_BT, log_ratio_BT, advantages_BT, valid_BT, clip_low, clip_high, dual_BT)
     return loss, metrics
 
@@ -115,16 +115,16 @@ def gspo_loss(
     ``ppo_clip_loss`` (no dual clip; ``clip_frac_dual`` is 0). ``approx_kl`` is
     taken on the per-token log-ratios; the ratio metrics on s_i, per token.
     """
-    log_prob, old_log_prob, valid_BT = _prepare_token_inputs(log_prob, old_log_prob, mask, importance_weights)
-    advantages_BT = _advantages_per_token(advantages, log_prob)
     _check_clip_range(clip_low, clip_high)
+    log_prob_BT, old_log_prob_BT, valid_BT = _prepare_token_inputs(log_prob, old_log_prob, mask, importance_weights)
+    advantages_BT = _advantages_per_token(advantages, log_prob_BT)
 
-    token_log_ratio_BT = log_prob - old_log_prob
+    token_log_ratio_BT = log_prob_BT - old_log_prob_BT
     seq_log_ratio_B = masked_sum(token_log_ratio_BT, valid_BT, dim=-1) / valid_BT.sum(dim=-1).clamp(min=1)
     seq_log_ratio_B = seq_log_ratio_B.detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    ratio_BT = torch.exp(seq_log_ratio_B.unsqueeze(-1) + log_prob - log_prob.detach())
+    ratio_BT = torch.exp(seq_log_ratio_B.unsqueeze(-1) + log_prob_BT - log_prob_BT.detach())
     loss_BT, dual_BT = _clipped_surrogate(ratio_BT, advantages_BT, clip_low, clip_high, clip_c=None)
-    loss = _reduce(loss_BT, valid_BT, importance_weights, mode, num_tokens, num_seqs, norm_constant)
+    loss = _weight_and_aggregate(loss_BT, valid_BT, importance_weights, mode, num_tokens, num_seqs, norm_constant)
     kl_log_ratio_BT = token_log_ratio_BT.detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     metrics = _surrogate_metrics(ratio_BT, kl_log_ratio_BT, advantages_BT, valid_BT, clip_low, clip_high, dual_BT)
     return loss, metrics
@@ -144,7 +144,7 @@ def _clipped_surrogate(
     return torch.where(dual_BT, dual_bound_BT, loss_BT), dual_BT
 
 
-def _reduce(
+def _weight_and_aggregate(
     loss_BT: torch.Tensor,
     valid_BT: torch.Tensor,
     importance_weights: torch.Tensor | None,
@@ -206,7 +206,7 @@ def _prepare_token_inputs(
     valid_BT = as_bool_mask(mask, log_prob)
     zero_BT = torch.zeros_like(log_prob)
     log_prob_BT = torch.where(valid_BT, log_prob, zero_BT)
-    old_log_prob_BT = torch.where(valid_BT, old_log_prob.detach(), zero_BT.detach())
+    old_log_prob_BT = torch.where(valid_BT, old_log_prob.detach(), zero_BT)
     return log_prob_BT, old_log_prob_BT, valid_BT
 
 

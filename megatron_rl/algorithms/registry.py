@@ -44,9 +44,7 @@ class Registry[F: Callable[..., Any]]:
 
         def decorator(fn: F) -> F:
             if name in self._entries:
-                raise ValueError(
-                    f"{self._kind} {name!r} is already registered (by {self._entries[name].__qualname__})"
-                )
+                raise ValueError(f"{self._kind} {name!r} is already registered (by {self._entries[name].__qualname__})")
             self._entries[name] = fn
             return fn
 
