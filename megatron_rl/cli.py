@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from megatron_rl.config import RecipeError, RunConfig, load_recipe, recipe_to_yaml, trainer_layout
+from megatron_rl.config import RecipeError, RunConfig, load_recipe, read_model_shape, recipe_to_yaml, trainer_layout
 
 
 def _layout_summary(cfg: RunConfig) -> str:
@@ -28,15 +28,55 @@ def _layout_summary(cfg: RunConfig) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from megatron_rl.data.preparation import resolve_reward
+
     try:
         cfg, warnings = load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
+        resolve_reward(cfg.data)
+    except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(_layout_summary(cfg))
     print(recipe_to_yaml(cfg), end="")
+    return 0
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from megatron_rl.data.preparation import prepare_data
+    from megatron_rl.data.sampler import PromptSampler
+
+    try:
+        cfg, _ = load_recipe(args.recipe, args.overrides)
+        shape = read_model_shape(cfg.model.path, cfg.model.random_init)
+        prepared = prepare_data(
+            cfg.data,
+            tokenizer_path=cfg.model.tokenizer or cfg.model.path,
+            model_vocab_size=shape.vocab_size,
+            max_prompt_length=cfg.rollout.max_prompt_length,
+            work_dir=f"{cfg.run_dir}/data",
+        )
+    except (RecipeError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"# tokenizer: {prepared.tokenizer_dir} ({len(prepared.tokenizer)} tokens, model vocab {shape.vocab_size})")
+    for split, dataset in (("train", prepared.train), ("val", prepared.val)):
+        if dataset is not None:
+            lengths = [len(item.prompt_ids) for item in dataset]
+            print(
+                f"# {split}: {len(dataset)} prompts, {dataset.num_filtered} filtered as longer than "
+                f"{cfg.rollout.max_prompt_length} tokens; prompt tokens min {min(lengths)} "
+                f"mean {sum(lengths) / len(lengths):.1f} max {max(lengths)}"
+            )
+    reward = prepared.reward_fn
+    print(f"# reward: {cfg.data.reward} -> {reward.__module__}.{reward.__qualname__}")
+    sampler = PromptSampler(len(prepared.train), cfg.train.prompts_per_step, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    print(f"# first step: {cfg.train.prompts_per_step} prompts x {cfg.rollout.n_samples_per_prompt} samples")
+    for index in sampler.next_batch():
+        item = prepared.train[index]
+        prompt = prepared.tokenizer.decode(item.prompt_ids, skip_special_tokens=False)
+        print(f"  [{index}] {prompt!r} -> {item.ground_truth!r}")
     return 0
 
 
@@ -51,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("recipe", help="recipe YAML file")
     validate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-6")
     validate.set_defaults(handler=_cmd_validate)
+
+    prepare = commands.add_parser(
+        "prepare", help="prepare a recipe's data (tokenizer, datasets, reward) and show the first step's prompts"
+    )
+    prepare.add_argument("recipe", help="recipe YAML file")
+    prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.synthetic.task=max")
+    prepare.set_defaults(handler=_cmd_prepare)
     return parser
 
 

@@ -156,7 +156,10 @@ class WeightSyncConfig(Section):
 class SyntheticDataConfig(Section):
     """A generated task instead of parquet files (tiny CPU recipes)."""
 
-    task: str = Field(description="Name of the synthetic task (megatron_rl.data.synthetic).")
+    task: Literal["successor", "max"] = Field(description="Synthetic task (megatron_rl.data.synthetic_task).")
+    prompt_format: Literal["text", "chat"] = Field(
+        "text", description="Plain-string prompts, or chat messages rendered by the task tokenizer's template."
+    )
     num_train: PositiveInt = Field(4096, description="Training prompts to generate.")
     num_val: PositiveInt = Field(256, description="Validation prompts to generate.")
     seed: int = Field(0, description="Seed of the generator.")
@@ -170,7 +173,11 @@ class DataConfig(Section):
     synthetic: SyntheticDataConfig | None = Field(None, description="Generate a synthetic task instead of files.")
     prompt_key: str = Field("prompt", description="Column with the prompt (string or chat messages).")
     answer_key: str = Field("reward_model.ground_truth", description="Dotted column path of the reference answer.")
-    apply_chat_template: bool = Field(True, description="Render prompts with the tokenizer's chat template.")
+    apply_chat_template: bool = Field(
+        True,
+        description="Wrap plain-string prompts as a user message of the tokenizer's chat template "
+        "(chat-message prompts always go through it).",
+    )
     reward: str = Field("math_dapo", description="Registered reward name, or an import path `pkg.module:function`.")
     reward_num_workers: PositiveInt = Field(4, description="Processes that score responses.")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by train.seed).")
@@ -260,14 +267,19 @@ class RunConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @property
+    def run_dir(self) -> str:
+        """``runs/<name>``: default home of checkpoints and logs, and where prepared data is written."""
+        return f"runs/{self.name}"
+
+    @property
     def checkpoint_dir(self) -> str:
         """Checkpoint directory after defaulting to ``runs/<name>/checkpoints``."""
-        return self.checkpoint.dir or f"runs/{self.name}/checkpoints"
+        return self.checkpoint.dir or f"{self.run_dir}/checkpoints"
 
     @property
     def log_dir(self) -> str:
         """Log directory after defaulting to ``runs/<name>/logs``."""
-        return self.logging.dir or f"runs/{self.name}/logs"
+        return self.logging.dir or f"{self.run_dir}/logs"
 
     @property
     def loss_norm_constant(self) -> int:

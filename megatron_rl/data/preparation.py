@@ -1,0 +1,108 @@
+"""Turn a recipe's data section into what a run consumes: tokenizer, datasets, reward function.
+
+Synthetic tasks are written into ``work_dir`` first (tokenizer in the Hugging Face format,
+verl-layout parquet files), so that they go through the same loading path as user data.
+Everything that can be wrong with the data (a missing column, an unknown reward, a
+tokenizer larger than the model's vocabulary, no prompt short enough) is reported here,
+before any rank or engine starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from megatron_rl.config.schema import DataConfig
+from megatron_rl.data.parquet_dataset import PromptDataset, load_prompt_dataset
+from megatron_rl.data.rewards import RewardFn, check_reward_contract, get_reward
+from megatron_rl.data.synthetic_task import write_synthetic_dataset
+from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The tokenizer, the training and validation prompts and the reward of a run."""
+
+    tokenizer: PreTrainedTokenizerBase
+    tokenizer_dir: Path
+    train: PromptDataset
+    val: PromptDataset | None
+    reward_fn: RewardFn
+
+
+def resolve_reward(data: DataConfig) -> RewardFn:
+    """The reward function ``data.reward`` names, checked against the reward contract.
+
+    Raises ValueError naming ``data.reward`` when it is unknown, cannot be imported, or
+    violates the contract.
+    """
+    try:
+        reward_fn = get_reward(data.reward)
+        check_reward_contract(reward_fn)
+    except (ValueError, TypeError, ImportError) as exc:
+        raise ValueError(f"data.reward: {exc}") from exc
+    return reward_fn
+
+
+def _check_vocab_fits(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"model vocab_size: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}: "
+            "use the checkpoint's own tokenizer or a model with a larger vocabulary"
+        )
+
+
+def prepare_data(
+    data: DataConfig,
+    *,
+    tokenizer_path: str | None,
+    model_vocab_size: int,
+    max_prompt_length: int,
+    work_dir: str | Path,
+) -> PreparedData:
+    """Load (or, for a synthetic task, first write into ``work_dir``) the run's data.
+
+    ``tokenizer_path`` is the model's tokenizer directory; it is ignored for synthetic
+    tasks, which bring their own. Prompts longer than ``max_prompt_length`` tokens are
+    filtered out (the count is in ``PromptDataset.num_filtered``).
+    """
+    work_dir = Path(work_dir)
+    train_files, val_files = list(data.train_files), list(data.val_files)
+    if data.synthetic is not None:
+        tokenizer_dir = save_synthetic_tokenizer(work_dir / "tokenizer")
+        files = write_synthetic_dataset(
+            work_dir / "data",
+            task=data.synthetic.task,
+            prompt_format=data.synthetic.prompt_format,
+            num_train=data.synthetic.num_train,
+            num_val=data.synthetic.num_val,
+            seed=data.synthetic.seed,
+        )
+        train_files, val_files = [str(files.train)], [str(files.val)]
+    elif tokenizer_path is None:
+        raise ValueError("model.tokenizer: no tokenizer directory; set model.tokenizer or model.path")
+    else:
+        tokenizer_dir = Path(tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    _check_vocab_fits(tokenizer, model_vocab_size)
+    reward_fn = resolve_reward(data)
+
+    def load(files: list[str]) -> PromptDataset:
+        return load_prompt_dataset(
+            files,
+            tokenizer,
+            max_prompt_length=max_prompt_length,
+            prompt_key=data.prompt_key,
+            answer_key=data.answer_key,
+            wrap_text_in_chat=data.apply_chat_template,
+        )
+
+    return PreparedData(
+        tokenizer=tokenizer,
+        tokenizer_dir=tokenizer_dir,
+        train=load(train_files),
+        val=load(val_files) if val_files else None,
+        reward_fn=reward_fn,
+    )
