@@ -66,6 +66,17 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def checkpoint_dtype_name(config: Mapping[str, Any]) -> str:
+    """The weights' dtype named by config.json (``dtype`` or legacy ``torch_dtype``; default float32)."""
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise UnsupportedConfigError(f"dtype={name!r}: supported are {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
 def _require(config: Mapping[str, Any], field: str) -> Any:
     if config.get(field) is None:
         raise UnsupportedConfigError(f"config.json lacks required field {field!r}")

@@ -11,6 +11,7 @@ compatibility layer (:mod:`megatron_rl.parallel.cpu_compat`) is enabled first.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,6 +41,11 @@ class ParallelSizes:
     def expert_tp(self) -> int:
         """Expert tensor-parallel size with Megatron's default applied."""
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def min_world_size(self) -> int:
+        """Smallest world size that fits both the dense and the expert layout (DP = 1 somewhere)."""
+        return math.lcm(self.tp * self.pp * self.cp, self.expert_tp * self.ep * self.pp)
 
     def validate(self, world_size: int) -> None:
         """Raise ValueError naming the size that does not fit ``world_size``."""

@@ -1,0 +1,164 @@
+"""Command bodies: ``convert hf-to-mcore``, ``convert mcore-to-hf``, ``check-parity``.
+
+The package CLI (``megatron_rl/cli.py``) wires these in with
+:func:`add_subcommands`; ``python -m megatron_rl.models.cli_commands`` runs them
+standalone. Each command starts its own gloo ranks on this machine (CPU).
+
+Megatron checkpoint directory written by ``hf-to-mcore``::
+
+    OUT/metadata.json, OUT/*.distcp   torch_dist model weights (any layout can load them)
+    OUT/hf_metadata/                  config.json, generation config, tokenizer files
+
+Outputs are built in ``.OUT.partial`` and renamed into place on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_rl.models.builder import build_model_chunks
+from megatron_rl.models.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
+from megatron_rl.models.hf_files import atomic_output_dir, copy_hf_metadata, write_safetensors
+from megatron_rl.models.mcore_checkpoint import load_model_weights, save_model_weights
+from megatron_rl.models.megatron_config import build_transformer_config, check_layout
+from megatron_rl.models.parity import make_uneven_batch, max_abs_diffs, megatron_rank_outputs, reference_outputs
+from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
+from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
+from megatron_rl.parallel.local_launch import run_local_ranks
+
+HF_METADATA = "hf_metadata"
+
+
+def _chunks(arch: QwenArchitecture, config: dict, sizes: ParallelSizes) -> list[torch.nn.Module]:
+    dtype = getattr(torch, checkpoint_dtype_name(config))
+    return build_model_chunks(arch, build_transformer_config(arch, sizes, params_dtype=dtype))
+
+
+def _hf_to_mcore_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path, out_dir: Path) -> None:
+    initialize_parallel(sizes)
+    try:
+        config = load_hf_config(hf_dir)
+        arch = parse_hf_config(config)
+        chunks = _chunks(arch, config, sizes)
+        load_hf_weights(chunks, arch, hf_dir)
+        save_model_weights(chunks, out_dir)
+    finally:
+        destroy_parallel()
+
+
+def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, sizes: ParallelSizes = ParallelSizes()) -> None:
+    """Write the Hugging Face checkpoint in ``hf_dir`` as a torch_dist checkpoint at ``out_dir``.
+
+    ``sizes`` is the layout used while converting (any layout can load the result).
+    """
+    hf_dir = Path(hf_dir)
+    config = load_hf_config(hf_dir)
+    check_layout(parse_hf_config(config), sizes)
+    with atomic_output_dir(out_dir) as staging:
+        run_local_ranks(_hf_to_mcore_rank, sizes.min_world_size, sizes, hf_dir, staging)
+        copy_hf_metadata(hf_dir, staging / HF_METADATA)
+
+
+def _mcore_to_hf_rank(rank: int, world_size: int, ckpt_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
+    initialize_parallel(ParallelSizes())
+    try:
+        config = load_hf_config(ckpt_dir / HF_METADATA)
+        arch = parse_hf_config(config)
+        chunks = _chunks(arch, config, ParallelSizes())
+        load_model_weights(chunks, ckpt_dir)
+        write_safetensors(export_hf_weights(chunks, arch), out_dir, max_shard_bytes)
+    finally:
+        destroy_parallel()
+
+
+def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3) -> None:
+    """Write the torch_dist checkpoint at ``ckpt_dir`` as a Hugging Face model directory.
+
+    Runs on one rank, so the whole model must fit in this machine's memory.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / HF_METADATA / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt_dir}/{HF_METADATA}/config.json missing: not written by hf-to-mcore")
+    with atomic_output_dir(out_dir) as staging:
+        run_local_ranks(_mcore_to_hf_rank, 1, ckpt_dir, staging, max_shard_bytes)
+        copy_hf_metadata(ckpt_dir / HF_METADATA, staging)
+
+
+def check_parity(
+    hf_dir: str | Path,
+    sizes: ParallelSizes,
+    *,
+    tolerance: float = 1e-4,
+    num_sequences: int = 4,
+    max_length: int = 32,
+) -> bool:
+    """Compare Megatron at ``sizes`` with transformers in fp32; print a report; True when within tolerance."""
+    arch = parse_hf_config(load_hf_config(hf_dir))
+    check_layout(arch, sizes)
+    max_length += -max_length % sizes.tp
+    num_sequences += -num_sequences % sizes.pp
+    input_ids, mask = make_uneven_batch(arch.vocab_size, num_sequences, max_length)
+    world_size = sizes.min_world_size
+    print(f"model:  {arch.architecture}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}"
+          + (f", {arch.num_experts} experts (top-{arch.moe_router_topk})" if arch.is_moe else ""))
+    print(f"layout: TP={sizes.tp} PP={sizes.pp} VPP={sizes.vpp or '-'} EP={sizes.ep} ETP={sizes.expert_tp} "
+          f"on {world_size} CPU rank(s), gloo, fp32")
+    print(f"batch:  {num_sequences} sequences, lengths {mask.sum(1).tolist()}")
+    reference = reference_outputs(hf_dir, input_ids, mask)
+    outputs = run_local_ranks(megatron_rank_outputs, world_size, sizes, Path(hf_dir), input_ids)
+    ours = next(out for out in outputs if out is not None)
+    passed = True
+    for key, (diff, (sequence, position)) in max_abs_diffs(ours, reference, mask).items():
+        ok = diff <= tolerance
+        passed &= ok
+        print(f"max |{key} diff| = {diff:.3e}  at sequence {sequence}, position {position}  "
+              f"{'ok' if ok else 'ABOVE TOLERANCE'}")
+    print(f"tolerance {tolerance:.0e}: {'PASS' if passed else 'FAIL'}")
+    return passed
+
+
+def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    for name in ("tp", "pp", "ep"):
+        parser.add_argument(f"--{name}", type=int, default=1, help=f"{name.upper()} size")
+    parser.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+
+
+def _layout(args: argparse.Namespace) -> ParallelSizes:
+    return ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``convert`` (hf-to-mcore, mcore-to-hf) and ``check-parity``; each sets ``args.func``."""
+    convert = subparsers.add_parser("convert", help="convert between Hugging Face and Megatron checkpoints")
+    directions = convert.add_subparsers(dest="direction", required=True)
+    to_mcore = directions.add_parser("hf-to-mcore", help="HF safetensors -> Megatron torch_dist")
+    to_mcore.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
+    to_mcore.add_argument("--out", required=True, type=Path, help="new checkpoint directory")
+    _add_layout_arguments(to_mcore)
+    to_mcore.set_defaults(func=lambda a: convert_hf_to_mcore(a.hf, a.out, _layout(a)) or 0)
+    to_hf = directions.add_parser("mcore-to-hf", help="Megatron torch_dist -> HF safetensors")
+    to_hf.add_argument("--ckpt", required=True, type=Path, help="directory written by hf-to-mcore")
+    to_hf.add_argument("--out", required=True, type=Path, help="new Hugging Face model directory")
+    to_hf.set_defaults(func=lambda a: convert_mcore_to_hf(a.ckpt, a.out) or 0)
+    parity = subparsers.add_parser("check-parity", help="compare Megatron with transformers on a checkpoint")
+    parity.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
+    parity.add_argument("--tolerance", type=float, default=1e-4, help="max |diff| allowed (fp32)")
+    _add_layout_arguments(parity)
+    parity.set_defaults(func=lambda a: 0 if check_parity(a.hf, _layout(a), tolerance=a.tolerance) else 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: ``python -m megatron_rl.models.cli_commands ...``."""
+    parser = argparse.ArgumentParser(prog="megatron-rl")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
