@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
@@ -31,8 +32,11 @@ def forward_logits(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[to
     """Vocab-parallel logits of each micro-batch ``[B, S]`` (last pipeline stage only).
 
     With virtual pipeline parallelism Megatron needs at least ``pp``
-    micro-batches; ValueError names the count otherwise.
+    micro-batches. Context parallelism is not supported here yet (the
+    sequence would have to be split across CP ranks): NotImplementedError.
     """
+    if parallel_state.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("forward_logits does not split sequences for context parallelism (cp > 1)")
     batch_size, seq_length = micro_batches[0].shape
     if any(tuple(mb.shape) != (batch_size, seq_length) for mb in micro_batches):
         raise ValueError("all micro-batches must have the same [batch, sequence] shape")

@@ -19,13 +19,18 @@ applies exactly these patches, process-wide and idempotently:
    :class:`_CpuRNGStatesTracker`, which forks the CPU generator instead of a
    CUDA generator (Megatron reads and writes CUDA RNG states directly for
    dropout and weight initialisation).
-5. ``torch.autocast("cuda", ...)`` is not used by our configs (no
-   ``autocast_dtype``), so it is not patched.
 
-Not patched, chosen by configuration instead (see ``megatron_rl.models``):
-the MoE ``alltoall`` dispatcher creates ``torch.cuda.Stream`` objects, so CPU
-runs use the ``allgather`` dispatcher; Megatron's torch norm wrapper refuses
-sequence parallelism, so the local spec uses our own RMSNorm.
+Not patched, avoided by configuration instead (see ``megatron_rl.models``):
+
+- the MoE ``alltoall`` dispatcher creates ``torch.cuda.Stream`` objects, so
+  CPU runs use the ``allgather`` dispatcher (which in turn forbids
+  ``variable_seq_lengths``);
+- Megatron's torch-norm wrapper refuses sequence parallelism, so the local
+  spec uses :class:`megatron_rl.models.norm.RMSNorm`;
+- ``torch.autocast("cuda", ...)`` in the schedules runs only with an
+  ``autocast_dtype``, which our configs never set;
+- Megatron's checkpoint writer starts a ``spawn`` multiprocessing Manager
+  (slow, not broken); ``mcore_checkpoint`` asks for a forked one.
 
 :func:`enable` refuses to run when CUDA is available: none of this may ever
 touch a GPU process.
