@@ -38,11 +38,21 @@ def save_tiny_dense(path: Path) -> Path:
     return path
 
 
-def save_tiny_moe(path: Path) -> Path:
-    """Qwen3-MoE, 4 layers (layer 1 dense via mlp_only_layers), 4 experts top-2, normalised top-k."""
+def save_tiny_moe(path: Path, *, sparse_step: bool = False) -> Path:
+    """Qwen3-MoE, 4 layers, 4 experts top-2, untied embeddings.
+
+    Default: layer 1 dense via ``mlp_only_layers``, normalised top-k (as Qwen3-30B-A3B).
+    ``sparse_step=True``: every second layer dense via ``decoder_sparse_step=2``,
+    un-normalised top-k probabilities.
+    """
+    routing = (
+        dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)
+        if sparse_step
+        else dict(norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
+    )
     config = Qwen3MoeConfig(
         intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, tie_word_embeddings=False, **_COMMON,
+        tie_word_embeddings=False, **routing, **_COMMON,
     )
     model = Qwen3MoeForCausalLM(config)
     _randomise(model, seed=2)

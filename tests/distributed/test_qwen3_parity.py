@@ -1,5 +1,10 @@
 """Megatron (CPU, gloo) vs transformers on tiny Qwen3 / Qwen3-MoE checkpoints, fp32.
 
+Models (``tests/tiny_checkpoints.py``): dense Qwen3 with tied embeddings and
+head_dim != hidden/heads (skipped at EP > 1); Qwen3-MoE with a dense layer
+from ``mlp_only_layers`` and normalised top-k; Qwen3-MoE with
+``decoder_sparse_step=2`` and un-normalised top-k.
+
 For each layout the checkpoint is imported (each rank reading its slices),
 a batch of right-padded sequences of uneven lengths runs through Megatron's
 pipeline schedule, and logits (TP-gathered, vocab padding trimmed) and
@@ -50,7 +55,11 @@ LAYOUTS = [
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {"dense": save_tiny_dense(root / "dense"), "moe": save_tiny_moe(root / "moe")}
+    return {
+        "dense": save_tiny_dense(root / "dense"),
+        "moe": save_tiny_moe(root / "moe"),
+        "moe_sparse_step": save_tiny_moe(root / "moe_sparse_step", sparse_step=True),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +122,7 @@ def _merged_export(rank_results: list[dict]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("sizes, world_size", LAYOUTS)
 def test_megatron_matches_transformers_and_export_round_trips(sizes, world_size, checkpoints, batch):
     input_ids, mask = batch
-    dirs = {name: path for name, path in checkpoints.items() if name == "moe" or sizes.ep == 1}
+    dirs = {name: path for name, path in checkpoints.items() if name != "dense" or sizes.ep == 1}
     per_rank = run_distributed(_parity_rank, world_size, sizes, dirs, input_ids)
     for name, hf_dir in dirs.items():
         reference = _reference(hf_dir, input_ids, mask)
