@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,20 +49,32 @@ def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> li
 
 @torch.no_grad()
 def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, full tensor) for every tensor this rank's chunks hold.
+    """Yield (Hugging Face name, full weight) for every tensor this rank's chunks hold (see :func:`export_hf_tensors`)."""
+    yield from export_hf_tensors(chunks, arch, lambda param: param.detach())
 
-    Tensors keep the parameters' dtype and device. Replicas (other DP ranks,
-    other TP ranks of the same group) yield identical tensors; a consumer that
-    needs each tensor once takes them from tensor-parallel rank 0 of data-parallel
-    rank 0 (expert-data-parallel for experts). A tied output layer is not
-    yielded (Hugging Face stores only the embedding).
+
+@torch.no_grad()
+def export_hf_tensors(
+    chunks: Sequence[torch.nn.Module],
+    arch: QwenArchitecture,
+    select: Callable[[torch.nn.Parameter], torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, full tensor) of ``select(param)`` for every parameter of the chunks.
+
+    ``select`` picks what to export per parameter: the weight, or e.g. its
+    ``main_grad`` (same shape and sharding). Tensors keep their dtype and
+    device. Replicas (other DP ranks, other TP ranks of the same group) yield
+    identical tensors; a consumer that needs each tensor once takes them from
+    tensor-parallel rank 0 of data-parallel rank 0 (expert-data-parallel for
+    experts). A tied output layer is not yielded (Hugging Face stores only
+    the embedding).
     """
     for mapping, param in iter_param_mappings(chunks, arch):
         if not mapping.exported:
             continue
         _, size = tensor_parallel_rank_size(mapping)
         if mapping.layout.tensor_parallel and size > 1:
-            shards = _all_gather(param.detach(), tensor_parallel_group(mapping), size)
+            shards = _all_gather(select(param), tensor_parallel_group(mapping), size)
         else:
-            shards = [param.detach()]
+            shards = [select(param)]
         yield from zip(mapping.hf_names, mapping.layout.unshard(shards))

@@ -4,9 +4,11 @@ Megatron-core assumes a CUDA device in a handful of places that are not
 behind any configuration switch. On a machine without a GPU, :func:`enable`
 applies exactly these patches, process-wide and idempotently:
 
-1. ``torch.cuda.current_device`` returns ``0`` instead of raising. Megatron
-   passes it as ``device=`` to tensor factories (RoPE frequencies, attention
-   masks, p2p receive buffers, TP all-gather outputs, router buffers).
+1. ``torch.cuda.current_device`` returns ``torch.device("cpu")`` instead of
+   raising. Megatron passes it as a device argument (RoPE frequencies,
+   attention masks, p2p receive buffers, TP all-gather outputs and their
+   backward buffers, router buffers), also inside autograd backward, where
+   the function mode of (2) is not active.
 2. A global :class:`torch.overrides.TorchFunctionMode` (:class:`_CudaToCpuMode`)
    rewrites every CUDA device argument (``"cuda"``, ``"cuda:N"``,
    ``torch.device("cuda")``, an int ordinal) to ``"cpu"`` in torch calls, and
@@ -15,7 +17,11 @@ applies exactly these patches, process-wide and idempotently:
    dispatcher's budget flag) and ``.to(torch.cuda.current_device())``.
 3. ``torch.cuda.synchronize`` is a no-op (p2p communication, distributed
    checkpoint save).
-4. Megatron's model-parallel RNG tracker is replaced by
+4. ``torch.cuda.current_stream`` returns :class:`_NullStream`, whose
+   ``wait_event`` / ``wait_stream`` / ``synchronize`` do nothing (the DDP grad
+   buffer's ``start_grad_sync`` asks for the current stream unconditionally;
+   CPU work is synchronous).
+5. Megatron's model-parallel RNG tracker is replaced by
    :class:`_CpuRNGStatesTracker`, which forks the CPU generator instead of a
    CUDA generator (Megatron reads and writes CUDA RNG states directly for
    dropout and weight initialisation).
@@ -47,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 PATCHED_ATTRIBUTES: tuple[str, ...] = (
     "torch.cuda.current_device",
     "torch.cuda.synchronize",
+    "torch.cuda.current_stream",
     "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER",
     "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER_INITIALIZED",
 )
@@ -77,12 +84,29 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _current_device() -> int:
-    return 0
+def _current_device() -> torch.device:
+    return torch.device("cpu")
 
 
 def _synchronize(device: Any = None) -> None:
     return None
+
+
+class _NullStream:
+    """Stands in for the current CUDA stream: CPU execution is already ordered."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _current_stream(device: Any = None) -> _NullStream:
+    return _NullStream()
 
 
 def _make_cpu_rng_tracker() -> Any:
@@ -130,10 +154,12 @@ def enable() -> None:
     originals = _state["originals"]
     originals["current_device"] = torch.cuda.current_device
     originals["synchronize"] = torch.cuda.synchronize
+    originals["current_stream"] = torch.cuda.current_stream
     originals["tracker"] = mcore_random._CUDA_RNG_STATE_TRACKER
     originals["tracker_initialized"] = mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
     torch.cuda.current_device = _current_device
     torch.cuda.synchronize = _synchronize
+    torch.cuda.current_stream = _current_stream
     mcore_random._CUDA_RNG_STATE_TRACKER = _make_cpu_rng_tracker()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mode = _CudaToCpuMode()
@@ -152,6 +178,7 @@ def disable() -> None:
     _state["mode"] = None
     torch.cuda.current_device = originals["current_device"]
     torch.cuda.synchronize = originals["synchronize"]
+    torch.cuda.current_stream = originals["current_stream"]
     mcore_random._CUDA_RNG_STATE_TRACKER = originals["tracker"]
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = originals["tracker_initialized"]
 

@@ -43,6 +43,7 @@ def test_cuda_device_arguments_become_cpu_while_enabled():
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
         assert torch.ones(2).to(torch.device("cuda", 0)).device.type == "cpu"
+        assert torch.ones(2).to(0).device.type == "cpu"
         assert torch.ones(2).cuda().device.type == "cpu"
     finally:
         cpu_compat.disable()
