@@ -132,6 +132,20 @@ def _layout(args: argparse.Namespace) -> ParallelSizes:
     return ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
 
 
+def _run_hf_to_mcore(args: argparse.Namespace) -> int:
+    convert_hf_to_mcore(args.hf, args.out, _layout(args))
+    return 0
+
+
+def _run_mcore_to_hf(args: argparse.Namespace) -> int:
+    convert_mcore_to_hf(args.ckpt, args.out)
+    return 0
+
+
+def _run_check_parity(args: argparse.Namespace) -> int:
+    return 0 if check_parity(args.hf, _layout(args), tolerance=args.tolerance) else 1
+
+
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``convert`` (hf-to-mcore, mcore-to-hf) and ``check-parity``; each sets ``args.func``."""
     convert = subparsers.add_parser("convert", help="convert between Hugging Face and Megatron checkpoints")
@@ -140,16 +154,16 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     to_mcore.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
     to_mcore.add_argument("--out", required=True, type=Path, help="new checkpoint directory")
     _add_layout_arguments(to_mcore)
-    to_mcore.set_defaults(func=lambda a: convert_hf_to_mcore(a.hf, a.out, _layout(a)) or 0)
+    to_mcore.set_defaults(func=_run_hf_to_mcore)
     to_hf = directions.add_parser("mcore-to-hf", help="Megatron torch_dist -> HF safetensors")
     to_hf.add_argument("--ckpt", required=True, type=Path, help="directory written by hf-to-mcore")
     to_hf.add_argument("--out", required=True, type=Path, help="new Hugging Face model directory")
-    to_hf.set_defaults(func=lambda a: convert_mcore_to_hf(a.ckpt, a.out) or 0)
+    to_hf.set_defaults(func=_run_mcore_to_hf)
     parity = subparsers.add_parser("check-parity", help="compare Megatron with transformers on a checkpoint")
     parity.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
     parity.add_argument("--tolerance", type=float, default=1e-4, help="max |diff| allowed (fp32)")
     _add_layout_arguments(parity)
-    parity.set_defaults(func=lambda a: 0 if check_parity(a.hf, _layout(a), tolerance=a.tolerance) else 1)
+    parity.set_defaults(func=_run_check_parity)
 
 
 def main(argv: list[str] | None = None) -> int:

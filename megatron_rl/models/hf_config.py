@@ -53,10 +53,6 @@ class QwenArchitecture:
         """Whether any decoder layer is a mixture-of-experts layer."""
         return any(self.moe_layer_pattern)
 
-    def layer_is_moe(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` (0-based, global) is a MoE layer."""
-        return bool(self.moe_layer_pattern[layer])
-
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
     """Return ``model_dir/config.json`` as a dict (FileNotFoundError names the path)."""
@@ -66,15 +62,15 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def checkpoint_dtype_name(config: Mapping[str, Any]) -> str:
     """The weights' dtype named by config.json (``dtype`` or legacy ``torch_dtype``; default float32)."""
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     if name not in _DTYPES:
-        raise UnsupportedConfigError(f"dtype={name!r}: supported are {sorted(_DTYPES)}")
-    return _DTYPES[name]
+        raise UnsupportedConfigError(f"dtype={name!r}: supported are {list(_DTYPES)}")
+    return name
 
 
 def _require(config: Mapping[str, Any], field: str) -> Any:
