@@ -28,7 +28,7 @@ from megatron_rl.models.megatron_config import build_transformer_config, check_l
 from megatron_rl.models.parity import make_uneven_batch, max_abs_diffs, megatron_rank_outputs, reference_outputs
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-from megatron_rl.parallel.local_launch import run_local_ranks
+from megatron_rl.parallel.local_launch import RankFailedError, run_local_ranks
 
 HF_METADATA = "hf_metadata"
 
@@ -171,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rl")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (RankFailedError, ValueError, KeyError, FileNotFoundError, FileExistsError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ environment): it forks ``world_size`` processes with the torchrun environment
 variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free
 port) and one intra-op thread each, calls ``fn(rank, world_size, *args)``,
 and returns the per-rank return values (which must be picklable). A failure
-on any rank raises in the caller with that rank's traceback.
+on any rank raises :class:`RankFailedError` in the caller: its message is the
+rank and the rank's exception line, its ``traceback`` the rank's full traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+
+
+class RankFailedError(RuntimeError):
+    """A local rank raised; ``traceback`` holds its full traceback text."""
+
+    def __init__(self, rank: int, traceback: str) -> None:
+        last_line = traceback.strip().splitlines()[-1] if traceback.strip() else "unknown error"
+        super().__init__(f"rank {rank} failed: {last_line}")
+        self.rank = rank
+        self.traceback = traceback
 
 
 def free_port() -> int:
@@ -54,11 +65,14 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, start_m
     with tempfile.TemporaryDirectory() as out_dir, warnings.catch_warnings():
         # torch re-initialises its intra-op thread pool in forked children.
         warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks.*")
-        mp.start_processes(
-            _worker,
-            args=(world_size, free_port(), out_dir, fn, args),
-            nprocs=world_size,
-            join=True,
-            start_method=start_method,
-        )
+        try:
+            mp.start_processes(
+                _worker,
+                args=(world_size, free_port(), out_dir, fn, args),
+                nprocs=world_size,
+                join=True,
+                start_method=start_method,
+            )
+        except mp.ProcessRaisedException as error:
+            raise RankFailedError(error.error_index, str(error)) from error
         return [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]

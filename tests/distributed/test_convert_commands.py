@@ -14,6 +14,7 @@ from megatron_rl.models.cli_commands import convert_hf_to_mcore, convert_mcore_t
 from megatron_rl.models.hf_files import partial_dir
 from megatron_rl.models.safetensors_reader import CheckpointTensorError, SafetensorsCheckpoint
 from megatron_rl.parallel.distributed import ParallelSizes
+from megatron_rl.parallel.local_launch import RankFailedError
 from tests.tiny_checkpoints import save_tiny_dense, save_tiny_moe
 
 
@@ -57,9 +58,21 @@ def test_failed_conversion_leaves_nothing_at_out(tmp_path, moe_dir):
     tensors.pop("model.norm.weight")
     save_file(tensors, bad / "model.safetensors")
     (bad / "config.json").write_bytes((moe_dir / "config.json").read_bytes())
-    with pytest.raises(Exception, match="model.norm.weight"):
+    with pytest.raises(RankFailedError, match="rank 0 failed: .*model.norm.weight.* is missing"):
         convert_hf_to_mcore(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()
+
+
+@pytest.mark.distributed
+def test_cli_reports_a_bad_checkpoint_in_one_line_and_exits_2(tmp_path, moe_dir, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((moe_dir / "config.json").read_text()) | {"num_experts": 8}
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").write_bytes((moe_dir / "model.safetensors").read_bytes())
+    assert main(["convert", "hf-to-mcore", "--hf", str(bad), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert "model.layers.0.mlp.gate.weight" in error and "[4, 32]" in error and "[8, 32]" in error
 
 
 def test_conversion_refuses_a_non_empty_out(tmp_path, moe_dir):
