@@ -9,8 +9,10 @@ applies exactly these patches, process-wide and idempotently:
    attention masks, p2p receive buffers, TP all-gather outputs and their
    backward buffers, router buffers), also inside autograd backward, where
    the function mode of (2) is not active.
-2. A global :class:`torch.overrides.TorchFunctionMode` (:class:`_CudaToCpuMode`)
-   rewrites every CUDA device argument (``"cuda"``, ``"cuda:N"``,
+2. A :class:`torch.overrides.TorchFunctionMode` (:class:`_CudaToCpuMode`),
+   entered on the thread that calls :func:`enable` (torch modes are
+   thread-local: autograd backward and worker threads run without it, hence
+   (1)), rewrites every CUDA device argument (``"cuda"``, ``"cuda:N"``,
    ``torch.device("cuda")``, an int ordinal) to ``"cpu"`` in torch calls, and
    makes ``Tensor.cuda()`` return the tensor unchanged. This covers the
    ``device="cuda"`` literals (pipeline schedules' token counters, the MoE
@@ -110,7 +112,7 @@ def _current_stream(device: Any = None) -> _NullStream:
 
 
 def _make_cpu_rng_tracker() -> Any:
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker
 
     class _CpuRNGStatesTracker(CudaRNGStatesTracker):
         """Megatron's named RNG states, kept for the CPU generator."""
@@ -125,7 +127,7 @@ def _make_cpu_rng_tracker() -> Any:
             self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
         @contextlib.contextmanager
-        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
             if name not in self.states_:
                 raise ValueError(f"RNG state {name!r} was never added (call model_parallel_cuda_manual_seed)")
             outer_state = torch.get_rng_state()
