@@ -38,12 +38,12 @@ def save_tiny_dense(path: Path) -> Path:
     return path
 
 
-def save_tiny_moe(path: Path, *, sparse_step: bool = False) -> Path:
+def save_tiny_moe(path: Path, *, sparse_step: bool = False, dtype: torch.dtype = torch.float32) -> Path:
     """Qwen3-MoE, 4 layers, 4 experts top-2, untied embeddings.
 
     Default: layer 1 dense via ``mlp_only_layers``, normalised top-k (as Qwen3-30B-A3B).
     ``sparse_step=True``: every second layer dense via ``decoder_sparse_step=2``,
-    un-normalised top-k probabilities.
+    un-normalised top-k probabilities. ``dtype``: the saved weights' dtype.
     """
     routing = (
         dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)
@@ -56,5 +56,5 @@ def save_tiny_moe(path: Path, *, sparse_step: bool = False) -> Path:
     )
     model = Qwen3MoeForCausalLM(config)
     _randomise(model, seed=2)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     return path

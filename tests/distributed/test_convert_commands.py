@@ -40,6 +40,17 @@ def test_hf_to_torch_dist_to_hf_round_trip_is_bit_identical(tmp_path, moe_dir):
 
 
 @pytest.mark.distributed
+def test_bfloat16_checkpoint_round_trips_bit_identically_in_bfloat16(tmp_path):
+    hf_dir = save_tiny_moe(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    convert_hf_to_mcore(hf_dir, tmp_path / "mcore", ParallelSizes(tp=2, ep=2))
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    original, converted = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert converted.keys() == original.keys()
+    assert all(converted[n].dtype == torch.bfloat16 and torch.equal(converted[n], original[n]) for n in original)
+
+
+@pytest.mark.distributed
 def test_tied_dense_round_trip_keeps_only_the_embedding(tmp_path):
     dense = save_tiny_dense(tmp_path / "dense")
     convert_hf_to_mcore(dense, tmp_path / "mcore", ParallelSizes(pp=2))

@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 from tests.distributed_utils import run_distributed
@@ -50,6 +52,24 @@ def test_unsharded_logprobs_entropy_and_grads_match_full_softmax_ignoring_paddin
     torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-5)
     torch.testing.assert_close(ours_in.grad[..., :VOCAB], ref_in.grad, rtol=0, atol=1e-5)
     assert torch.all(ours_in.grad[..., VOCAB:] == 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    vocab=st.integers(2, 40),
+    padding=st.integers(0, 7),
+    scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4]),
+    seed=st.integers(0, 2**16),
+)
+def test_logprobs_and_entropy_are_finite_and_exact_for_any_logit_scale(vocab, padding, scale, seed):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, vocab + padding, generator=generator, dtype=torch.float64).float() * scale
+    targets = torch.randint(0, vocab, (3,), generator=generator)
+    logp, entropy = vocab_parallel_logprobs_entropy(logits, targets, vocab_size=vocab)
+    ref_logp, ref_entropy = _reference(logits[:, :vocab].double(), targets)
+    assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5 * max(1.0, scale))
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.distributed
