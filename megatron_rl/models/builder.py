@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import Any, Mapping
 
 import torch
 from megatron.core import parallel_state
@@ -21,9 +22,10 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_rl.models.hf_config import QwenArchitecture
-from megatron_rl.models.megatron_config import padded_vocab_size
+from megatron_rl.models.hf_config import QwenArchitecture, parse_hf_config
+from megatron_rl.models.megatron_config import build_transformer_config, padded_vocab_size
 from megatron_rl.models.norm import RMSNorm
+from megatron_rl.parallel.distributed import ParallelSizes
 
 
 def transformer_engine_usable() -> bool:
@@ -101,3 +103,24 @@ def build_model_chunks(
         )
         chunks.append(chunk.to(torch.cuda.current_device() if use_transformer_engine else "cpu"))
     return chunks
+
+
+def build_qwen_model(
+    hf_config: Mapping[str, Any],
+    sizes: ParallelSizes,
+    *,
+    params_dtype: torch.dtype = torch.bfloat16,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[QwenArchitecture, TransformerConfig, list[GPTModel]]:
+    """config.json dict -> (architecture, TransformerConfig, this rank's chunks), TE chosen automatically.
+
+    Weights are freshly initialised; load them with
+    :func:`megatron_rl.models.weight_transfer.load_hf_weights` or
+    :func:`megatron_rl.models.mcore_checkpoint.load_model_weights`.
+    """
+    arch = parse_hf_config(hf_config)
+    use_te = transformer_engine_usable()
+    config = build_transformer_config(
+        arch, sizes, params_dtype=params_dtype, use_transformer_engine=use_te, overrides=overrides
+    )
+    return arch, config, build_model_chunks(arch, config, use_transformer_engine=use_te)

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.models.builder import build_model_chunks
+from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
 from megatron_rl.models.hf_files import atomic_output_dir, copy_hf_metadata, write_safetensors
 from megatron_rl.models.mcore_checkpoint import load_model_weights, save_model_weights
-from megatron_rl.models.megatron_config import build_transformer_config, check_layout
+from megatron_rl.models.megatron_config import check_layout
 from megatron_rl.models.parity import make_uneven_batch, max_abs_diffs, megatron_rank_outputs, reference_outputs
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
@@ -33,17 +33,15 @@ from megatron_rl.parallel.local_launch import RankFailedError, run_local_ranks
 HF_METADATA = "hf_metadata"
 
 
-def _chunks(arch: QwenArchitecture, config: dict, sizes: ParallelSizes) -> list[torch.nn.Module]:
-    dtype = getattr(torch, checkpoint_dtype_name(config))
-    return build_model_chunks(arch, build_transformer_config(arch, sizes, params_dtype=dtype))
+def _build(config: dict, sizes: ParallelSizes) -> tuple[QwenArchitecture, list[torch.nn.Module]]:
+    arch, _, chunks = build_qwen_model(config, sizes, params_dtype=getattr(torch, checkpoint_dtype_name(config)))
+    return arch, chunks
 
 
 def _hf_to_mcore_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path, out_dir: Path) -> None:
     initialize_parallel(sizes)
     try:
-        config = load_hf_config(hf_dir)
-        arch = parse_hf_config(config)
-        chunks = _chunks(arch, config, sizes)
+        arch, chunks = _build(load_hf_config(hf_dir), sizes)
         load_hf_weights(chunks, arch, hf_dir)
         save_model_weights(chunks, out_dir)
     finally:
@@ -66,9 +64,7 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, sizes: Parallel
 def _mcore_to_hf_rank(rank: int, world_size: int, ckpt_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
     initialize_parallel(ParallelSizes())
     try:
-        config = load_hf_config(ckpt_dir / HF_METADATA)
-        arch = parse_hf_config(config)
-        chunks = _chunks(arch, config, ParallelSizes())
+        arch, chunks = _build(load_hf_config(ckpt_dir / HF_METADATA), ParallelSizes())
         load_model_weights(chunks, ckpt_dir)
         write_safetensors(export_hf_weights(chunks, arch), out_dir, max_shard_bytes)
     finally:

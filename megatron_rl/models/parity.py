@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.builder import build_model_chunks
+from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.forward import forward_logits
-from megatron_rl.models.hf_config import QwenArchitecture, load_hf_config, parse_hf_config
-from megatron_rl.models.megatron_config import build_transformer_config
+from megatron_rl.models.hf_config import QwenArchitecture, load_hf_config
 from megatron_rl.models.weight_transfer import load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -74,8 +73,7 @@ def megatron_rank_outputs(
 
     initialize_parallel(sizes)
     try:
-        arch = parse_hf_config(load_hf_config(hf_dir))
-        chunks = build_model_chunks(arch, build_transformer_config(arch, sizes, params_dtype=torch.float32))
+        arch, _, chunks = build_qwen_model(load_hf_config(hf_dir), sizes, params_dtype=torch.float32)
         load_hf_weights(chunks, arch, hf_dir)
         outputs = forward_logits(chunks, list(input_ids.chunk(sizes.pp if sizes.vpp else 1)))
         if not outputs:

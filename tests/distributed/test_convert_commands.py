@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_rl.models.cli_commands import convert_hf_to_mcore, convert_mcore_to_hf, main
 from megatron_rl.models.hf_files import partial_dir
-from megatron_rl.models.safetensors_reader import CheckpointTensorError, SafetensorsCheckpoint
+from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
 from megatron_rl.parallel.distributed import ParallelSizes
 from megatron_rl.parallel.local_launch import RankFailedError
 from tests.tiny_checkpoints import save_tiny_dense, save_tiny_moe
