@@ -25,13 +25,16 @@ from megatron_rl.models.weight_map import iter_param_mappings, tensor_parallel_g
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, hf_dir: str | Path) -> None:
+def load_hf_weights(
+    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, hf_dir: str | Path | SafetensorsCheckpoint
+) -> None:
     """Copy this rank's shards of the checkpoint in ``hf_dir`` into ``chunks``.
 
-    Raises CheckpointTensorError naming the tensor when one is missing or has
-    a shape that does not match config.json at this parallel layout.
+    ``hf_dir`` may also be an open :class:`SafetensorsCheckpoint`. Raises
+    CheckpointTensorError naming the tensor when one is missing or has a
+    shape that does not match config.json at this parallel layout.
     """
-    checkpoint = SafetensorsCheckpoint(hf_dir)
+    checkpoint = hf_dir if isinstance(hf_dir, SafetensorsCheckpoint) else SafetensorsCheckpoint(hf_dir)
     for mapping, param in iter_param_mappings(chunks, arch):
         rank, size = tensor_parallel_rank_size(mapping)
         local_shape = tuple(param.shape)

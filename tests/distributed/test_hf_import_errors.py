@@ -1,4 +1,5 @@
-"""Importing Hugging Face safetensors: sharded checkpoints work; bad ones fail naming the tensor."""
+"""Importing Hugging Face safetensors: ranks read only their slices; sharded checkpoints work;
+bad checkpoints fail naming the tensor."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from megatron_rl.models.builder import build_model_chunks
 from megatron_rl.models.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.models.megatron_config import build_transformer_config
-from megatron_rl.models.safetensors_reader import CheckpointTensorError
+from megatron_rl.models.safetensors_reader import CheckpointTensorError, SafetensorsCheckpoint
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.distributed_utils import run_distributed
@@ -37,6 +38,41 @@ def _import_rank(rank: int, world_size: int, hf_dir: Path) -> dict[str, torch.Te
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
     return save_tiny_moe(tmp_path_factory.mktemp("hf") / "moe")
+
+
+class _CountingCheckpoint(SafetensorsCheckpoint):
+    """The real reader, also counting the elements it reads from disk."""
+
+    elements_read = 0
+
+    def read(self, name, rows=None, cols=None):
+        tensor = super().read(name, rows, cols)
+        self.elements_read += tensor.numel()
+        return tensor
+
+
+def _count_reads_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path) -> int:
+    initialize_parallel(sizes)
+    arch = parse_hf_config(load_hf_config(hf_dir))
+    chunks = build_model_chunks(arch, build_transformer_config(arch, sizes, params_dtype=torch.float32))
+    checkpoint = _CountingCheckpoint(hf_dir)
+    load_hf_weights(chunks, arch, checkpoint)
+    destroy_parallel()
+    return checkpoint.elements_read
+
+
+@pytest.mark.distributed
+def test_each_rank_reads_only_its_slices(moe_dir):
+    tensors = load_file(moe_dir / "model.safetensors")
+    total = sum(t.numel() for t in tensors.values())
+    replicated = sum(t.numel() for n, t in tensors.items() if n.endswith(("norm.weight", "mlp.gate.weight")))
+    single = run_distributed(_count_reads_rank, 1, ParallelSizes(), moe_dir)[0]
+    per_rank = run_distributed(_count_reads_rank, 4, ParallelSizes(tp=2, ep=2, etp=1), moe_dir)
+    assert single == total
+    assert max(per_rank) < 0.6 * total
+    # World 4 at TP2 EP2 ETP1: every sharded element has exactly 2 holders (DP2 for
+    # dense, expert-DP2 for experts); replicated tensors (norms, router) have 4.
+    assert sum(per_rank) == 2 * (total - replicated) + 4 * replicated
 
 
 @pytest.mark.distributed
