@@ -106,7 +106,10 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
 
 
 def _moe_fields(config: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    num_experts = int(config.get("num_experts", config.get("num_local_experts")) or 0)
+    spellings = {config[key] for key in ("num_experts", "num_local_experts") if config.get(key) is not None}
+    if len(spellings) > 1:
+        raise UnsupportedConfigError(f"num_experts and num_local_experts disagree: {sorted(spellings)}")
+    num_experts = int(spellings.pop()) if spellings else 0
     if num_experts == 0:
         return {"moe_layer_pattern": (0,) * num_layers}
     step = int(config.get("decoder_sparse_step", 1))

@@ -89,6 +89,9 @@ _GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
 class UnmappedParameterError(KeyError):
     """A Megatron parameter has no Hugging Face counterpart in this map."""
 
+    def __str__(self) -> str:
+        return str(self.args[0])
+
 
 def _expert_mapping(name: str, prefix: str, suffix: str, arch: QwenArchitecture) -> ParamMapping | None:
     local = _LOCAL_EXPERT.fullmatch(suffix)
