@@ -78,7 +78,7 @@ def test_failed_conversion_leaves_nothing_at_out(tmp_path, moe_dir):
 def test_cli_reports_a_bad_checkpoint_in_one_line_and_exits_2(tmp_path, moe_dir, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
-    config = json.loads((moe_dir / "config.json").read_text()) | {"num_experts": 8}
+    config = json.loads((moe_dir / "config.json").read_text()) | {"num_local_experts": 8}
     (bad / "config.json").write_text(json.dumps(config))
     (bad / "model.safetensors").write_bytes((moe_dir / "model.safetensors").read_bytes())
     assert main(["convert", "hf-to-mcore", "--hf", str(bad), "--out", str(tmp_path / "out")]) == 2
