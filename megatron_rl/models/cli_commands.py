@@ -2,7 +2,7 @@
 
 The package CLI (``megatron_rl/cli.py``) wires these in with
 :func:`add_subcommands`; ``python -m megatron_rl.models.cli_commands`` runs them
-standalone. Each command starts its own gloo ranks on this machine (CPU).
+standalone.
 
 Megatron checkpoint directory written by ``hf-to-mcore``::
 
@@ -10,25 +10,38 @@ Megatron checkpoint directory written by ``hf-to-mcore``::
     OUT/hf_metadata/                  config.json, generation config, tokenizer files
 
 Outputs are built in ``.OUT.partial`` and renamed into place on success.
+The converters run as local gloo ranks, or, started by torchrun (one process
+per GPU), as the ranks of that job; ``check-parity`` always runs locally.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
-from megatron_rl.models.hf_files import atomic_output_dir, copy_hf_metadata, write_safetensors
+from megatron_rl.models.hf_files import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardFile,
+    check_output_dir,
+    copy_hf_metadata,
+    distributed_output_dir,
+    finalize_safetensors,
+    partial_dir,
+    write_shard_files,
+)
 from megatron_rl.models.mcore_checkpoint import load_model_weights, save_model_weights
 from megatron_rl.models.megatron_config import check_layout
 from megatron_rl.models.parity import make_uneven_batch, max_abs_diffs, megatron_rank_outputs, reference_outputs
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-from megatron_rl.parallel.local_launch import RankFailedError, run_local_ranks
+from megatron_rl.parallel.local_launch import RankFailedError, launched_externally, run_local_ranks, run_ranks
 
 HF_METADATA = "hf_metadata"
 
@@ -41,47 +54,75 @@ def _build(config: dict, sizes: ParallelSizes) -> tuple[QwenArchitecture, list[t
 def _hf_to_mcore_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path, out_dir: Path) -> None:
     initialize_parallel(sizes)
     try:
-        arch, chunks = _build(load_hf_config(hf_dir), sizes)
-        load_hf_weights(chunks, arch, hf_dir)
-        save_model_weights(chunks, out_dir)
+        with distributed_output_dir(out_dir) as staging:
+            arch, chunks = _build(load_hf_config(hf_dir), sizes)
+            load_hf_weights(chunks, arch, hf_dir)
+            save_model_weights(chunks, staging)
+            if rank == 0:
+                copy_hf_metadata(hf_dir, staging / HF_METADATA)
     finally:
         destroy_parallel()
+
+
+def _run_converter(rank_body, sizes: ParallelSizes, out_dir: Path, *args) -> None:
+    if not launched_externally():
+        check_output_dir(out_dir)
+    try:
+        run_ranks(rank_body, sizes.min_world_size, sizes, *args, out_dir)
+    except BaseException:
+        if not launched_externally():
+            shutil.rmtree(partial_dir(out_dir), ignore_errors=True)
+        raise
 
 
 def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, sizes: ParallelSizes = ParallelSizes()) -> None:
     """Write the Hugging Face checkpoint in ``hf_dir`` as a torch_dist checkpoint at ``out_dir``.
 
-    ``sizes`` is the layout used while converting (any layout can load the result).
+    ``sizes`` is the layout used while converting (any layout can load the
+    result). Runs ``sizes.min_world_size`` local gloo ranks, or as one rank
+    of a job started by torchrun (then the launcher's world size is used).
     """
     hf_dir = Path(hf_dir)
-    config = load_hf_config(hf_dir)
-    check_layout(parse_hf_config(config), sizes)
-    with atomic_output_dir(out_dir) as staging:
-        run_local_ranks(_hf_to_mcore_rank, sizes.min_world_size, sizes, hf_dir, staging)
-        copy_hf_metadata(hf_dir, staging / HF_METADATA)
+    check_layout(parse_hf_config(load_hf_config(hf_dir)), sizes)
+    _run_converter(_hf_to_mcore_rank, sizes, Path(out_dir), hf_dir)
 
 
-def _mcore_to_hf_rank(rank: int, world_size: int, ckpt_dir: Path, out_dir: Path, max_shard_bytes: int) -> None:
-    initialize_parallel(ParallelSizes())
+def _mcore_to_hf_rank(
+    rank: int, world_size: int, sizes: ParallelSizes, ckpt_dir: Path, max_shard_bytes: int, out_dir: Path
+) -> None:
+    initialize_parallel(sizes)
     try:
-        arch, chunks = _build(load_hf_config(ckpt_dir / HF_METADATA), ParallelSizes())
-        load_model_weights(chunks, ckpt_dir)
-        write_safetensors(export_hf_weights(chunks, arch), out_dir, max_shard_bytes)
+        with distributed_output_dir(out_dir) as staging:
+            arch, chunks = _build(load_hf_config(ckpt_dir / HF_METADATA), sizes)
+            load_model_weights(chunks, ckpt_dir)
+            tensors = export_hf_weights(chunks, arch, designated_only=True)
+            shards = write_shard_files(tensors, staging, max_shard_bytes, prefix=f"rank{rank}")
+            per_rank: list[list[ShardFile]] = [[] for _ in range(world_size)]
+            dist.all_gather_object(per_rank, shards)
+            if rank == 0:
+                finalize_safetensors(staging, [shard for rank_shards in per_rank for shard in rank_shards])
+                copy_hf_metadata(ckpt_dir / HF_METADATA, staging)
     finally:
         destroy_parallel()
 
 
-def convert_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 1024**3) -> None:
+def convert_mcore_to_hf(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    sizes: ParallelSizes = ParallelSizes(),
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
     """Write the torch_dist checkpoint at ``ckpt_dir`` as a Hugging Face model directory.
 
-    Runs on one rank, so the whole model must fit in this machine's memory.
+    Each rank writes the tensors it is the designated source of (its pipeline
+    stage, its experts), so memory per rank is its shard plus one gathered
+    tensor; rank 0 names the files and writes the index.
     """
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / HF_METADATA / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}/{HF_METADATA}/config.json missing: not written by hf-to-mcore")
-    with atomic_output_dir(out_dir) as staging:
-        run_local_ranks(_mcore_to_hf_rank, 1, ckpt_dir, staging, max_shard_bytes)
-        copy_hf_metadata(ckpt_dir / HF_METADATA, staging)
+    check_layout(parse_hf_config(load_hf_config(ckpt_dir / HF_METADATA)), sizes)
+    _run_converter(_mcore_to_hf_rank, sizes, Path(out_dir), ckpt_dir, max_shard_bytes)
 
 
 def check_parity(
@@ -134,7 +175,7 @@ def _run_hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _run_mcore_to_hf(args: argparse.Namespace) -> int:
-    convert_mcore_to_hf(args.ckpt, args.out)
+    convert_mcore_to_hf(args.ckpt, args.out, _layout(args))
     return 0
 
 
@@ -154,6 +195,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     to_hf = directions.add_parser("mcore-to-hf", help="Megatron torch_dist -> HF safetensors")
     to_hf.add_argument("--ckpt", required=True, type=Path, help="directory written by hf-to-mcore")
     to_hf.add_argument("--out", required=True, type=Path, help="new Hugging Face model directory")
+    _add_layout_arguments(to_hf)
     to_hf.set_defaults(func=_run_mcore_to_hf)
     parity = subparsers.add_parser("check-parity", help="compare Megatron with transformers on a checkpoint")
     parity.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")

@@ -167,3 +167,21 @@ def tensor_parallel_rank_size(mapping: ParamMapping) -> tuple[int, int]:
             parallel_state.get_expert_tensor_parallel_world_size(),
         )
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def is_designated_source(mapping: ParamMapping) -> bool:
+    """Whether this rank is the one copy of the parameter's full tensor to send or write.
+
+    Dense parameters: tensor-parallel rank 0 of data(+context)-parallel rank 0.
+    Experts: expert-TP rank 0 of expert-data-parallel rank 0 (every EP rank is
+    the source of its own experts). Pipeline stages are sources of their layers.
+    """
+    if mapping.expert:
+        return (
+            parallel_state.get_expert_tensor_parallel_rank() == 0
+            and parallel_state.get_expert_data_parallel_rank() == 0
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    )

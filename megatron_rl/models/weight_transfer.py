@@ -21,7 +21,12 @@ import torch.distributed as dist
 
 from megatron_rl.models.hf_config import QwenArchitecture
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
-from megatron_rl.models.weight_map import iter_param_mappings, tensor_parallel_group, tensor_parallel_rank_size
+from megatron_rl.models.weight_map import (
+    is_designated_source,
+    iter_param_mappings,
+    tensor_parallel_group,
+    tensor_parallel_rank_size,
+)
 
 
 @torch.no_grad()
@@ -51,9 +56,11 @@ def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> li
 
 
 @torch.no_grad()
-def export_hf_weights(chunks: Sequence[torch.nn.Module], arch: QwenArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, full weight) for every tensor this rank's chunks hold (see :func:`export_hf_tensors`)."""
-    yield from export_hf_tensors(chunks, arch, lambda param: param.detach())
+def export_hf_weights(
+    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, *, designated_only: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, full weight) for the tensors of this rank's chunks (see :func:`export_hf_tensors`)."""
+    yield from export_hf_tensors(chunks, arch, lambda param: param.detach(), designated_only=designated_only)
 
 
 @torch.no_grad()
@@ -61,16 +68,20 @@ def export_hf_tensors(
     chunks: Sequence[torch.nn.Module],
     arch: QwenArchitecture,
     select: Callable[[torch.nn.Parameter], torch.Tensor],
+    *,
+    designated_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, full tensor) of ``select(param)`` for every parameter of the chunks.
 
     ``select`` picks what to export per parameter: the weight, or e.g. its
     ``main_grad`` (same shape and sharding). Tensors keep their dtype and
-    device. Replicas (other DP ranks, other TP ranks of the same group) yield
-    identical tensors; a consumer that needs each tensor once takes them from
-    tensor-parallel rank 0 of data-parallel rank 0 (expert-data-parallel for
-    experts). A tied output layer is not yielded (Hugging Face stores only
-    the embedding).
+    device. By default replicas (other DP ranks, other TP ranks of the same
+    group) yield identical tensors; with ``designated_only`` a rank yields
+    only the tensors it is the designated source of
+    (:func:`~megatron_rl.models.weight_map.is_designated_source`), so that
+    over all ranks every tensor is yielded exactly once. All ranks still take
+    part in every gather. A tied output layer is not yielded (Hugging Face
+    stores only the embedding).
     """
     for mapping, param in iter_param_mappings(chunks, arch):
         if not mapping.exported:
@@ -80,4 +91,5 @@ def export_hf_tensors(
             shards = _all_gather(select(param), tensor_parallel_group(mapping), size)
         else:
             shards = [select(param)]
-        yield from zip(mapping.hf_names, mapping.layout.unshard(shards))
+        if not designated_only or is_designated_source(mapping):
+            yield from zip(mapping.hf_names, mapping.layout.unshard(shards))

@@ -1,5 +1,9 @@
 """Start N gloo ranks on this machine and run a function in each (CPU tools and tests).
 
+:func:`run_ranks` is the entry for commands that also run under torchrun:
+it runs the rank body directly when the process is already one rank of a
+launched job.
+
 :func:`run_local_ranks` is what ``check-parity`` and the converters use when
 they are not already running under a launcher (no ``RANK`` in the
 environment): it forks ``world_size`` processes with the torchrun environment
@@ -76,3 +80,19 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, start_m
         except mp.ProcessRaisedException as error:
             raise RankFailedError(error.error_index, str(error)) from error
         return [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def launched_externally() -> bool:
+    """Whether a launcher (torchrun, srun wrapper) started this process as one rank of a job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn`` as this process's rank when launched externally, else on ``world_size`` local ranks.
+
+    Under an external launcher the world size is the launcher's and the list
+    holds this rank's result only.
+    """
+    if launched_externally():
+        return [fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)]
+    return run_local_ranks(fn, world_size, *args)

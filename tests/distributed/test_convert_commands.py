@@ -15,6 +15,7 @@ from megatron_rl.models.hf_files import partial_dir
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
 from megatron_rl.parallel.distributed import ParallelSizes
 from megatron_rl.parallel.local_launch import RankFailedError
+from tests.distributed_utils import run_distributed
 from tests.tiny_checkpoints import save_tiny_dense, save_tiny_moe
 
 
@@ -28,7 +29,7 @@ def moe_dir(tmp_path_factory) -> Path:
 @pytest.mark.distributed
 def test_hf_to_torch_dist_to_hf_round_trip_is_bit_identical(tmp_path, moe_dir):
     convert_hf_to_mcore(moe_dir, tmp_path / "mcore", ParallelSizes(tp=2, ep=2))
-    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", max_shard_bytes=40_000)
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", ParallelSizes(pp=2, ep=2), max_shard_bytes=40_000)
 
     original, converted = load_file(moe_dir / "model.safetensors"), SafetensorsCheckpoint(tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -37,6 +38,23 @@ def test_hf_to_torch_dist_to_hf_round_trip_is_bit_identical(tmp_path, moe_dir):
     for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "hf" / name).read_bytes() == (moe_dir / name).read_bytes()
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def _cli_rank(rank: int, world_size: int, argv: list[str]) -> int:
+    return main(argv)
+
+
+@pytest.mark.distributed
+def test_converters_run_as_the_ranks_of_an_externally_launched_job(tmp_path, moe_dir):
+    to_mcore = ["convert", "hf-to-mcore", "--hf", str(moe_dir), "--out", str(tmp_path / "mcore"), "--pp", "2"]
+    to_hf = ["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"),
+             "--tp", "2", "--ep", "2", "--etp", "1"]
+    assert run_distributed(_cli_rank, 2, to_mcore) == [0, 0]
+    assert run_distributed(_cli_rank, 4, to_hf) == [0, 0, 0, 0]
+    original, converted = load_file(moe_dir / "model.safetensors"), SafetensorsCheckpoint(tmp_path / "hf")
+    assert sorted(converted.names()) == sorted(original)
+    assert all(torch.equal(converted.read(name), tensor) for name, tensor in original.items())
+    assert not partial_dir(tmp_path / "hf").exists()
 
 
 @pytest.mark.distributed
