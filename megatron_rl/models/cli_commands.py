@@ -20,6 +20,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ def _hf_to_mcore_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: 
         destroy_parallel()
 
 
-def _run_converter(rank_body, sizes: ParallelSizes, out_dir: Path, *args) -> None:
+def _run_converter(rank_body: Callable[..., None], sizes: ParallelSizes, out_dir: Path, *args: Any) -> None:
     if not launched_externally():
         check_output_dir(out_dir)
     try:
