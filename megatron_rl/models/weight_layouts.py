@@ -1,0 +1,159 @@
+"""How one Megatron parameter shard relates to its Hugging Face tensors.
+
+Each layout answers three questions for a parameter split over a tensor-parallel
+group of ``size`` ranks:
+
+- ``hf_shapes(local_shape, size)``: the full Hugging Face shapes it corresponds to
+  (used to validate a checkpoint before reading it);
+- ``read_shard(read, names, rank, local_shape)``: build rank ``rank``'s shard
+  (of shape ``local_shape``), reading only the rows/columns it owns through
+  ``read(name, rows, cols)``;
+- ``unshard(shards)``: given all ranks' shards (rank order), return the full
+  Hugging Face tensors, one per name.
+
+Legend: H hidden, d head_dim, g query groups (KV heads), q query heads per
+group, I intermediate size, V vocab, Vp padded vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+class SliceReader(Protocol):
+    """Reads ``tensor[rows, cols]`` of a named Hugging Face tensor (None: all)."""
+
+    def __call__(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor: ...
+
+
+class Layout(Protocol):
+    """Sharding of one Megatron parameter relative to its Hugging Face tensors."""
+
+    tensor_parallel: bool
+
+    def hf_shapes(self, local_shape: Shape, size: int) -> list[Shape]: ...
+
+    def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor: ...
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+def _block(rank: int, length: int) -> slice:
+    return slice(rank * length, (rank + 1) * length)
+
+
+class Replicated:
+    """Same full tensor on every rank (norms, router)."""
+
+    tensor_parallel = False
+
+    def hf_shapes(self, local_shape: Shape, size: int) -> list[Shape]:
+        return [local_shape]
+
+    def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor:
+        return read(names[0])
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [shards[0]]
+
+
+class RowParallel:
+    """Split along the input dimension (dim 1): ``linear_proj``, ``linear_fc2``."""
+
+    tensor_parallel = True
+
+    def hf_shapes(self, local_shape: Shape, size: int) -> list[Shape]:
+        return [(local_shape[0], local_shape[1] * size)]
+
+    def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor:
+        return read(names[0], cols=_block(rank, local_shape[1]))
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.cat(list(shards), dim=1)]
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Rows of a ``[Vp, H]`` table split over ranks; rows >= V are padding (zeros on import)."""
+
+    vocab_size: int
+    tensor_parallel = True
+
+    def hf_shapes(self, local_shape: Shape, size: int) -> list[Shape]:
+        return [(self.vocab_size, local_shape[1])]
+
+    def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor:
+        rows = local_shape[0]
+        start, stop = rank * rows, min((rank + 1) * rows, self.vocab_size)
+        real = read(names[0], rows=slice(start, max(start, stop)))
+        padding = real.new_zeros((rows - real.shape[0], real.shape[1]))
+        return torch.cat([real, padding], dim=0)
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.cat(list(shards), dim=0)[: self.vocab_size]]
+
+
+@dataclass(frozen=True)
+class FusedQKV:
+    """``linear_qkv`` ``[g*(q+2)*d, H]``: per KV group, its q heads then k then v.
+
+    Hugging Face names: q_proj ``[g*q*d, H]``, k_proj and v_proj ``[g*d, H]``.
+    A TP rank holds ``g / size`` whole groups.
+    """
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    tensor_parallel = True
+
+    @property
+    def _q_per_group(self) -> int:
+        return self.num_heads // self.num_groups
+
+    def hf_shapes(self, local_shape: Shape, size: int) -> list[Shape]:
+        hidden, d = local_shape[1], self.head_dim
+        return [(self.num_heads * d, hidden), (self.num_groups * d, hidden), (self.num_groups * d, hidden)]
+
+    def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor:
+        d, q = self.head_dim, self._q_per_group
+        groups = local_shape[0] // ((q + 2) * d)
+        query = read(names[0], rows=_block(rank, groups * q * d))
+        key = read(names[1], rows=_block(rank, groups * d))
+        value = read(names[2], rows=_block(rank, groups * d))
+        hidden = query.shape[1]
+        parts = [query.view(groups, q * d, hidden), key.view(groups, d, hidden), value.view(groups, d, hidden)]
+        return torch.cat(parts, dim=1).reshape(-1, hidden)
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        full = torch.cat(list(shards), dim=0)
+        hidden, q = full.shape[1], self._q_per_group
+        grouped = full.view(self.num_groups, q + 2, self.head_dim, hidden)
+        return [
+            grouped[:, :q].reshape(-1, hidden),
+            grouped[:, q].reshape(-1, hidden),
+            grouped[:, q + 1].reshape(-1, hidden),
+        ]
+
+
+class FusedGateUp:
+    """``linear_fc1`` ``[2*I/size, H]`` per rank: ``[gate rows of the rank; up rows of the rank]``."""
+
+    tensor_parallel = True
+
+    def hf_shapes(self, local_shape: Shape, size: int) -> list[Shape]:
+        full = (local_shape[0] // 2 * size, local_shape[1])
+        return [full, full]
+
+    def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor:
+        rows = _block(rank, local_shape[0] // 2)
+        gate, up = read(names[0], rows=rows), read(names[1], rows=rows)
+        return torch.cat([gate, up], dim=0)
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]

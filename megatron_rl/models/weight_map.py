@@ -1,0 +1,187 @@
+"""Name map between Megatron GPTModel parameters and Hugging Face Qwen3 tensors.
+
+:func:`iter_param_mappings` walks this rank's model chunks and pairs every
+parameter with a :class:`ParamMapping`: its Hugging Face (on-disk, Hub) names
+and the :mod:`~megatron_rl.models.weight_layouts` layout relating them. Both
+spec flavours are understood:
+
+- local spec: ``input_layernorm.weight``, ``pre_mlp_layernorm.weight``,
+  experts as ``mlp.experts.local_experts.{e}.linear_fc{1,2}.weight``;
+- Transformer Engine spec: norms fused into the next linear
+  (``linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``),
+  grouped experts as ``mlp.experts.linear_fc{1,2}.weight{e}``.
+
+Layer indices are global (``layer.layer_number - 1``, so PP/VPP chunks map to
+the right Hugging Face layer) and expert indices are global
+(``ep_rank * local_experts + e``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_rl.models.hf_config import QwenArchitecture
+from megatron_rl.models.weight_layouts import (
+    FusedGateUp,
+    FusedQKV,
+    Layout,
+    Replicated,
+    RowParallel,
+    VocabParallel,
+)
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One Megatron parameter and the Hugging Face tensors it holds (a shard of).
+
+    ``expert``: sharded over the expert-TP group (else the dense TP group).
+    ``exported``: False for a tied output layer, whose tensor is exported as
+    the embedding.
+    """
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    layout: Layout
+    expert: bool = False
+    exported: bool = True
+
+
+_LayoutFactory = Callable[[QwenArchitecture], Layout]
+
+
+def _qkv(arch: QwenArchitecture) -> Layout:
+    return FusedQKV(arch.num_attention_heads, arch.num_query_groups, arch.head_dim)
+
+
+_LAYER_RULES: dict[str, tuple[tuple[str, ...], _LayoutFactory]] = {
+    "input_layernorm.weight": (("input_layernorm.weight",), lambda a: Replicated()),
+    "self_attention.linear_qkv.layer_norm_weight": (("input_layernorm.weight",), lambda a: Replicated()),
+    "self_attention.linear_qkv.weight": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        _qkv,
+    ),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), lambda a: RowParallel()),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), lambda a: Replicated()),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), lambda a: Replicated()),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), lambda a: Replicated()),
+    "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), lambda a: Replicated()),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), lambda a: FusedGateUp()),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), lambda a: RowParallel()),
+    "mlp.router.weight": (("mlp.gate.weight",), lambda a: Replicated()),
+}
+
+_EXPERT_RULES: dict[str, tuple[tuple[str, ...], Layout]] = {
+    "linear_fc1": (("gate_proj.weight", "up_proj.weight"), FusedGateUp()),
+    "linear_fc2": (("down_proj.weight",), RowParallel()),
+}
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+_GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
+
+
+class UnmappedParameterError(KeyError):
+    """A Megatron parameter has no Hugging Face counterpart in this map."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _expert_mapping(name: str, prefix: str, suffix: str, arch: QwenArchitecture) -> ParamMapping | None:
+    local = _LOCAL_EXPERT.fullmatch(suffix)
+    grouped = _GROUPED_EXPERT.fullmatch(suffix)
+    if local:
+        local_expert, linear = int(local.group(1)), local.group(2)
+    elif grouped:
+        local_expert, linear = int(grouped.group(2)), grouped.group(1)
+    else:
+        return None
+    num_local = arch.num_experts // parallel_state.get_expert_model_parallel_world_size()
+    expert = parallel_state.get_expert_model_parallel_rank() * num_local + local_expert
+    hf_suffixes, layout = _EXPERT_RULES[linear]
+    names = tuple(f"{prefix}.mlp.experts.{expert}.{s}" for s in hf_suffixes)
+    return ParamMapping(name, names, layout, expert=True)
+
+
+def _layer_mapping(name: str, layer: int, suffix: str, arch: QwenArchitecture) -> ParamMapping:
+    prefix = f"model.layers.{layer}"
+    expert = _expert_mapping(name, prefix, suffix, arch)
+    if expert is not None:
+        return expert
+    if suffix not in _LAYER_RULES:
+        raise UnmappedParameterError(f"Megatron parameter {name!r} has no Hugging Face mapping")
+    hf_suffixes, layout = _LAYER_RULES[suffix]
+    return ParamMapping(name, tuple(f"{prefix}.{s}" for s in hf_suffixes), layout(arch))
+
+
+def _top_level_mapping(name: str, arch: QwenArchitecture) -> ParamMapping:
+    vocab = VocabParallel(arch.vocab_size)
+    if name == "embedding.word_embeddings.weight":
+        return ParamMapping(name, ("model.embed_tokens.weight",), vocab)
+    if name == "output_layer.weight":
+        if arch.tie_word_embeddings:
+            return ParamMapping(name, ("model.embed_tokens.weight",), vocab, exported=False)
+        return ParamMapping(name, ("lm_head.weight",), vocab)
+    if name == "decoder.final_layernorm.weight":
+        return ParamMapping(name, ("model.norm.weight",), Replicated())
+    raise UnmappedParameterError(f"Megatron parameter {name!r} has no Hugging Face mapping")
+
+
+def iter_param_mappings(
+    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture
+) -> Iterator[tuple[ParamMapping, torch.nn.Parameter]]:
+    """Yield (mapping, parameter) for every parameter of this rank's chunks, in model order.
+
+    The order is identical on all ranks with the same pipeline stage, so
+    collectives issued per parameter line up across TP / expert-TP groups.
+    """
+    for chunk in chunks:
+        layers = chunk.decoder.layers
+        for name, param in chunk.named_parameters():
+            match = _LAYER.fullmatch(name)
+            if match is None:
+                yield _top_level_mapping(name, arch), param
+                continue
+            layer = layers[int(match.group(1))].layer_number - 1
+            yield _layer_mapping(name, layer, match.group(2), arch), param
+
+
+def tensor_parallel_group(mapping: ParamMapping) -> torch.distributed.ProcessGroup:
+    """The process group a parameter is tensor-parallel-sharded over."""
+    if mapping.expert:
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def tensor_parallel_rank_size(mapping: ParamMapping) -> tuple[int, int]:
+    """(rank, size) of this process in the parameter's tensor-parallel group."""
+    if mapping.expert:
+        return (
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def is_designated_source(mapping: ParamMapping) -> bool:
+    """Whether this rank is the one copy of the parameter's full tensor to send or write.
+
+    Dense parameters: tensor-parallel rank 0 of data(+context)-parallel rank 0.
+    Experts: expert-TP rank 0 of expert-data-parallel rank 0 (every EP rank is
+    the source of its own experts). Pipeline stages are sources of their layers.
+    """
+    if mapping.expert:
+        return (
+            parallel_state.get_expert_tensor_parallel_rank() == 0
+            and parallel_state.get_expert_data_parallel_rank() == 0
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    )

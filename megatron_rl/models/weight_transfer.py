@@ -1,0 +1,95 @@
+"""Hugging Face tensors <-> this rank's Megatron shards: import and streaming export.
+
+- :func:`load_hf_weights` fills this rank's chunks from a safetensors
+  checkpoint, reading only the slices the rank owns; every shape is checked
+  against config.json and the layout before anything is read.
+- :func:`export_hf_weights` yields ``(hf_name, full_tensor)`` pairs: each
+  tensor-parallel parameter is all-gathered over its TP (or expert-TP) group,
+  experts come from the EP rank that holds them, and each pipeline stage
+  yields only its own layers. The order is model order (embedding, layers in
+  ascending order, final norm, output layer) within each stage. All ranks of a
+  TP group must iterate the generator together (it issues collectives).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.hf_config import QwenArchitecture
+from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
+from megatron_rl.models.weight_map import (
+    is_designated_source,
+    iter_param_mappings,
+    tensor_parallel_group,
+    tensor_parallel_rank_size,
+)
+
+
+@torch.no_grad()
+def load_hf_weights(
+    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, hf_dir: str | Path | SafetensorsCheckpoint
+) -> None:
+    """Copy this rank's shards of the checkpoint in ``hf_dir`` into ``chunks``.
+
+    ``hf_dir`` may also be an open :class:`SafetensorsCheckpoint`. Raises
+    CheckpointTensorError naming the tensor when one is missing or has a
+    shape that does not match config.json at this parallel layout.
+    """
+    checkpoint = hf_dir if isinstance(hf_dir, SafetensorsCheckpoint) else SafetensorsCheckpoint(hf_dir)
+    for mapping, param in iter_param_mappings(chunks, arch):
+        rank, size = tensor_parallel_rank_size(mapping)
+        local_shape = tuple(param.shape)
+        for name, shape in zip(mapping.hf_names, mapping.layout.hf_shapes(local_shape, size)):
+            checkpoint.check_shape(name, shape)
+        shard = mapping.layout.read_shard(checkpoint.read, mapping.hf_names, rank, local_shape)
+        param.copy_(shard.to(dtype=param.dtype))
+
+
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return shards
+
+
+@torch.no_grad()
+def export_hf_weights(
+    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, *, designated_only: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, full weight) for the tensors of this rank's chunks (see :func:`export_hf_tensors`)."""
+    yield from export_hf_tensors(chunks, arch, lambda param: param.detach(), designated_only=designated_only)
+
+
+@torch.no_grad()
+def export_hf_tensors(
+    chunks: Sequence[torch.nn.Module],
+    arch: QwenArchitecture,
+    select: Callable[[torch.nn.Parameter], torch.Tensor],
+    *,
+    designated_only: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, full tensor) of ``select(param)`` for every parameter of the chunks.
+
+    ``select`` picks what to export per parameter: the weight, or e.g. its
+    ``main_grad`` (same shape and sharding). Tensors keep their dtype and
+    device. By default replicas (other DP ranks, other TP ranks of the same
+    group) yield identical tensors; with ``designated_only`` a rank yields
+    only the tensors it is the designated source of
+    (:func:`~megatron_rl.models.weight_map.is_designated_source`), so that
+    over all ranks every tensor is yielded exactly once. All ranks still take
+    part in every gather. A tied output layer is not yielded (Hugging Face
+    stores only the embedding).
+    """
+    for mapping, param in iter_param_mappings(chunks, arch):
+        if not mapping.exported:
+            continue
+        _, size = tensor_parallel_rank_size(mapping)
+        if mapping.layout.tensor_parallel and size > 1:
+            shards = _all_gather(select(param), tensor_parallel_group(mapping), size)
+        else:
+            shards = [select(param)]
+        if not designated_only or is_designated_source(mapping):
+            yield from zip(mapping.hf_names, mapping.layout.unshard(shards))

@@ -1,0 +1,1 @@
+"""Process groups, device selection, the CPU compatibility layer and vocab-parallel math."""

@@ -1,0 +1,124 @@
+"""convert hf-to-mcore / mcore-to-hf and check-parity, end to end on tiny checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from megatron_rl.models.cli_commands import convert_hf_to_mcore, convert_mcore_to_hf, main
+from megatron_rl.models.hf_files import partial_dir
+from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
+from megatron_rl.parallel.distributed import ParallelSizes
+from megatron_rl.parallel.local_launch import RankFailedError
+from tests.distributed_utils import run_distributed
+from tests.tiny_checkpoints import save_tiny_dense, save_tiny_moe
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    path = save_tiny_moe(tmp_path_factory.mktemp("hf") / "moe")
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    return path
+
+
+@pytest.mark.distributed
+def test_hf_to_torch_dist_to_hf_round_trip_is_bit_identical(tmp_path, moe_dir):
+    convert_hf_to_mcore(moe_dir, tmp_path / "mcore", ParallelSizes(tp=2, ep=2))
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", ParallelSizes(pp=2, ep=2), max_shard_bytes=40_000)
+
+    original, converted = load_file(moe_dir / "model.safetensors"), SafetensorsCheckpoint(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert sorted(converted.names()) == sorted(original)
+    assert all(torch.equal(converted.read(name), tensor) for name, tensor in original.items())
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (moe_dir / name).read_bytes()
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+
+def _cli_rank(rank: int, world_size: int, argv: list[str]) -> int:
+    return main(argv)
+
+
+@pytest.mark.distributed
+def test_converters_run_as_the_ranks_of_an_externally_launched_job(tmp_path, moe_dir):
+    to_mcore = ["convert", "hf-to-mcore", "--hf", str(moe_dir), "--out", str(tmp_path / "mcore"), "--pp", "2"]
+    to_hf = ["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"),
+             "--tp", "2", "--ep", "2", "--etp", "1"]
+    assert run_distributed(_cli_rank, 2, to_mcore) == [0, 0]
+    assert run_distributed(_cli_rank, 4, to_hf) == [0, 0, 0, 0]
+    original, converted = load_file(moe_dir / "model.safetensors"), SafetensorsCheckpoint(tmp_path / "hf")
+    assert sorted(converted.names()) == sorted(original)
+    assert all(torch.equal(converted.read(name), tensor) for name, tensor in original.items())
+    assert not partial_dir(tmp_path / "hf").exists()
+
+
+@pytest.mark.distributed
+def test_bfloat16_checkpoint_round_trips_bit_identically_in_bfloat16(tmp_path):
+    hf_dir = save_tiny_moe(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    convert_hf_to_mcore(hf_dir, tmp_path / "mcore", ParallelSizes(tp=2, ep=2))
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    original, converted = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert converted.keys() == original.keys()
+    assert all(converted[n].dtype == torch.bfloat16 and torch.equal(converted[n], original[n]) for n in original)
+
+
+@pytest.mark.distributed
+def test_tied_dense_round_trip_keeps_only_the_embedding(tmp_path):
+    dense = save_tiny_dense(tmp_path / "dense")
+    convert_hf_to_mcore(dense, tmp_path / "mcore", ParallelSizes(pp=2))
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    original, converted = load_file(dense / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert "lm_head.weight" not in converted
+    assert converted.keys() == original.keys()
+    assert all(torch.equal(converted[name], original[name]) for name in original)
+
+
+@pytest.mark.distributed
+def test_failed_conversion_leaves_nothing_at_out(tmp_path, moe_dir):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tensors = load_file(moe_dir / "model.safetensors")
+    tensors.pop("model.norm.weight")
+    save_file(tensors, bad / "model.safetensors")
+    (bad / "config.json").write_bytes((moe_dir / "config.json").read_bytes())
+    with pytest.raises(RankFailedError, match="rank 0 failed: .*model.norm.weight.* is missing"):
+        convert_hf_to_mcore(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()
+
+
+@pytest.mark.distributed
+def test_cli_reports_a_bad_checkpoint_in_one_line_and_exits_2(tmp_path, moe_dir, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((moe_dir / "config.json").read_text()) | {"num_local_experts": 8}
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").write_bytes((moe_dir / "model.safetensors").read_bytes())
+    assert main(["convert", "hf-to-mcore", "--hf", str(bad), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert "model.layers.0.mlp.gate.weight" in error and "[4, 32]" in error and "[8, 32]" in error
+
+
+def test_conversion_refuses_a_non_empty_out(tmp_path, moe_dir):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert_hf_to_mcore(moe_dir, tmp_path / "out")
+
+
+@pytest.mark.distributed
+def test_check_parity_prints_max_diffs_and_exits_zero_within_tolerance(moe_dir, capsys):
+    assert main(["check-parity", "--hf", str(moe_dir), "--tp", "2", "--ep", "2", "--etp", "1"]) == 0
+    report = capsys.readouterr().out
+    assert "max |logits diff|" in report and "max |logprobs diff|" in report and "PASS" in report
+
+
+@pytest.mark.distributed
+def test_check_parity_exits_non_zero_above_tolerance(moe_dir, capsys):
+    assert main(["check-parity", "--hf", str(moe_dir), "--tolerance", "1e-12"]) == 1
+    assert "FAIL" in capsys.readouterr().out

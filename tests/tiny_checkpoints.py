@@ -1,0 +1,60 @@
+"""Tiny Qwen3 / Qwen3-MoE Hugging Face checkpoints built locally (random init, fp32).
+
+Weights are re-drawn with a larger scale than Hugging Face's init and every
+norm weight is randomised, so that a swapped or mis-sliced tensor (q_norm vs
+k_norm, gate vs up, a wrong KV group) changes the logits visibly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+VOCAB = 100
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+
+
+def save_tiny_dense(path: Path) -> Path:
+    """Qwen3 dense, 4 layers, GQA 4/2 heads, head_dim 16 != hidden/heads, tied embeddings."""
+    config = Qwen3Config(intermediate_size=64, tie_word_embeddings=True, **_COMMON)
+    model = Qwen3ForCausalLM(config)
+    _randomise(model, seed=1)
+    model.save_pretrained(path)
+    return path
+
+
+def save_tiny_moe(path: Path, *, sparse_step: bool = False, dtype: torch.dtype = torch.float32) -> Path:
+    """Qwen3-MoE, 4 layers, 4 experts top-2, untied embeddings.
+
+    Default: layer 1 dense via ``mlp_only_layers``, normalised top-k (as Qwen3-30B-A3B).
+    ``sparse_step=True``: every second layer dense via ``decoder_sparse_step=2``,
+    un-normalised top-k probabilities. ``dtype``: the saved weights' dtype.
+    """
+    routing = (
+        dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)
+        if sparse_step
+        else dict(norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
+    )
+    config = Qwen3MoeConfig(
+        intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False, **routing, **_COMMON,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    _randomise(model, seed=2)
+    model.to(dtype).save_pretrained(path)
+    return path
