@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from megatron_rl.parallel.errors import RankFailedError
+
+if TYPE_CHECKING:
+    from megatron_rl.parallel.distributed import ParallelSizes
 from megatron_rl.config import RecipeError, RunConfig, load_recipe, read_model_shape, recipe_to_yaml, trainer_layout
 
 
@@ -71,13 +77,70 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             )
     reward = prepared.reward_fn
     print(f"# reward: {cfg.data.reward} -> {reward.__module__}.{reward.__qualname__}")
-    sampler = PromptSampler(len(prepared.train), cfg.train.prompts_per_step, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    sampler = PromptSampler(
+        len(prepared.train), cfg.train.prompts_per_step, seed=cfg.train.seed, shuffle=cfg.data.shuffle
+    )
     print(f"# first step: {cfg.train.prompts_per_step} prompts x {cfg.rollout.n_samples_per_prompt} samples")
     for index in sampler.next_batch():
         item = prepared.train[index]
         prompt = prepared.tokenizer.decode(item.prompt_ids, skip_special_tokens=False)
         print(f"  [{index}] {prompt!r} -> {item.ground_truth!r}")
     return 0
+
+
+def _parallel_sizes(args: argparse.Namespace) -> ParallelSizes:
+    from megatron_rl.parallel.distributed import ParallelSizes
+
+    return ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+
+
+def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
+    from megatron_rl.models.cli_commands import convert_hf_to_mcore
+
+    convert_hf_to_mcore(args.hf, args.out, _parallel_sizes(args))
+    return 0
+
+
+def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
+    from megatron_rl.models.cli_commands import convert_mcore_to_hf
+
+    convert_mcore_to_hf(args.ckpt, args.out, _parallel_sizes(args))
+    return 0
+
+
+def _cmd_check_parity(args: argparse.Namespace) -> int:
+    from megatron_rl.models.cli_commands import check_parity
+
+    return 0 if check_parity(args.hf, _parallel_sizes(args), tolerance=args.tolerance) else 1
+
+
+def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    for name in ("tp", "pp", "ep"):
+        parser.add_argument(f"--{name}", type=int, default=1, help=f"{name.upper()} size")
+    parser.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+
+
+def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
+    convert = commands.add_parser("convert", help="convert between Hugging Face and Megatron checkpoints")
+    directions = convert.add_subparsers(dest="direction", required=True)
+    to_mcore = directions.add_parser("hf-to-mcore", help="HF safetensors -> Megatron torch_dist")
+    to_mcore.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
+    to_mcore.add_argument("--out", required=True, type=Path, help="new checkpoint directory")
+    _add_layout_arguments(to_mcore)
+    to_mcore.set_defaults(handler=_cmd_hf_to_mcore)
+    to_hf = directions.add_parser("mcore-to-hf", help="Megatron torch_dist -> HF safetensors")
+    to_hf.add_argument("--ckpt", required=True, type=Path, help="directory written by hf-to-mcore")
+    to_hf.add_argument("--out", required=True, type=Path, help="new Hugging Face model directory")
+    _add_layout_arguments(to_hf)
+    to_hf.set_defaults(handler=_cmd_mcore_to_hf)
+    parity = commands.add_parser(
+        "check-parity", help="compare Megatron at a layout with transformers on a checkpoint (fp32, CPU ranks)"
+    )
+    parity.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
+    parity.add_argument("--tolerance", type=float, default=1e-4, help="max |diff| allowed (fp32)")
+    _add_layout_arguments(parity)
+    parity.set_defaults(handler=_cmd_check_parity)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,13 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("recipe", help="recipe YAML file")
     prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.synthetic.task=max")
     prepare.set_defaults(handler=_cmd_prepare)
+
+    _add_checkpoint_commands(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `megatron-rl` console command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, RankFailedError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

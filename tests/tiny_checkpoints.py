@@ -15,8 +15,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 VOCAB = 100
 
 _COMMON = dict(
-    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
@@ -51,8 +57,13 @@ def save_tiny_moe(path: Path, *, sparse_step: bool = False, dtype: torch.dtype =
         else dict(norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
     )
     config = Qwen3MoeConfig(
-        intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-        tie_word_embeddings=False, **routing, **_COMMON,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        **routing,
+        **_COMMON,
     )
     model = Qwen3MoeForCausalLM(config)
     _randomise(model, seed=2)

@@ -62,7 +62,9 @@ def _check_expert_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]
     if shape.num_experts % par.ep:
         yield _error("parallel.ep", f"{par.ep} does not divide the model's {shape.num_experts} experts")
     if par.tp > 1 and not par.sequence_parallel:
-        yield _error("parallel.sequence_parallel", "Megatron-core needs sequence parallelism for MoE with tp > 1: set it true")
+        yield _error(
+            "parallel.sequence_parallel", "Megatron-core needs sequence parallelism for MoE with tp > 1: set it true"
+        )
     layout = trainer_layout(par, cfg.cluster, cfg.rollout)
     if layout.world_size > 0 and layout.expert_dp == 0:
         yield _error(
@@ -87,14 +89,14 @@ def _check_pipeline_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Findin
 def _check_world_size(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
     par, cluster, rollout = cfg.parallel, cfg.cluster, cfg.rollout
     total_gpus = cluster.nodes * cluster.gpus_per_node
-    if rollout.placement == "disaggregated" and cluster.gpus_per_node > 0:
-        if rollout.num_gpus is None or rollout.num_gpus >= total_gpus:
-            yield _error(
-                "rollout.num_gpus",
-                f"disaggregated placement needs the engines' GPU count below the {total_gpus} GPUs of the job, "
-                f"got {rollout.num_gpus}",
-            )
-            return
+    engines_take_all = rollout.num_gpus is None or rollout.num_gpus >= total_gpus
+    if rollout.placement == "disaggregated" and cluster.gpus_per_node > 0 and engines_take_all:
+        yield _error(
+            "rollout.num_gpus",
+            f"disaggregated placement needs the engines' GPU count below the {total_gpus} GPUs of the job, "
+            f"got {rollout.num_gpus}",
+        )
+        return
     layout = trainer_layout(par, cluster, rollout)
     model_parallel = par.tp * par.pp * par.cp
     if layout.dp == 0:
@@ -112,7 +114,9 @@ def _check_engine_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]
     if rollout.tp % rollout.ep:
         yield _error("rollout.ep", f"engine ep ({rollout.ep}) must divide engine tp ({rollout.tp})")
     if shape.num_attention_heads % rollout.tp:
-        yield _error("rollout.tp", f"{rollout.tp} does not divide the model's {shape.num_attention_heads} attention heads")
+        yield _error(
+            "rollout.tp", f"{rollout.tp} does not divide the model's {shape.num_attention_heads} attention heads"
+        )
     if cluster.gpus_per_node == 0:
         return
     engine_gpus = rollout.tp * rollout.dp
@@ -171,11 +175,16 @@ def _check_preset(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
     fix = "fix it or set algorithm.preset: custom"
     if algo.preset == "dapo":
         if algo.loss_agg_mode != "token-mean":
-            yield _error("algorithm.loss_agg_mode", f"DAPO uses the token-level loss 'token-mean', got {algo.loss_agg_mode!r}; {fix}")
+            yield _error(
+                "algorithm.loss_agg_mode",
+                f"DAPO uses the token-level loss 'token-mean', got {algo.loss_agg_mode!r}; {fix}",
+            )
         if algo.use_kl_loss:
             yield _error("algorithm.use_kl_loss", f"DAPO has no KL term; {fix}")
         if algo.clip_high <= algo.clip_low:
-            yield _error("algorithm.clip_high", f"DAPO's Clip-Higher needs clip_high > clip_low (paper: 0.28 > 0.2); {fix}")
+            yield _error(
+                "algorithm.clip_high", f"DAPO's Clip-Higher needs clip_high > clip_low (paper: 0.28 > 0.2); {fix}"
+            )
         if not algo.dynamic_sampling.enable:
             yield _error("algorithm.dynamic_sampling.enable", f"DAPO samples dynamically; {fix}")
         if not (algo.overlong.enable or algo.overlong.filter_truncated):

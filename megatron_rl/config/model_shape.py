@@ -81,7 +81,9 @@ def read_model_shape(path: str | None, random_init: Mapping[str, Any] | None) ->
     assert path is not None
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise ModelShapeError(f"model.path: no config.json in {path!r}; point it at a Hugging Face checkpoint directory")
+        raise ModelShapeError(
+            f"model.path: no config.json in {path!r}; point it at a Hugging Face checkpoint directory"
+        )
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:

@@ -66,7 +66,9 @@ class OverlongConfig(Section):
     """DAPO overlong handling: soft punishment and/or filtering of truncated responses."""
 
     enable: bool = Field(False, description="Add DAPO's soft overlong punishment to the score.")
-    buffer_length: PositiveInt = Field(4096, description="L_cache: the penalty ramps over this many tokens before the maximum.")
+    buffer_length: PositiveInt = Field(
+        4096, description="L_cache: the penalty ramps over this many tokens before the maximum."
+    )
     penalty_factor: PositiveFloat = Field(1.0, description="Penalty at and beyond the maximum response length.")
     filter_truncated: bool = Field(False, description="Mask truncated responses out of the loss (overlong filtering).")
 
@@ -135,9 +137,12 @@ class RolloutConfig(Section):
         if value == 0:
             raise ValueError("top_k 0 would sample nothing; use -1 to disable top-k or a positive k")
         return value
+
     max_prompt_length: PositiveInt = Field(1024, description="Longer prompts are filtered out of the dataset.")
     max_response_length: PositiveInt = Field(1024, description="Maximum new tokens per response.")
-    mem_fraction: float = Field(0.8, gt=0.0, lt=1.0, description="Engine GPU memory fraction (SGLang mem_fraction_static).")
+    mem_fraction: float = Field(
+        0.8, gt=0.0, lt=1.0, description="Engine GPU memory fraction (SGLang mem_fraction_static)."
+    )
     quantization: Literal["fp8"] | None = Field(None, description="Rollout weight quantisation in the engine.")
     max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight per engine.")
     startup_timeout_s: PositiveFloat = Field(600.0, description="Seconds to wait for an engine to become healthy.")

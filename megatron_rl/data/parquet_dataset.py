@@ -68,9 +68,7 @@ def _column_values(table: pa.Table, key: str, path: Path) -> list[Any]:
     walked = head
     for name in fields:
         if not pa.types.is_struct(values.type) or values.type.get_field_index(name) < 0:
-            raise ValueError(
-                f"{path}: key {key!r}: column {walked!r} (type {values.type}) has no field {name!r}"
-            )
+            raise ValueError(f"{path}: key {key!r}: column {walked!r} (type {values.type}) has no field {name!r}")
         values = pc.struct_field(values, name)
         walked = f"{walked}.{name}"
     return values.to_pylist()
@@ -183,7 +181,11 @@ def load_prompt_dataset(
     names = ", ".join(str(path) for path in paths)
     logger.info(
         "loaded %d of %d prompts from %s; filtered %d longer than max_prompt_length=%s tokens",
-        len(items), num_rows, names, num_filtered, max_prompt_length,
+        len(items),
+        num_rows,
+        names,
+        num_filtered,
+        max_prompt_length,
     )
     if not items:
         raise ValueError(

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from megatron.core import parallel_state

@@ -1,8 +1,7 @@
 """Command bodies: ``convert hf-to-mcore``, ``convert mcore-to-hf``, ``check-parity``.
 
-The package CLI (``megatron_rl/cli.py``) wires these in with
-:func:`add_subcommands`; ``python -m megatron_rl.models.cli_commands`` runs them
-standalone.
+The package CLI (``megatron_rl/cli.py``) parses the arguments and calls these
+functions; they are importable for scripts too.
 
 Megatron checkpoint directory written by ``hf-to-mcore``::
 
@@ -16,11 +15,10 @@ per GPU), as the ranks of that job; ``check-parity`` always runs locally.
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +40,7 @@ from megatron_rl.models.megatron_config import check_layout
 from megatron_rl.models.parity import make_uneven_batch, max_abs_diffs, megatron_rank_outputs, reference_outputs
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-from megatron_rl.parallel.local_launch import RankFailedError, launched_externally, run_local_ranks, run_ranks
+from megatron_rl.parallel.local_launch import launched_externally, run_local_ranks, run_ranks
 
 HF_METADATA = "hf_metadata"
 
@@ -141,10 +139,14 @@ def check_parity(
     num_sequences += -num_sequences % sizes.pp
     input_ids, mask = make_uneven_batch(arch.vocab_size, num_sequences, max_length)
     world_size = sizes.min_world_size
-    print(f"model:  {arch.architecture}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}"
-          + (f", {arch.num_experts} experts (top-{arch.moe_router_topk})" if arch.is_moe else ""))
-    print(f"layout: TP={sizes.tp} PP={sizes.pp} VPP={sizes.vpp or '-'} EP={sizes.ep} ETP={sizes.expert_tp} "
-          f"on {world_size} CPU rank(s), gloo, fp32")
+    print(
+        f"model:  {arch.architecture}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}"
+        + (f", {arch.num_experts} experts (top-{arch.moe_router_topk})" if arch.is_moe else "")
+    )
+    print(
+        f"layout: TP={sizes.tp} PP={sizes.pp} VPP={sizes.vpp or '-'} EP={sizes.ep} ETP={sizes.expert_tp} "
+        f"on {world_size} CPU rank(s), gloo, fp32"
+    )
     print(f"batch:  {num_sequences} sequences, lengths {mask.sum(1).tolist()}")
     reference = reference_outputs(hf_dir, input_ids, mask)
     outputs = run_local_ranks(megatron_rank_outputs, world_size, sizes, Path(hf_dir), input_ids)
@@ -153,69 +155,9 @@ def check_parity(
     for key, (diff, (sequence, position)) in max_abs_diffs(ours, reference, mask).items():
         ok = diff <= tolerance
         passed &= ok
-        print(f"max |{key} diff| = {diff:.3e}  at sequence {sequence}, position {position}  "
-              f"{'ok' if ok else 'ABOVE TOLERANCE'}")
+        print(
+            f"max |{key} diff| = {diff:.3e}  at sequence {sequence}, position {position}  "
+            f"{'ok' if ok else 'ABOVE TOLERANCE'}"
+        )
     print(f"tolerance {tolerance:.0e}: {'PASS' if passed else 'FAIL'}")
     return passed
-
-
-def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    for name in ("tp", "pp", "ep"):
-        parser.add_argument(f"--{name}", type=int, default=1, help=f"{name.upper()} size")
-    parser.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
-    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
-
-
-def _layout(args: argparse.Namespace) -> ParallelSizes:
-    return ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
-
-
-def _run_hf_to_mcore(args: argparse.Namespace) -> int:
-    convert_hf_to_mcore(args.hf, args.out, _layout(args))
-    return 0
-
-
-def _run_mcore_to_hf(args: argparse.Namespace) -> int:
-    convert_mcore_to_hf(args.ckpt, args.out, _layout(args))
-    return 0
-
-
-def _run_check_parity(args: argparse.Namespace) -> int:
-    return 0 if check_parity(args.hf, _layout(args), tolerance=args.tolerance) else 1
-
-
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``convert`` (hf-to-mcore, mcore-to-hf) and ``check-parity``; each sets ``args.func``."""
-    convert = subparsers.add_parser("convert", help="convert between Hugging Face and Megatron checkpoints")
-    directions = convert.add_subparsers(dest="direction", required=True)
-    to_mcore = directions.add_parser("hf-to-mcore", help="HF safetensors -> Megatron torch_dist")
-    to_mcore.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
-    to_mcore.add_argument("--out", required=True, type=Path, help="new checkpoint directory")
-    _add_layout_arguments(to_mcore)
-    to_mcore.set_defaults(func=_run_hf_to_mcore)
-    to_hf = directions.add_parser("mcore-to-hf", help="Megatron torch_dist -> HF safetensors")
-    to_hf.add_argument("--ckpt", required=True, type=Path, help="directory written by hf-to-mcore")
-    to_hf.add_argument("--out", required=True, type=Path, help="new Hugging Face model directory")
-    _add_layout_arguments(to_hf)
-    to_hf.set_defaults(func=_run_mcore_to_hf)
-    parity = subparsers.add_parser("check-parity", help="compare Megatron with transformers on a checkpoint")
-    parity.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
-    parity.add_argument("--tolerance", type=float, default=1e-4, help="max |diff| allowed (fp32)")
-    _add_layout_arguments(parity)
-    parity.set_defaults(func=_run_check_parity)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point: ``python -m megatron_rl.models.cli_commands ...``."""
-    parser = argparse.ArgumentParser(prog="megatron-rl")
-    add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (RankFailedError, ValueError, KeyError, FileNotFoundError, FileExistsError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ the positions before it (padded positions' outputs are garbage, mask them).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from megatron.core import parallel_state

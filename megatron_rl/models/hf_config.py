@@ -10,9 +10,10 @@ attention biases, shared experts, a non-SiLU activation, ...) raises
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -134,9 +135,7 @@ def parse_hf_config(config: Mapping[str, Any]) -> QwenArchitecture:
     """
     architectures = config.get("architectures") or []
     if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedConfigError(
-            f"architectures={architectures!r}: supported are {list(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise UnsupportedConfigError(f"architectures={architectures!r}: supported are {list(SUPPORTED_ARCHITECTURES)}")
     _reject_unsupported(config)
     hidden_size = int(_require(config, "hidden_size"))
     num_heads = int(_require(config, "num_attention_heads"))

@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,7 @@ def finalize_safetensors(out_dir: str | Path, shards: Sequence[ShardFile]) -> li
         return [SINGLE_FILE]
     weight_map: dict[str, str] = {}
     final_names = [_shard_name(i + 1, len(shards)) for i in range(len(shards))]
-    for shard, final_name in zip(shards, final_names):
+    for shard, final_name in zip(shards, final_names, strict=True):
         (out_dir / shard.file_name).rename(out_dir / final_name)
         weight_map |= dict.fromkeys(shard.tensor_names, final_name)
     index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(weight_map.items()))}

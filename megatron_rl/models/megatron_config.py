@@ -16,7 +16,8 @@ embedding rows are padded to a multiple of ``make_vocab_size_divisible_by * tp``
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -40,7 +40,7 @@ class SafetensorsCheckpoint:
             self._file_of = {name: self.model_dir / file for name, file in weight_map.items()}
         elif (self.model_dir / SINGLE_FILE).is_file():
             with safe_open(self.model_dir / SINGLE_FILE, framework="pt") as handle:
-                self._file_of = {name: self.model_dir / SINGLE_FILE for name in handle.keys()}
+                self._file_of = {name: self.model_dir / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
         else:
             raise FileNotFoundError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
         self._handles: dict[Path, object] = {}

@@ -17,8 +17,9 @@ group, I intermediate size, V vocab, Vp padded vocab.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

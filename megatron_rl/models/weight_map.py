@@ -19,8 +19,8 @@ the right Hugging Face layer) and expert indices are global
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state

@@ -13,8 +13,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ def load_hf_weights(
     for mapping, param in iter_param_mappings(chunks, arch):
         rank, size = tensor_parallel_rank_size(mapping)
         local_shape = tuple(param.shape)
-        for name, shape in zip(mapping.hf_names, mapping.layout.hf_shapes(local_shape, size)):
+        for name, shape in zip(mapping.hf_names, mapping.layout.hf_shapes(local_shape, size), strict=True):
             checkpoint.check_shape(name, shape)
         shard = mapping.layout.read_shard(checkpoint.read, mapping.hf_names, rank, local_shape)
         param.copy_(shard.to(dtype=param.dtype))
@@ -92,4 +92,4 @@ def export_hf_tensors(
         else:
             shards = [select(param)]
         if not designated_only or is_designated_source(mapping):
-            yield from zip(mapping.hf_names, mapping.layout.unshard(shards))
+            yield from zip(mapping.hf_names, mapping.layout.unshard(shards), strict=True)

@@ -47,7 +47,8 @@ touch a GPU process.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -21,21 +21,14 @@ import pickle
 import socket
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-
-class RankFailedError(RuntimeError):
-    """A local rank raised; ``traceback`` holds its full traceback text."""
-
-    def __init__(self, rank: int, traceback: str) -> None:
-        last_line = traceback.strip().splitlines()[-1] if traceback.strip() else "unknown error"
-        super().__init__(f"rank {rank} failed: {last_line}")
-        self.rank = rank
-        self.traceback = traceback
+from megatron_rl.parallel.errors import RankFailedError
 
 
 def free_port() -> int:

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.models.cli_commands import convert_hf_to_mcore, convert_mcore_to_hf, main
+from megatron_rl.cli import main
+from megatron_rl.models.cli_commands import convert_hf_to_mcore, convert_mcore_to_hf
 from megatron_rl.models.hf_files import partial_dir
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
 from megatron_rl.parallel.distributed import ParallelSizes
@@ -47,8 +48,20 @@ def _cli_rank(rank: int, world_size: int, argv: list[str]) -> int:
 @pytest.mark.distributed
 def test_converters_run_as_the_ranks_of_an_externally_launched_job(tmp_path, moe_dir):
     to_mcore = ["convert", "hf-to-mcore", "--hf", str(moe_dir), "--out", str(tmp_path / "mcore"), "--pp", "2"]
-    to_hf = ["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"),
-             "--tp", "2", "--ep", "2", "--etp", "1"]
+    to_hf = [
+        "convert",
+        "mcore-to-hf",
+        "--ckpt",
+        str(tmp_path / "mcore"),
+        "--out",
+        str(tmp_path / "hf"),
+        "--tp",
+        "2",
+        "--ep",
+        "2",
+        "--etp",
+        "1",
+    ]
     assert run_distributed(_cli_rank, 2, to_mcore) == [0, 0]
     assert run_distributed(_cli_rank, 4, to_hf) == [0, 0, 0, 0]
     original, converted = load_file(moe_dir / "model.safetensors"), SafetensorsCheckpoint(tmp_path / "hf")

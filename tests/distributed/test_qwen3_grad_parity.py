@@ -36,8 +36,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _megatron_grads_rank(rank, world_size, sizes: ParallelSizes, hf_dir: Path) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     initialize_parallel(sizes)

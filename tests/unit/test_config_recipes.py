@@ -156,7 +156,9 @@ def test_indivisible_experts_by_ep() -> None:
 
 
 def test_indivisible_heads_by_tp() -> None:
-    problems = _problems(TINY, "parallel.tp=3", "parallel.ep=1", "parallel.sequence_parallel=true", "cluster.cpu_trainer_ranks=3")
+    problems = _problems(
+        TINY, "parallel.tp=3", "parallel.ep=1", "parallel.sequence_parallel=true", "cluster.cpu_trainer_ranks=3"
+    )
     assert "parallel.tp: 3 does not divide the model's 4 attention heads" in problems
 
 
@@ -166,7 +168,9 @@ def test_indivisible_layers_by_pp_times_vpp() -> None:
 
 
 def test_vpp_without_pipeline_is_rejected() -> None:
-    assert "parallel.vpp: virtual pipeline stages need pp > 1; unset vpp or raise pp" in _problems(TINY, "parallel.vpp=2")
+    assert "parallel.vpp: virtual pipeline stages need pp > 1; unset vpp or raise pp" in _problems(
+        TINY, "parallel.vpp=2"
+    )
 
 
 def test_world_size_must_factor_into_model_parallel_sizes() -> None:
@@ -196,7 +200,9 @@ def test_mini_batches_must_divide_prompts() -> None:
 
 def test_sequence_lengths_must_fit_model_positions() -> None:
     problems = _problems(TINY, "rollout.max_response_length=60")
-    assert any(p.startswith("rollout.max_response_length: max_prompt_length + max_response_length = 76") for p in problems)
+    assert any(
+        p.startswith("rollout.max_response_length: max_prompt_length + max_response_length = 76") for p in problems
+    )
 
 
 def test_drgrpo_with_std_normalisation_is_an_error() -> None:
@@ -207,16 +213,22 @@ def test_drgrpo_with_std_normalisation_is_an_error() -> None:
 
 
 def test_custom_preset_allows_ablations() -> None:
-    cfg, _ = load_recipe(RECIPES / "tiny_moe_cpu_drgrpo.yaml", ["algorithm.norm_adv_by_std=true", "algorithm.preset=custom"])
+    cfg, _ = load_recipe(
+        RECIPES / "tiny_moe_cpu_drgrpo.yaml", ["algorithm.norm_adv_by_std=true", "algorithm.preset=custom"]
+    )
     assert cfg.algorithm.norm_adv_by_std
 
 
 def test_dapo_without_clip_higher_is_an_error() -> None:
-    assert any(p.startswith("algorithm.clip_high: DAPO's Clip-Higher") for p in _problems(TINY, "algorithm.clip_high=0.2"))
+    assert any(
+        p.startswith("algorithm.clip_high: DAPO's Clip-Higher") for p in _problems(TINY, "algorithm.clip_high=0.2")
+    )
 
 
 def test_sglang_on_cpu_is_rejected() -> None:
-    assert "rollout.engine: SGLang needs GPUs; use engine 'reference' on CPU" in _problems(TINY, "rollout.engine=sglang")
+    assert "rollout.engine: SGLang needs GPUs; use engine 'reference' on CPU" in _problems(
+        TINY, "rollout.engine=sglang"
+    )
 
 
 def test_fp8_needs_a_recipe_and_gpus() -> None:

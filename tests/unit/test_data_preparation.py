@@ -16,9 +16,7 @@ TINY = RECIPES / "tiny_moe_cpu_dapo.yaml"
 
 def test_synthetic_recipe_prepares_tokenizer_datasets_and_reward(tmp_path: Path) -> None:
     cfg, _ = load_recipe(TINY)
-    prepared = prepare_data(
-        cfg.data, tokenizer_path=None, model_vocab_size=32, max_prompt_length=16, work_dir=tmp_path
-    )
+    prepared = prepare_data(cfg.data, tokenizer_path=None, model_vocab_size=32, max_prompt_length=16, work_dir=tmp_path)
     assert (prepared.tokenizer_dir / "tokenizer.json").is_file()
     assert len(prepared.train) == cfg.data.synthetic.num_train
     assert prepared.val is not None and len(prepared.val) == cfg.data.synthetic.num_val

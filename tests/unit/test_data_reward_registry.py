@@ -19,8 +19,8 @@ from megatron_rl.data import (
     get_reward,
     register_reward,
     registered_rewards,
+    rewards,
 )
-from megatron_rl.data import rewards
 
 CUSTOM_MODULE = "custom_reward_for_test"
 

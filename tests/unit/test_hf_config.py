@@ -11,10 +11,22 @@ from megatron_rl.parallel.distributed import ParallelSizes
 
 def _moe_config(**overrides) -> dict:
     fields = dict(
-        vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
-        max_position_embeddings=512, mlp_only_layers=[0], decoder_sparse_step=1,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        max_position_embeddings=512,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
     )
     config = Qwen3MoeConfig(**(fields | overrides)).to_dict()
     config["architectures"] = ["Qwen3MoeForCausalLM"]
@@ -49,8 +61,15 @@ def test_legacy_rope_theta_and_num_local_experts_spellings_are_read():
 
 
 def test_dense_qwen3_has_no_moe_layers_and_head_dim_defaults_to_hidden_over_heads():
-    config = Qwen3Config(vocab_size=100, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=2, intermediate_size=64, tie_word_embeddings=True).to_dict()
+    config = Qwen3Config(
+        vocab_size=100,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+    ).to_dict()
     config.update(architectures=["Qwen3ForCausalLM"], head_dim=None)
     arch = parse_hf_config(config)
     assert not arch.is_moe and arch.head_dim == 8 and arch.tie_word_embeddings
@@ -94,12 +113,30 @@ def test_vocab_is_padded_to_a_multiple_of_divisor_times_tp():
 
 
 QWEN3_30B_A3B = {  # the published config.json's math fields
-    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
-    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
-    "max_position_embeddings": 40960, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
-    "use_sliding_window": False, "sliding_window": None, "torch_dtype": "bfloat16",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "torch_dtype": "bfloat16",
 }
 
 

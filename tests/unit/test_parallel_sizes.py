@@ -12,8 +12,13 @@ def test_expert_tp_defaults_to_tp():
 
 @pytest.mark.parametrize(
     "sizes, world",
-    [(ParallelSizes(), 1), (ParallelSizes(tp=2, pp=2, ep=2, etp=1), 4), (ParallelSizes(tp=2, ep=2, etp=2), 4),
-     (ParallelSizes(tp=1, ep=4, etp=1), 4), (ParallelSizes(tp=4, ep=2, etp=1), 4)],
+    [
+        (ParallelSizes(), 1),
+        (ParallelSizes(tp=2, pp=2, ep=2, etp=1), 4),
+        (ParallelSizes(tp=2, ep=2, etp=2), 4),
+        (ParallelSizes(tp=1, ep=4, etp=1), 4),
+        (ParallelSizes(tp=4, ep=2, etp=1), 4),
+    ],
 )
 def test_min_world_size_fits_dense_and_expert_layouts(sizes, world):
     assert sizes.min_world_size == world
