@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,7 +13,7 @@ from megatron_rl.parallel.errors import RankFailedError
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import ParallelSizes
-from megatron_rl.config import RecipeError, RunConfig, load_recipe, read_model_shape, recipe_to_yaml, trainer_layout
+from megatron_rl.config import RecipeError, RunConfig, load_recipe, read_architecture, recipe_to_yaml, trainer_layout
 
 
 def _layout_summary(cfg: RunConfig) -> str:
@@ -55,18 +56,18 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
     try:
         cfg, _ = load_recipe(args.recipe, args.overrides)
-        shape = read_model_shape(cfg.model.path, cfg.model.random_init)
+        arch = read_architecture(cfg.model.path, cfg.model.random_init)
         prepared = prepare_data(
             cfg.data,
             tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-            model_vocab_size=shape.vocab_size,
+            model_vocab_size=arch.vocab_size,
             max_prompt_length=cfg.rollout.max_prompt_length,
             work_dir=f"{cfg.run_dir}/data",
         )
     except (RecipeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"# tokenizer: {prepared.tokenizer_dir} ({len(prepared.tokenizer)} tokens, model vocab {shape.vocab_size})")
+    print(f"# tokenizer: {prepared.tokenizer_dir} ({len(prepared.tokenizer)} tokens, model vocab {arch.vocab_size})")
     for split, dataset in (("train", prepared.train), ("val", prepared.val)):
         if dataset is not None:
             lengths = [len(item.prompt_ids) for item in dataset]
@@ -92,6 +93,14 @@ def _parallel_sizes(args: argparse.Namespace) -> ParallelSizes:
     from megatron_rl.parallel.distributed import ParallelSizes
 
     return ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+
+
+def _silence_library_warnings() -> None:
+    """Hide Megatron's and torch.distributed's start-up notices (no apex, deprecations); `python -W` overrides."""
+    if sys.warnoptions:
+        return
+    for module in (r"megatron\.", r"torch\.distributed\."):
+        warnings.filterwarnings("ignore", module=module)
 
 
 def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
@@ -169,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `megatron-rl` console command; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command in ("convert", "check-parity"):
+        _silence_library_warnings()
     try:
         return args.handler(args)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, RankFailedError) as error:

@@ -7,7 +7,7 @@ anything expensive starts.
 from megatron_rl.config.checks import Finding, check_recipe
 from megatron_rl.config.layout import TrainerLayout, trainer_layout
 from megatron_rl.config.loading import RecipeError, load_recipe, recipe_to_yaml, validate_recipe_tree
-from megatron_rl.config.model_shape import ModelShape, ModelShapeError, read_model_shape
+from megatron_rl.config.model_source import ModelSourceError, read_architecture
 from megatron_rl.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -30,8 +30,7 @@ __all__ = [
     "Finding",
     "LoggingConfig",
     "ModelConfig",
-    "ModelShape",
-    "ModelShapeError",
+    "ModelSourceError",
     "ParallelConfig",
     "RecipeError",
     "RolloutConfig",
@@ -41,7 +40,7 @@ __all__ = [
     "WeightSyncConfig",
     "check_recipe",
     "load_recipe",
-    "read_model_shape",
+    "read_architecture",
     "recipe_to_yaml",
     "trainer_layout",
     "validate_recipe_tree",

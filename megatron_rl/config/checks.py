@@ -1,7 +1,7 @@
 """Cross-field checks of a recipe, run before any rank or engine starts.
 
 Each check is a small named function taking the recipe (and the model's
-:class:`ModelShape`) and returning :class:`Finding` objects; a finding names the
+:class:`QwenArchitecture`) and returning :class:`Finding` objects; a finding names the
 dotted field, what is wrong and how to fix it. Errors stop the run; warnings are
 printed and the run goes on.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_rl.config.layout import trainer_layout
-from megatron_rl.config.model_shape import ModelShape
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.models.hf_config import QwenArchitecture
 
 
 @dataclass(frozen=True)
@@ -38,29 +38,29 @@ def _warning(field: str, message: str) -> Finding:
     return Finding("warning", field, message)
 
 
-Check = Callable[[RunConfig, ModelShape], Iterator[Finding]]
+Check = Callable[[RunConfig, QwenArchitecture], Iterator[Finding]]
 
 
-def _check_attention_vs_tp(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_attention_vs_tp(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     tp = cfg.parallel.tp
-    if shape.num_attention_heads % tp:
-        yield _error("parallel.tp", f"{tp} does not divide the model's {shape.num_attention_heads} attention heads")
-    if shape.num_kv_heads % tp:
+    if arch.num_attention_heads % tp:
+        yield _error("parallel.tp", f"{tp} does not divide the model's {arch.num_attention_heads} attention heads")
+    if arch.num_query_groups % tp:
         yield _error(
             "parallel.tp",
-            f"{tp} does not divide the model's {shape.num_kv_heads} key/value heads; "
-            f"use a tp that divides {shape.num_kv_heads}",
+            f"{tp} does not divide the model's {arch.num_query_groups} key/value heads; "
+            f"use a tp that divides {arch.num_query_groups}",
         )
 
 
-def _check_expert_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_expert_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     par = cfg.parallel
-    if not shape.is_moe:
+    if not arch.is_moe:
         if par.ep > 1 or par.expert_tp != par.tp:
-            yield _error("parallel.ep", f"{shape.architecture} has no experts: leave ep at 1 and etp unset")
+            yield _error("parallel.ep", f"{arch.architecture} has no experts: leave ep at 1 and etp unset")
         return
-    if shape.num_experts % par.ep:
-        yield _error("parallel.ep", f"{par.ep} does not divide the model's {shape.num_experts} experts")
+    if arch.num_experts % par.ep:
+        yield _error("parallel.ep", f"{par.ep} does not divide the model's {arch.num_experts} experts")
     if par.tp > 1 and not par.sequence_parallel:
         yield _error(
             "parallel.sequence_parallel", "Megatron-core needs sequence parallelism for MoE with tp > 1: set it true"
@@ -74,19 +74,19 @@ def _check_expert_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]
         )
 
 
-def _check_pipeline_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_pipeline_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     par = cfg.parallel
     vpp = par.vpp or 1
     if par.vpp is not None and par.pp == 1:
         yield _error("parallel.vpp", "virtual pipeline stages need pp > 1; unset vpp or raise pp")
-    if shape.num_layers % (par.pp * vpp):
+    if arch.num_layers % (par.pp * vpp):
         yield _error(
             "parallel.pp",
-            f"pp ({par.pp}) x vpp ({vpp}) = {par.pp * vpp} does not divide the model's {shape.num_layers} layers",
+            f"pp ({par.pp}) x vpp ({vpp}) = {par.pp * vpp} does not divide the model's {arch.num_layers} layers",
         )
 
 
-def _check_world_size(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_world_size(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     par, cluster, rollout = cfg.parallel, cfg.cluster, cfg.rollout
     total_gpus = cluster.nodes * cluster.gpus_per_node
     engines_take_all = rollout.num_gpus is None or rollout.num_gpus >= total_gpus
@@ -107,15 +107,15 @@ def _check_world_size(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
         )
 
 
-def _check_engine_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     rollout, cluster = cfg.rollout, cfg.cluster
     if rollout.engine == "sglang" and cluster.gpus_per_node == 0:
         yield _error("rollout.engine", "SGLang needs GPUs; use engine 'reference' on CPU")
     if rollout.tp % rollout.ep:
         yield _error("rollout.ep", f"engine ep ({rollout.ep}) must divide engine tp ({rollout.tp})")
-    if shape.num_attention_heads % rollout.tp:
+    if arch.num_attention_heads % rollout.tp:
         yield _error(
-            "rollout.tp", f"{rollout.tp} does not divide the model's {shape.num_attention_heads} attention heads"
+            "rollout.tp", f"{rollout.tp} does not divide the model's {arch.num_attention_heads} attention heads"
         )
     if cluster.gpus_per_node == 0:
         return
@@ -128,7 +128,7 @@ def _check_engine_layout(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]
         )
 
 
-def _check_batch_divisibility(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_batch_divisibility(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     train, n = cfg.train, cfg.rollout.n_samples_per_prompt
     if train.prompts_per_step % train.mini_batches_per_step:
         yield _error(
@@ -148,14 +148,14 @@ def _check_batch_divisibility(cfg: RunConfig, shape: ModelShape) -> Iterator[Fin
         yield _error("rollout.n_samples_per_prompt", "group-relative advantages need at least 2 responses per prompt")
 
 
-def _check_sequence_lengths(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_sequence_lengths(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     rollout = cfg.rollout
     total = rollout.max_prompt_length + rollout.max_response_length
-    if total > shape.max_position_embeddings:
+    if total > arch.max_position_embeddings:
         yield _error(
             "rollout.max_response_length",
             f"max_prompt_length + max_response_length = {total} exceeds the model's "
-            f"max_position_embeddings ({shape.max_position_embeddings})",
+            f"max_position_embeddings ({arch.max_position_embeddings})",
         )
     if cfg.train.max_tokens_per_micro_batch < total:
         yield _error(
@@ -170,7 +170,7 @@ def _check_sequence_lengths(cfg: RunConfig, shape: ModelShape) -> Iterator[Findi
         )
 
 
-def _check_preset(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_preset(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     algo = cfg.algorithm
     fix = "fix it or set algorithm.preset: custom"
     if algo.preset == "dapo":
@@ -204,7 +204,7 @@ def _check_preset(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
             yield _error("algorithm.loss_agg_mode", f"GRPO averages token means over sequences; {fix}")
 
 
-def _check_loss_terms(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_loss_terms(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     algo = cfg.algorithm
     if algo.use_kl_loss and algo.kl_coef == 0.0:
         yield _warning("algorithm.kl_coef", "use_kl_loss is on with coefficient 0: the KL term does nothing")
@@ -214,11 +214,11 @@ def _check_loss_terms(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
         yield _error("algorithm.clip_c", f"dual clip applies to ppo_clip only, not {algo.policy_loss!r}")
     if algo.dynamic_sampling.enable and cfg.rollout.n_samples_per_prompt < 2:
         yield _error("algorithm.dynamic_sampling.enable", "needs rollout.n_samples_per_prompt >= 2")
-    if algo.routing_replay and not shape.is_moe:
-        yield _error("algorithm.routing_replay", f"{shape.architecture} has no experts to replay")
+    if algo.routing_replay and not arch.is_moe:
+        yield _error("algorithm.routing_replay", f"{arch.architecture} has no experts to replay")
 
 
-def _check_precision(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     train = cfg.train
     if train.precision == "fp8":
         if cfg.cluster.gpus_per_node == 0:
@@ -227,13 +227,13 @@ def _check_precision(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
             yield _error("train.fp8_recipe", "precision fp8 needs a recipe: delayed, tensorwise, blockwise or mxfp8")
     elif train.fp8_recipe is not None:
         yield _error("train.fp8_recipe", f"set only with precision fp8 (precision is {train.precision!r})")
-    if train.moe_aux_loss_type != "none" and not shape.is_moe:
-        yield _error("train.moe_aux_loss_type", f"{shape.architecture} has no router to balance")
+    if train.moe_aux_loss_type != "none" and not arch.is_moe:
+        yield _error("train.moe_aux_loss_type", f"{arch.architecture} has no router to balance")
     if train.moe_aux_loss_type == "none" and train.moe_aux_loss_coef > 0.0:
         yield _warning("train.moe_aux_loss_coef", "ignored because moe_aux_loss_type is none")
 
 
-def _check_sources(cfg: RunConfig, shape: ModelShape) -> Iterator[Finding]:
+def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     if cfg.data.synthetic is None and cfg.model.tokenizer is None and cfg.model.path is None:
         yield _error("model.tokenizer", "no tokenizer: set model.tokenizer (or model.path, or data.synthetic)")
     if cfg.train.val_interval > 0 and cfg.data.synthetic is None and not cfg.data.val_files:
@@ -262,7 +262,7 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
-def check_recipe(cfg: RunConfig, shape: ModelShape) -> list[Finding]:
+def check_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Finding]:
     """Run every cross-field check; errors first, then warnings, each in check order."""
-    findings = [finding for check in CHECKS for finding in check(cfg, shape)]
+    findings = [finding for check in CHECKS for finding in check(cfg, arch)]
     return sorted(findings, key=lambda f: f.level != "error")

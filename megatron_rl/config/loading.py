@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from megatron_rl.config.checks import Finding, check_recipe
-from megatron_rl.config.model_shape import ModelShapeError, read_model_shape
+from megatron_rl.config.model_source import ModelSourceError, read_architecture
 from megatron_rl.config.schema import RunConfig
 
 
@@ -141,10 +141,10 @@ def validate_recipe_tree(tree: Mapping[str, Any], source: str) -> tuple[RunConfi
     except ValidationError as exc:
         raise RecipeError(_format_validation_error(exc), source) from None
     try:
-        shape = read_model_shape(cfg.model.path, cfg.model.random_init)
-    except ModelShapeError as exc:
+        arch = read_architecture(cfg.model.path, cfg.model.random_init)
+    except ModelSourceError as exc:
         raise RecipeError([str(exc)], source) from None
-    findings = check_recipe(cfg, shape)
+    findings = check_recipe(cfg, arch)
     errors = [str(f) for f in findings if f.level == "error"]
     if errors:
         raise RecipeError(errors, source)

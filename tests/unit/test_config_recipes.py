@@ -10,25 +10,10 @@ import pytest
 from megatron_rl.cli import main
 from megatron_rl.config import RecipeError, load_recipe, recipe_to_yaml
 from megatron_rl.config.loading import apply_overrides, parse_yaml, read_recipe_tree, validate_recipe_tree
+from tests.hf_configs import QWEN3_30B_A3B
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TINY = RECIPES / "tiny_moe_cpu_dapo.yaml"
-
-# Public facts of Qwen/Qwen3-30B-A3B's config.json (the sizes the recipe checks read).
-QWEN3_30B_A3B_CONFIG = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "hidden_size": 2048,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768,
-    "intermediate_size": 6144,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-}
 
 
 def _problems(recipe: Path, *overrides: str) -> list[str]:
@@ -42,7 +27,7 @@ def qwen3_30b_overrides(tmp_path: Path) -> list[str]:
     """Overrides pointing the 30B recipes at a config-only checkpoint and empty data files."""
     ckpt = tmp_path / "Qwen3-30B-A3B"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
     train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
     train.touch()
     val.touch()
@@ -288,3 +273,8 @@ def test_validate_command_lists_errors_and_exits_non_zero(capsys: pytest.Capture
     assert main(["validate", str(TINY), "parallel.ep=3", "algorithm.clip_hgh=1"]) == 1
     err = capsys.readouterr().err
     assert "algorithm.clip_hgh: unknown key" in err
+
+
+def test_hf_field_megatron_cannot_honour_is_rejected_at_validation() -> None:
+    (problem,) = _problems(TINY, "model.random_init.rope_scaling={rope_type: yarn, factor: 4.0}")
+    assert problem.startswith("model.random_init: rope_scaling=") and "only plain RoPE" in problem

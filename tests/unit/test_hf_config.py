@@ -7,6 +7,7 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 from megatron_rl.models.hf_config import UnsupportedConfigError, parse_hf_config
 from megatron_rl.models.megatron_config import build_transformer_config, check_layout, padded_vocab_size
 from megatron_rl.parallel.distributed import ParallelSizes
+from tests.hf_configs import QWEN3_30B_A3B
 
 
 def _moe_config(**overrides) -> dict:
@@ -110,34 +111,6 @@ def test_vocab_is_padded_to_a_multiple_of_divisor_times_tp():
     assert padded_vocab_size(100, tp=2) == 256
     assert padded_vocab_size(151936, tp=1) == 151936
     assert padded_vocab_size(151936, tp=4) == 152064
-
-
-QWEN3_30B_A3B = {  # the published config.json's math fields
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "rope_scaling": None,
-    "max_position_embeddings": 40960,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "use_sliding_window": False,
-    "sliding_window": None,
-    "torch_dtype": "bfloat16",
-}
 
 
 def test_qwen3_30b_a3b_maps_at_a_production_layout():
