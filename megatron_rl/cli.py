@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `megatron-rl` console command; returns the exit status."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `megatron-rl validate ... | head` ends quietly
     args = build_parser().parse_args(argv)
     if args.command in ("convert", "check-parity"):
         _silence_library_warnings()
