@@ -1,0 +1,49 @@
+"""One readable console line per step, with the headline metrics that are present."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+
+from megatron_rl.metrics.sinks import Metrics
+
+HEADLINE_METRICS: tuple[tuple[str, str], ...] = (
+    ("train/reward_mean", "reward"),
+    ("train/accuracy", "acc"),
+    ("val/reward_mean", "val_reward"),
+    ("val/accuracy", "val_acc"),
+    ("train/response_length_mean", "len"),
+    ("actor/policy_loss", "pg_loss"),
+    ("actor/approx_kl", "kl"),
+    ("actor/entropy", "entropy"),
+    ("actor/grad_norm", "grad_norm"),
+    ("rollout/dropped_groups", "dropped"),
+    ("perf/tokens_per_s", "tok/s"),
+    ("time/step_s", "step_s"),
+)
+"""(metric name, short label) pairs shown on the console, in this order, when logged."""
+
+
+def format_step_line(step: int, total_steps: int, metrics: Metrics) -> str:
+    """``step 3/60 | reward 0.125 | acc 0.44 | ...``: the headline metrics present, 4 significant digits."""
+    parts = [f"step {step}/{total_steps}"]
+    for name, label in HEADLINE_METRICS:
+        if name in metrics:
+            value = float(metrics[name])
+            parts.append(f"{label} {'n/a' if not math.isfinite(value) else f'{value:.4g}'}")
+    return " | ".join(parts)
+
+
+class ConsoleSink:
+    """Prints :func:`format_step_line` for each step (colour only on a terminal)."""
+
+    def __init__(self, total_steps: int, console: Console | None = None) -> None:
+        self._total_steps = total_steps
+        self._console = console or Console(highlight=False)
+
+    def log(self, step: int, metrics: Metrics) -> None:
+        self._console.print(format_step_line(step, self._total_steps, metrics), soft_wrap=True)
+
+    def close(self) -> None:
+        """Nothing to release."""
