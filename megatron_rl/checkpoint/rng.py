@@ -1,0 +1,54 @@
+"""Capture and restore every random generator a rank draws from, for bitwise-exact resume."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The states of Python's, NumPy's and torch's global generators (CUDA ones when present)."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the global generators back to ``state`` (from :func:`capture_rng_state`)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state:
+        if not torch.cuda.is_available():
+            raise RuntimeError("this checkpoint holds CUDA generator states, but no GPU is visible to restore them")
+        torch.cuda.set_rng_state_all(state["torch_cuda"])
+
+
+def rng_state_path(checkpoint_dir: str | Path, rank: int) -> Path:
+    """``<checkpoint>/rng/rank_00003.pt``: one file per global rank."""
+    return Path(checkpoint_dir) / "rng" / f"rank_{rank:05d}.pt"
+
+
+def save_rng_state(checkpoint_dir: str | Path, rank: int) -> Path:
+    """Write this rank's generator states into the (staging) checkpoint directory."""
+    path = rng_state_path(checkpoint_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(capture_rng_state(), path)
+    return path
+
+
+def load_rng_state(checkpoint_dir: str | Path, rank: int) -> None:
+    """Restore this rank's generator states; FileNotFoundError names the missing file (e.g. more ranks now)."""
+    path = rng_state_path(checkpoint_dir, rank)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no generator state for rank {rank} (was the run saved with fewer ranks?)")
+    restore_rng_state(torch.load(path, weights_only=False))
