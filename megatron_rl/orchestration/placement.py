@@ -1,0 +1,60 @@
+"""Ray placement of trainer ranks: one bundle per rank, ordered by (node, GPU) so ranks are contiguous per node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util import placement_group
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the requested bundles; the message says what was asked and what exists."""
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one rank runs: a bundle of the placement group and the node it landed on."""
+
+    bundle_index: int
+    node_ip: str
+    gpu_ids: tuple[str, ...]
+
+
+@ray.remote(num_cpus=0)
+def _probe_bundle() -> tuple[str, tuple[str, ...]]:
+    return ray.util.get_node_ip_address(), tuple(str(gpu) for gpu in ray.get_gpu_ids())
+
+
+def bundle_resources(num_gpus: float, num_cpus: float) -> dict[str, float]:
+    """The resources of one rank's bundle (no GPU key on CPU-only runs)."""
+    return {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus > 0 else {})
+
+
+def create_rank_slots(
+    num_ranks: int, *, num_gpus: float, num_cpus: float, timeout_s: float = 120.0, name: str = ""
+) -> tuple[PlacementGroup, list[RankSlot]]:
+    """Reserve one bundle per rank (PACK strategy) and return the slots sorted by (node IP, GPU ids).
+
+    Raises :class:`PlacementError` within ``timeout_s`` when the cluster cannot hold the bundles.
+    """
+    bundle = bundle_resources(num_gpus, num_cpus)
+    group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK", name=name)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise PlacementError(
+            f"could not place {num_ranks} bundles of {bundle} within {timeout_s:.0f} s; "
+            f"the cluster has {ray.cluster_resources()}"
+        )
+    probes = [
+        _probe_bundle.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+            num_gpus=num_gpus,
+        ).remote()
+        for index in range(num_ranks)
+    ]
+    slots = [RankSlot(index, ip, gpus) for index, (ip, gpus) in enumerate(ray.get(probes))]
+    return group, sorted(slots, key=lambda slot: (slot.node_ip, slot.gpu_ids, slot.bundle_index))

@@ -1,0 +1,117 @@
+"""A group of Ray actors, one per torch.distributed rank, each hosting a worker object.
+
+The group sets the standard launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) in every actor before the worker class is constructed, so
+workers start torch.distributed exactly as under torchrun. Methods are called on all ranks
+concurrently (collectives need every rank) and their results come back in rank order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megatron_rl.orchestration.placement import RankSlot
+
+
+@ray.remote
+class _RankHost:
+    """Holds one rank's worker; ``start`` sets the launcher environment, then builds the worker."""
+
+    def __init__(self) -> None:
+        self._worker: Any = None
+
+    def free_endpoint(self) -> tuple[str, int]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def start(self, env: dict[str, str], worker_cls: type, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        os.environ.update(env)
+        self._worker = worker_cls(*args, **kwargs)
+
+    def call(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        return getattr(self._worker, method)(*args, **kwargs)
+
+
+class RankWorkerGroup:
+    """``len(slots)`` ranks of ``worker_cls``, rank ``i`` on ``slots[i]`` of ``placement``."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        placement: PlacementGroup,
+        slots: Sequence[RankSlot],
+        *,
+        num_gpus: float,
+        num_cpus: float,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self._hosts = [
+            _RankHost.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, slot.bundle_index),
+            ).remote()
+            for slot in slots
+        ]
+        master_addr, master_port = ray.get(self._hosts[0].free_endpoint.remote())
+        local_ranks = _local_ranks(slots)
+        starts = [
+            host.start.remote(
+                (env or {})
+                | {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(len(slots)),
+                    "LOCAL_RANK": str(local_ranks[rank]),
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                },
+                worker_cls,
+                list(args),
+                kwargs or {},
+            )
+            for rank, host in enumerate(self._hosts)
+        ]
+        ray.get(starts)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self._hosts)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every rank's worker concurrently; results in rank order (a rank's error re-raises)."""
+        return ray.get([host.call.remote(method, args, kwargs) for host in self._hosts])
+
+    def call_per_rank(self, method: str, per_rank_args: Sequence[Sequence[Any]]) -> list[Any]:
+        """Call ``method`` on rank ``i`` with ``per_rank_args[i]``, all concurrently."""
+        if len(per_rank_args) != len(self._hosts):
+            raise ValueError(f"got arguments for {len(per_rank_args)} ranks, the group has {len(self._hosts)}")
+        return ray.get(
+            [host.call.remote(method, args, {}) for host, args in zip(self._hosts, per_rank_args, strict=True)]
+        )
+
+    def shutdown(self) -> None:
+        """Kill every rank's actor."""
+        for host in self._hosts:
+            ray.kill(host)
+        self._hosts = []
+
+
+def _local_ranks(slots: Sequence[RankSlot]) -> list[int]:
+    seen: dict[str, int] = {}
+    local = []
+    for slot in slots:
+        local.append(seen.get(slot.node_ip, 0))
+        seen[slot.node_ip] = local[-1] + 1
+    return local
