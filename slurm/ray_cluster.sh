@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Ray on a Slurm allocation: start the Ray head on this (the batch) node, one Ray worker per other
+# node (srun --overlap), wait until every node has joined, run the given command with RAY_ADDRESS
+# set, then stop Ray everywhere, whatever the command's outcome. Exit status: the command's.
+#
+# Usage (inside an allocation, from the repository root): slurm/ray_cluster.sh COMMAND [ARGS...]
+# Environment: MEGATRON_RL_ROOT (default: $SLURM_SUBMIT_DIR), RAY_PORT (default 6379),
+#              RAY_JOIN_TIMEOUT_S (default 300), RAY_AUTH_TOKEN (default: a fresh token per job).
+set -euo pipefail
+[ $# -gt 0 ] || { echo "usage: slurm/ray_cluster.sh COMMAND [ARGS...]" >&2; exit 2; }
+: "${SLURM_JOB_ID:?run inside a Slurm allocation (sbatch or salloc)}"
+root="${MEGATRON_RL_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
+ray_bin="$root/.venv/bin/ray"
+[ -x "$ray_bin" ] || { echo "error: $ray_bin not found; run ./launch/setup.sh on the shared file system first" >&2; exit 2; }
+
+port="${RAY_PORT:-6379}"
+join_timeout="${RAY_JOIN_TIMEOUT_S:-300}"
+num_nodes="${SLURM_JOB_NUM_NODES:-1}"
+head_node="$(hostname -s)"
+head_ip="$(hostname -I | awk '{print $1}')"
+num_cpus="${SLURM_CPUS_ON_NODE:-$(nproc)}"
+num_gpus="${SLURM_GPUS_ON_NODE:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}"
+temp_dir="/tmp/ray_${SLURM_JOB_ID}"
+export RAY_ADDRESS="$head_ip:$port"
+# Ray 2.60 enables token authentication; one token per job, inherited by srun'd workers and the command.
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN="${RAY_AUTH_TOKEN:-$("$root/.venv/bin/python" -c 'import secrets; print(secrets.token_hex(32))')}"
+
+stop_ray() {
+    [ "$num_nodes" -gt 1 ] && srun --overlap --nodes="$((num_nodes - 1))" --ntasks-per-node=1 \
+        --exclude="$head_node" "$ray_bin" stop --force >/dev/null 2>&1 || true
+    "$ray_bin" stop --force >/dev/null 2>&1 || true
+}
+trap stop_ray EXIT
+
+echo "[ray_cluster] head on $head_node ($RAY_ADDRESS), $num_nodes node(s), $num_cpus CPUs and $num_gpus GPUs per node"
+"$ray_bin" start --head --node-ip-address="$head_ip" --port="$port" --num-cpus="$num_cpus" --num-gpus="$num_gpus" \
+    --temp-dir="$temp_dir" --include-dashboard=false --disable-usage-stats >/dev/null
+if [ "$num_nodes" -gt 1 ]; then
+    srun --overlap --nodes="$((num_nodes - 1))" --ntasks-per-node=1 --exclude="$head_node" \
+        "$ray_bin" start --address="$RAY_ADDRESS" --num-cpus="$num_cpus" --num-gpus="$num_gpus" --block \
+        --disable-usage-stats >/dev/null 2>&1 &
+fi
+
+deadline=$((SECONDS + join_timeout))
+until [ "$("$root/.venv/bin/python" -c 'import ray; ray.init(logging_level="ERROR"); print(len([n for n in ray.nodes() if n["Alive"]]))' 2>/dev/null)" = "$num_nodes" ]; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+        echo "error: only part of the $num_nodes nodes joined Ray within ${join_timeout} s" >&2
+        exit 1
+    fi
+    sleep 2
+done
+echo "[ray_cluster] all $num_nodes node(s) joined; running: $*"
+set +e
+"$@"
+status=$?
+set -e
+exit "$status"

@@ -1,0 +1,53 @@
+"""slurm/ray_job.sbatch on a real (one-node) Slurm cluster: Ray comes up, the command runs, Ray stops."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.local_slurm import local_slurm, missing_requirements
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
+]
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with local_slurm(tmp_path_factory.mktemp("slurm")) as env:
+        yield os.environ | env
+
+
+def _sbatch(env: dict[str, str], output: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sbatch", "--wait", f"--output={output}", "slurm/ray_job.sbatch", *command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_ray_job_runs_the_command_on_a_ray_cluster_of_the_allocation(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    probe = "import ray; ray.init(); print('cpus', int(ray.cluster_resources()['CPU']), 'nodes', len(ray.nodes()))"
+    result = _sbatch(slurm_env, tmp_path / "job.out", str(ROOT / ".venv/bin/python"), "-c", probe)
+    log = (tmp_path / "job.out").read_text()
+    assert result.returncode == 0, result.stderr + log
+    assert f"cpus {os.cpu_count()} nodes 1" in log
+    assert "[ray_cluster] all 1 node(s) joined" in log
+    ray_left = subprocess.run(["pgrep", "-f", "ray_.*gcs_server"], capture_output=True, text=True, check=False)
+    assert ray_left.stdout == "", "Ray processes outlived the job"
+
+
+def test_ray_job_returns_the_command_exit_status(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    result = _sbatch(slurm_env, tmp_path / "job.out", "bash", "-c", "exit 3")
+    assert result.returncode == 3, result.stderr
