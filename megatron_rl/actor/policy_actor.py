@@ -103,7 +103,7 @@ class PolicyActor:
         """The current policy's log-probs and entropies of ``batch``, [B, S] on every rank."""
         return compute_log_probs(
             self.models,
-            batch.to(self._device),
+            self._prepare(batch),
             vocab_size=self.arch.vocab_size,
             max_tokens_per_micro_batch=self._train.max_tokens_per_micro_batch,
             replay=self._context.replay,
@@ -130,9 +130,15 @@ class PolicyActor:
         ``num_micro_batches``, ``time_*_s``; plus ``num_updates`` and ``time_train_s``.
         """
         started = time.perf_counter()
-        updates = train_on_batch(self._context, batch.to(self._device))
+        updates = train_on_batch(self._context, self._prepare(batch))
         metrics = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
         return metrics | {"num_updates": float(len(updates)), "time_train_s": time.perf_counter() - started}
+
+    def _prepare(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` on this rank's device, checked for what the recipe needs before any collective."""
+        if self._context.replay is not None:
+            self._context.replay.check_batch(batch)
+        return batch.to(self._device)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) pairs of this rank's chunks; all ranks of a TP group iterate together."""

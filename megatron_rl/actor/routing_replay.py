@@ -43,25 +43,28 @@ class RoutingReplay:
         """0-based decoder layer indices of this rank's routers, in model order."""
         return [layer for layer, _ in self._replays]
 
-    def set_micro_batch(self, batch: RolloutBatch) -> None:
-        """Give every router of this rank its experts for ``batch``'s forward pass.
+    def check_batch(self, batch: RolloutBatch) -> None:
+        """Raise before any forward pass if ``batch`` cannot be replayed (every rank checks the same batch).
 
         Raises:
             ValueError: the batch has no ``routed_experts``, or fewer layers
                 than the model routes in.
         """
-        experts_BSLK = batch.routed_experts
-        if experts_BSLK is None:
+        if batch.routed_experts is None:
             raise ValueError(
                 "algorithm.routing_replay is on but the batch has no routed_experts; ask the rollout engine for "
                 "them (SGLang: enable_return_routed_experts / return_routed_experts) or turn routing_replay off"
             )
-        num_layers = experts_BSLK.shape[2]
+        num_layers = batch.routed_experts.shape[2]
         if self._replays and max(self.layer_indices) >= num_layers:
             raise ValueError(
-                f"routed_experts has {num_layers} layers; the model routes in layer {max(self.layer_indices)}"
+                f"routed_experts has {num_layers} layers; the model routes in layer {max(self.layer_indices)} (0-based)"
             )
-        local_BSLK = self._local_positions(experts_BSLK)
+
+    def set_micro_batch(self, batch: RolloutBatch) -> None:
+        """Give every router of this rank its experts for ``batch``'s forward pass (see :meth:`check_batch`)."""
+        self.check_batch(batch)
+        local_BSLK = self._local_positions(batch.routed_experts)
         for layer, replay in self._replays:
             replay.set_target_indices(local_BSLK[:, :, layer].transpose(0, 1).reshape(-1, local_BSLK.shape[-1]))
 
