@@ -72,7 +72,6 @@ def split_runs(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_one_step_parameters_agree_across_splits(split_runs, mode):
     _, _, runs = split_runs
@@ -89,7 +88,6 @@ def test_one_step_parameters_agree_across_splits(split_runs, mode):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_step_changes_parameters_differently_per_mode(split_runs):
     _, _, runs = split_runs
     weights = {mode: runs["dp1-mb1"][mode][1] for mode in LOSS_AGG_MODES}
@@ -99,7 +97,6 @@ def test_step_changes_parameters_differently_per_mode(split_runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_actor_log_probs_match_transformers(split_runs, split):
     hf_dir, batch, runs = split_runs
