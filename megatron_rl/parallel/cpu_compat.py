@@ -16,7 +16,10 @@ applies exactly these patches, process-wide and idempotently:
    ``torch.device("cuda")``, an int ordinal) to ``"cpu"`` in torch calls, and
    makes ``Tensor.cuda()`` return the tensor unchanged. This covers the
    ``device="cuda"`` literals (pipeline schedules' token counters, the MoE
-   dispatcher's budget flag) and ``.to(torch.cuda.current_device())``.
+   dispatcher's budget flag) and ``.to(torch.cuda.current_device())``. It
+   also makes ``Tensor.type()`` (no argument) name CPU tensors as CUDA ones
+   (``torch.cuda.FloatTensor``): Megatron's optimizers and gradient clipping
+   select fp32 / fp16 parameter groups by comparing these strings.
 3. ``torch.cuda.synchronize`` is a no-op (p2p communication, distributed
    checkpoint save).
 4. ``torch.cuda.current_stream`` returns :class:`_NullStream`, whose
@@ -80,11 +83,19 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _cuda_type_name(func(*args))
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+
+def _cuda_type_name(type_name: str) -> str:
+    """``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``; CUDA and other names unchanged."""
+    prefix, _, name = type_name.rpartition(".")
+    return f"torch.cuda.{name}" if prefix == "torch" else type_name
 
 
 def _current_device() -> torch.device:

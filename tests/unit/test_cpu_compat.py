@@ -45,6 +45,9 @@ def test_cuda_device_arguments_become_cpu_while_enabled():
         assert torch.ones(2).to(torch.device("cuda", 0)).device.type == "cpu"
         assert torch.ones(2).to(0).device.type == "cpu"
         assert torch.ones(2).cuda().device.type == "cpu"
+        assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+        assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.ones(2).type(torch.float64).dtype == torch.float64
     finally:
         cpu_compat.disable()
 

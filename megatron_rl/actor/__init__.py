@@ -1,0 +1,11 @@
+"""The Megatron policy worker: log-probs, training steps, optimizer, reference policy, routing replay.
+
+Imports ``models``, ``parallel``, ``algorithms`` and ``data``; never Ray or
+the rollout engines. :class:`PolicyActor` is the entry point.
+"""
+
+from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.logprobs import TokenLogProbs
+from megatron_rl.actor.policy_actor import PolicyActor, parallel_sizes
+
+__all__ = ["PolicyActor", "RolloutBatch", "TokenLogProbs", "parallel_sizes"]

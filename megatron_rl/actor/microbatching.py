@@ -1,0 +1,100 @@
+"""From a global batch to this rank's equally shaped micro-batches.
+
+1. :func:`split_mini_batches`: the global batch's row indices in
+   ``num_mini_batches`` contiguous chunks (one optimizer update each).
+2. :func:`dp_shard`: balance a mini-batch's rows across data-parallel ranks
+   (equal counts, Karmarkar-Karp on the workload; ``megatron_rl.data``).
+3. :func:`plan_micro_batches`: token-budget micro-batches with the count made
+   equal on every DP rank (local plan, all-reduce MAX, plan again).
+4. :func:`padded_micro_batches`: every micro-batch padded to one common
+   ``[rows, S]`` shape, agreed on by all DP ranks (MAX all-reduce). The CPU
+   MoE dispatcher (allgather) and pipeline p2p without
+   ``variable_seq_lengths`` need one shape per schedule call; padding rows
+   carry no loss token. ``S`` is a multiple of ``seq_multiple`` (the TP size,
+   for sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.data.balancing import balance_across_dp
+from megatron_rl.data.micro_batching import token_budget_micro_batches
+from megatron_rl.parallel.distributed import select_device
+
+
+def split_mini_batches(num_sequences: int, num_mini_batches: int) -> list[list[int]]:
+    """Row indices of the global batch in ``num_mini_batches`` contiguous, equal chunks.
+
+    Raises:
+        ValueError: if the batch does not divide evenly (the field to change is named).
+    """
+    if num_sequences % num_mini_batches:
+        raise ValueError(
+            f"a batch of {num_sequences} sequences does not split into train.mini_batches_per_step="
+            f"{num_mini_batches} equal mini-batches; make the batch a multiple of it"
+        )
+    size = num_sequences // num_mini_batches
+    return [list(range(start, start + size)) for start in range(0, num_sequences, size)]
+
+
+def dp_shard(lengths: Sequence[int], dp_rank: int, dp_size: int) -> list[int]:
+    """Positions (into ``lengths``) of the rows DP rank ``dp_rank`` trains on; same on every rank."""
+    return balance_across_dp(list(lengths), dp_size)[dp_rank]
+
+
+def _max_over(values: Sequence[int], group: dist.ProcessGroup | None) -> list[int]:
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=select_device())
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], max_tokens_per_micro_batch: int, group: dist.ProcessGroup | None
+) -> list[list[int]]:
+    """Token-budget micro-batches of this rank's rows, as many as on the busiest DP rank of ``group``.
+
+    Every index of ``lengths`` appears once; each micro-batch holds at most
+    ``max_tokens_per_micro_batch`` tokens (see ``token_budget_micro_batches``).
+    """
+    local = token_budget_micro_batches(lengths, max_tokens_per_micro_batch)
+    (count,) = _max_over([len(local)], group)
+    if count == len(local):
+        return local
+    return token_budget_micro_batches(lengths, max_tokens_per_micro_batch, min_num_micro_batches=count)
+
+
+def padded_micro_batches(
+    batch: RolloutBatch, plan: Sequence[Sequence[int]], group: dist.ProcessGroup | None, seq_multiple: int = 1
+) -> list[RolloutBatch]:
+    """The micro-batches of ``plan`` (row lists into ``batch``), padded to a shape shared by all DP ranks."""
+    rows = max(len(part) for part in plan)
+    seq_length = int(batch.lengths.max())
+    rows, seq_length = _max_over([rows, seq_length], group)
+    seq_length = -(-seq_length // seq_multiple) * seq_multiple
+    return [_trimmed(batch.select(part), seq_length).padded(rows, seq_length) for part in plan]
+
+
+def _trimmed(batch: RolloutBatch, seq_length: int) -> RolloutBatch:
+    if batch.seq_length <= seq_length:
+        return batch
+    fields = {
+        name: value[:, :seq_length]
+        for name in (
+            "input_ids",
+            "response_mask",
+            "old_log_probs",
+            "rollout_log_probs",
+            "ref_log_probs",
+            "routed_experts",
+        )
+        if (value := getattr(batch, name)) is not None
+    }
+    if batch.advantages is not None and batch.advantages.dim() == 2:
+        fields["advantages"] = batch.advantages[:, :seq_length]
+    return batch.replace(**fields)

@@ -1,0 +1,89 @@
+"""Free the actor's device memory between training phases, and bring it back unchanged.
+
+Colocated mode runs rollout engines on the trainer's GPUs, so during
+generation the actor gives back the memory of its parameters, gradients and
+optimizer state. :class:`StateOffloader` does it on the storages underneath
+(Megatron's DDP param/grad buffers, the optimizer's master weights and Adam
+moments): each distinct storage is copied to host memory (pinned on GPU) and
+resized to zero bytes; reload resizes it and copies the bytes back. Every
+tensor and view keeps pointing at the same storage, so Megatron's buffers,
+bucket views and optimizer shards stay valid, and the round trip is
+bit-identical. On CPU the same calls run (the "device" is host memory), which
+is what the tests pin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from megatron.core.optimizer import MegatronOptimizer
+
+
+def _buffer_tensors(models: Sequence[torch.nn.Module], attribute: str) -> list[torch.Tensor]:
+    tensors = []
+    for model in models:
+        for buffer in [*model.buffers, *model.expert_parallel_buffers]:
+            tensor = getattr(buffer, attribute, None)
+            if tensor is not None:
+                tensors.append(tensor)
+    return tensors
+
+
+def _optimizer_tensors(optimizer: MegatronOptimizer) -> list[torch.Tensor]:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    tensors = []
+    for megatron_optimizer in inner:
+        torch_optimizer = megatron_optimizer.optimizer
+        for group in torch_optimizer.param_groups:
+            tensors.extend(group["params"])
+        for state in torch_optimizer.state.values():
+            tensors.extend(value for value in state.values() if isinstance(value, torch.Tensor))
+    return tensors
+
+
+class StateOffloader:
+    """Offloads and reloads the storages of parameters, gradients and optimizer state."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], optimizer: MegatronOptimizer) -> None:
+        self._models = list(models)
+        self._optimizer = optimizer
+        self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the state is currently in host memory."""
+        return bool(self._saved)
+
+    def offload(self) -> None:
+        """Copy every state storage to host memory and free it on the device (no-op if already offloaded)."""
+        if self.offloaded:
+            return
+        tensors = [
+            *_buffer_tensors(self._models, "param_data"),
+            *_buffer_tensors(self._models, "grad_data"),
+            *_optimizer_tensors(self._optimizer),
+        ]
+        for storage in _distinct_storages(tensors):
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+            host.untyped_storage().copy_(storage)
+            storage.resize_(0)
+            self._saved.append((storage, host))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Restore every offloaded storage, bit for bit (no-op if not offloaded)."""
+        for storage, host in self._saved:
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage())
+        self._saved = []
+
+
+def _distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() > 0:
+            storages.setdefault(storage.data_ptr(), storage)
+    return list(storages.values())

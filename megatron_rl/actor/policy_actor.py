@@ -1,0 +1,153 @@
+"""``PolicyActor``: one rank's Megatron policy worker (Ray wraps it in ``orchestration``).
+
+Every rank of the trainer holds one actor; all of them are called together
+with the same global :class:`RolloutBatch` (each works on the rows its DP rank
+is given, and results are shared back). Public API:
+
+* :meth:`compute_log_probs` / :meth:`compute_ref_log_probs`: forward only;
+* :meth:`train_step`: PPO epochs x mini-batches of optimizer updates, metrics;
+* :meth:`export_weights`: Hugging Face (name, tensor) pairs for weight sync;
+* :meth:`offload` / :meth:`reload`: colocated mode memory hand-over.
+
+Requires :func:`megatron_rl.parallel.distributed.initialize_parallel` with
+:func:`parallel_sizes` of the same ``ParallelConfig`` first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.logprobs import TokenLogProbs, compute_log_probs
+from megatron_rl.actor.offload import StateOffloader
+from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+from megatron_rl.actor.precision import actor_config_overrides, params_dtype
+from megatron_rl.actor.reference import ReferenceWeights
+from megatron_rl.actor.routing_replay import RoutingReplay
+from megatron_rl.actor.train_step import StepContext, train_on_batch
+from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
+from megatron_rl.models.builder import build_model_chunks, transformer_engine_usable
+from megatron_rl.models.hf_config import parse_hf_config
+from megatron_rl.models.megatron_config import build_transformer_config
+from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
+from megatron_rl.parallel.distributed import ParallelSizes, select_device
+
+
+def parallel_sizes(parallel: ParallelConfig) -> ParallelSizes:
+    """The recipe's parallel section as the sizes ``initialize_parallel`` takes."""
+    return ParallelSizes(
+        tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, cp=parallel.cp, ep=parallel.ep, etp=parallel.etp
+    )
+
+
+class PolicyActor:
+    """This rank's model chunks, optimizer, reference weights and routing replay.
+
+    Args:
+        hf_config: the model's Hugging Face config.json as a dict.
+        parallel, train, algorithm: the recipe's sections.
+        norm_constant: C of ``seq-mean-token-sum-norm`` in tokens (the run's
+            ``loss_norm_constant``); ignored by the other modes.
+        hf_weights: checkpoint directory to load, or None to keep the random init.
+        keep_reference: keep the initial weights as the reference policy
+            (default: when the recipe uses a KL loss).
+    """
+
+    def __init__(
+        self,
+        hf_config: Mapping[str, Any],
+        parallel: ParallelConfig,
+        train: TrainConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        norm_constant: float,
+        hf_weights: str | Path | None = None,
+        keep_reference: bool | None = None,
+    ) -> None:
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("call initialize_parallel(parallel_sizes(parallel)) before building a PolicyActor")
+        self.arch = parse_hf_config(hf_config)
+        self._train, self._algorithm = train, algorithm
+        use_te, dtype = transformer_engine_usable(), params_dtype(train)
+        overrides = actor_config_overrides(
+            train, is_moe=self.arch.is_moe, routing_replay=algorithm.routing_replay, transformer_engine_usable=use_te
+        )
+        self.config = build_transformer_config(
+            self.arch, parallel_sizes(parallel), params_dtype=dtype, use_transformer_engine=use_te, overrides=overrides
+        )
+        self.chunks = build_model_chunks(self.arch, self.config, use_transformer_engine=use_te)
+        if hf_weights is not None:
+            load_hf_weights(self.chunks, self.arch, hf_weights)
+        self.models = wrap_ddp(self.config, self.chunks)
+        self.optimizer = build_optimizer(self.models, train, dtype)
+        replay = (
+            RoutingReplay(self.chunks, sequence_parallel=self.config.sequence_parallel)
+            if algorithm.routing_replay
+            else None
+        )
+        self._context = StepContext(
+            self.models, self.optimizer, train, algorithm, self.arch.vocab_size, norm_constant, replay
+        )
+        keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
+        self._reference = ReferenceWeights(self.models) if keep else None
+        self._offloader = StateOffloader(self.models, self.optimizer.optimizer)
+        self._device = select_device()
+
+    def compute_log_probs(self, batch: RolloutBatch) -> TokenLogProbs:
+        """The current policy's log-probs and entropies of ``batch``, [B, S] on every rank."""
+        return compute_log_probs(
+            self.models,
+            self._prepare(batch),
+            vocab_size=self.arch.vocab_size,
+            max_tokens_per_micro_batch=self._train.max_tokens_per_micro_batch,
+            replay=self._context.replay,
+        )
+
+    def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The reference policy's log-probs of ``batch``, [B, S] on every rank.
+
+        Raises:
+            RuntimeError: the actor keeps no reference weights (``keep_reference``).
+        """
+        if self._reference is None:
+            raise RuntimeError("this actor keeps no reference weights; build it with keep_reference=True")
+        with self._reference.swapped_in():
+            return self.compute_log_probs(batch).log_probs
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Train on ``batch`` (advantages and old log-probs set); metrics averaged over the step's updates.
+
+        Keys: ``loss``, ``policy_loss``, ``entropy_loss``, ``kl_loss`` (with
+        the KL loss), ``clip_frac_upper``/``lower``/``dual``, ``approx_kl``,
+        ``entropy``, ``ratio_mean``/``max``, ``mismatch_*``/``tis_*`` (with
+        rollout log-probs), ``grad_norm``, ``lr``, ``tokens``,
+        ``num_micro_batches``, ``time_*_s``; plus ``num_updates`` and ``time_train_s``.
+        """
+        started = time.perf_counter()
+        updates = train_on_batch(self._context, self._prepare(batch))
+        metrics = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
+        return metrics | {"num_updates": float(len(updates)), "time_train_s": time.perf_counter() - started}
+
+    def _prepare(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` on this rank's device, checked for what the recipe needs before any collective."""
+        if self._context.replay is not None:
+            self._context.replay.check_batch(batch)
+        return batch.to(self._device)
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) pairs of this rank's chunks; all ranks of a TP group iterate together."""
+        return export_hf_weights(self.chunks, self.arch)
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to host memory (colocated rollout phase)."""
+        self._offloader.offload()
+
+    def reload(self) -> None:
+        """Bring the offloaded state back, bit-identical."""
+        self._offloader.reload()

@@ -1,0 +1,94 @@
+"""TransformerConfig fields the actor sets from the recipe: precision, FP8, recompute, MoE losses, replay.
+
+Everything here is a plain dict of Megatron-core ``TransformerConfig`` field
+names, applied as ``overrides`` by :func:`megatron_rl.models.builder`-style
+config building. FP8 goes through Transformer Engine recipes selected by
+Megatron's own fields (``fp8``, ``fp8_recipe``, ...); it is refused, with the
+field to change, where Transformer Engine cannot run (no CUDA or TE missing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.distributed import finalize_model_grads
+
+from megatron_rl.config.schema import TrainConfig
+
+# Per recipe: the fp8 format ('hybrid' = e4m3 forward, e5m2 backward) and the scaling settings TE needs.
+FP8_RECIPE_FIELDS: dict[str, dict[str, Any]] = {
+    "delayed": {"fp8": "hybrid", "fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"},
+    "tensorwise": {"fp8": "hybrid"},
+    "blockwise": {"fp8": "e4m3"},
+    "mxfp8": {"fp8": "e4m3"},
+}
+
+
+def params_dtype(train: TrainConfig) -> torch.dtype:
+    """Model parameter dtype: fp32 for ``precision: fp32``; bf16 otherwise (FP8 GEMMs keep bf16 weights)."""
+    return torch.float32 if train.precision == "fp32" else torch.bfloat16
+
+
+def fp8_fields(train: TrainConfig, transformer_engine_usable: bool) -> dict[str, Any]:
+    """``fp8``, ``fp8_recipe`` and the recipe's scaling fields; empty unless ``train.precision`` is fp8.
+
+    Raises:
+        ValueError: FP8 without a recipe, or where Transformer Engine is not usable.
+    """
+    if train.precision != "fp8":
+        return {}
+    if train.fp8_recipe is None:
+        raise ValueError(f"train.precision=fp8 needs train.fp8_recipe, one of {sorted(FP8_RECIPE_FIELDS)}")
+    if not transformer_engine_usable:
+        raise ValueError(
+            "train.precision=fp8 needs Transformer Engine on a CUDA device (FP8 GEMMs are TE kernels), and "
+            "this process has no GPU or cannot import transformer_engine; use train.precision=bf16 here"
+        )
+    return {"fp8_recipe": train.fp8_recipe, "fp8_param": False, **FP8_RECIPE_FIELDS[train.fp8_recipe]}
+
+
+def recompute_fields(train: TrainConfig) -> dict[str, Any]:
+    """Activation recompute: ``selective`` recomputes core attention; ``full`` every layer (uniform, 1 layer)."""
+    if train.recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if train.recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
+def moe_loss_fields(train: TrainConfig) -> dict[str, Any]:
+    """MoE load-balancing loss type and coefficient (off by default for RL)."""
+    loss_type = "none" if train.moe_aux_loss_coef == 0 else train.moe_aux_loss_type
+    return {"moe_router_load_balancing_type": loss_type, "moe_aux_loss_coeff": train.moe_aux_loss_coef}
+
+
+def actor_config_overrides(
+    train: TrainConfig, *, is_moe: bool, routing_replay: bool, transformer_engine_usable: bool
+) -> dict[str, Any]:
+    """All TransformerConfig overrides of a training actor.
+
+    Always: the per-token-loss path (``calculate_per_token_loss``, with
+    ``finalize_model_grads`` dividing gradients by the step's token count;
+    the actor's loss function returns the loss times that count, so the
+    result is exactly the aggregated loss of ``megatron_rl.algorithms``).
+
+    Raises:
+        ValueError: routing replay on a dense model or together with full
+            recompute (a recomputed forward would need each micro-batch's
+            experts again, which Megatron's REPLAY_BACKWARD queue does not
+            order for pipelined schedules); FP8 where it cannot run.
+    """
+    if routing_replay and not is_moe:
+        raise ValueError("algorithm.routing_replay needs a MoE model; this model has no experts")
+    if routing_replay and train.recompute == "full":
+        raise ValueError("algorithm.routing_replay does not work with train.recompute=full; use selective or none")
+    fields: dict[str, Any] = {
+        "calculate_per_token_loss": True,
+        "finalize_model_grads_func": finalize_model_grads,
+        **fp8_fields(train, transformer_engine_usable),
+        **recompute_fields(train),
+    }
+    if is_moe:
+        fields |= moe_loss_fields(train) | {"moe_enable_routing_replay": routing_replay}
+    return fields

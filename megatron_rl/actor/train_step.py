@@ -1,0 +1,94 @@
+"""One RL training step: PPO epochs x mini-batches, each one optimizer update.
+
+For every (epoch, mini-batch) the global mini-batch is balanced over DP ranks,
+cut into token-budget micro-batches (same count and shape on every DP rank),
+counted (step-wide valid tokens and sequences, all-reduced over DP), and run
+forward-backward through Megatron's schedule with :func:`megatron_loss`;
+``finalize_model_grads`` reduces the gradients over DP and divides them by the
+token count, then Megatron's distributed optimizer clips and applies them.
+Mini-batches are contiguous chunks of the batch in its given order, the same
+in every epoch (the driver shuffles before calling, if it wants to).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.logprobs import token_log_probs
+from megatron_rl.actor.loss import actor_loss, count_step, megatron_loss
+from megatron_rl.actor.metrics import MetricsAccumulator
+from megatron_rl.actor.microbatching import dp_shard, padded_micro_batches, plan_micro_batches, split_mini_batches
+from megatron_rl.actor.optimizer import OptimizerBundle, step_optimizer
+from megatron_rl.actor.routing_replay import RoutingReplay
+from megatron_rl.actor.schedule import run_schedule
+from megatron_rl.config.schema import AlgorithmConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a training step needs besides the batch."""
+
+    models: Sequence[torch.nn.Module]
+    optimizer: OptimizerBundle
+    train: TrainConfig
+    algorithm: AlgorithmConfig
+    vocab_size: int
+    norm_constant: float
+    replay: RoutingReplay | None = None
+
+
+def train_on_batch(context: StepContext, batch: RolloutBatch) -> list[dict[str, float]]:
+    """Run every update of the step on the global ``batch``; return one metrics dict per update.
+
+    All ranks call this together with the same ``batch``.
+    """
+    mini_batches = split_mini_batches(batch.num_sequences, context.train.mini_batches_per_step)
+    return [
+        update_on_mini_batch(context, batch.select(rows))
+        for _ in range(context.train.ppo_epochs)
+        for rows in mini_batches
+    ]
+
+
+def _local_micro_batches(context: StepContext, mini_batch: RolloutBatch) -> list[RolloutBatch]:
+    dp_group = parallel_state.get_data_parallel_group()
+    rows = dp_shard(mini_batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
+    local = mini_batch.select(rows)
+    plan = plan_micro_batches(local.lengths.tolist(), context.train.max_tokens_per_micro_batch, dp_group)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
+
+
+def update_on_mini_batch(context: StepContext, mini_batch: RolloutBatch) -> dict[str, float]:
+    """One optimizer update on the global ``mini_batch``; metrics as in ``PolicyActor.train_step``."""
+    started = time.perf_counter()
+    micro_batches = _local_micro_batches(context, mini_batch)
+    counts = count_step(micro_batches, parallel_state.get_data_parallel_group())
+    accumulator = MetricsAccumulator()
+
+    def loss_fn(micro_batch: RolloutBatch, logits: torch.Tensor):
+        current = token_log_probs(logits, micro_batch.input_ids, context.vocab_size)
+        loss, shares, means = actor_loss(current, micro_batch, counts, context.algorithm, context.norm_constant)
+        scaled_loss, local_tokens = megatron_loss(loss, micro_batch, counts)
+        accumulator.add(shares, means, float(local_tokens))
+        return scaled_loss, local_tokens, {}
+
+    for model in context.models:
+        model.zero_grad_buffer()
+    context.optimizer.optimizer.zero_grad()
+    run_schedule(context.models, micro_batches, loss_fn, forward_only=False, replay=context.replay)
+    forward_backward_s = time.perf_counter() - started
+    update = step_optimizer(context.optimizer)
+    metrics = accumulator.reduce() | update
+    return metrics | {
+        "num_micro_batches": float(len(micro_batches)),
+        "time_forward_backward_s": forward_backward_s,
+        "time_update_s": time.perf_counter() - started - forward_backward_s,
+    }

@@ -1,0 +1,102 @@
+"""Shared pieces of the actor tests: a 2-layer Qwen3-MoE checkpoint, a fixed batch, recipe sections.
+
+The batch: 8 sequences of 9..16 tokens (3..5 prompt tokens), random tokens
+from a fixed seed, advantages of both signs, old log-probs = the model's
+log-probs (computed by transformers) plus noise, so that the PPO ratio is
+off 1 and both clip bounds are active on some tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from megatron_rl.actor import RolloutBatch
+from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
+from megatron_rl.parallel.distributed import ParallelSizes
+from tests.tiny_checkpoints import VOCAB
+
+LENGTHS = (16, 9, 12, 14, 10, 15, 11, 13)
+PROMPT_LENGTHS = (3, 4, 5, 3, 4, 5, 3, 4)
+SEQ_LENGTH = 16
+
+
+def save_tiny_moe_2layer(path: Path) -> Path:
+    """Qwen3-MoE: 2 MoE layers, hidden 32, 4 experts top-2, vocab 100, fp32, random init (seed 3)."""
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    torch.manual_seed(3)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(
+                1.0 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else 0.15 * torch.randn_like(param)
+            )
+    model.save_pretrained(path)
+    return path
+
+
+def fixed_batch() -> RolloutBatch:
+    """The fixed batch without log-probs (see the module docstring)."""
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.arange(SEQ_LENGTH)
+    lengths = torch.tensor(LENGTHS)
+    valid = positions < lengths.unsqueeze(1)
+    response_mask = valid & (positions >= torch.tensor(PROMPT_LENGTHS).unsqueeze(1))
+    input_ids = torch.randint(1, VOCAB, (len(LENGTHS), SEQ_LENGTH), generator=generator).masked_fill(~valid, 0)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.8, -0.8])
+    return RolloutBatch(input_ids=input_ids, lengths=lengths, response_mask=response_mask, advantages=advantages)
+
+
+def transformers_log_probs(hf_dir: Path, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) [B, S] of ``batch`` under the checkpoint, in fp32 eager transformers, aligned like the actor's."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model(batch.input_ids).logits[:, :-1].float()
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    log_probs = log_softmax.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    zeros = torch.zeros(batch.num_sequences, 1)
+    return torch.cat([zeros, log_probs], 1), torch.cat([zeros, entropy], 1)
+
+
+def batch_with_old_log_probs(hf_dir: Path) -> RolloutBatch:
+    """The fixed batch with old log-probs = transformers' log-probs + N(0, 0.2) noise on response tokens."""
+    batch = fixed_batch()
+    log_probs, _ = transformers_log_probs(hf_dir, batch)
+    noise = 0.2 * torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(1))
+    return batch.replace(old_log_probs=torch.where(batch.response_mask, log_probs + noise, 0.0))
+
+
+def parallel_config(sizes: ParallelSizes) -> ParallelConfig:
+    """The recipe section of ``sizes``."""
+    return ParallelConfig(tp=sizes.tp, pp=sizes.pp, vpp=sizes.vpp, ep=sizes.ep, etp=sizes.etp)
+
+
+def train_config(**fields) -> TrainConfig:
+    """fp32, one step; Adam eps 1.0 (the update is then close to lr * gradient, so a scale error shows)."""
+    defaults = dict(steps=1, prompts_per_step=8, precision="fp32", lr=1.0, adam_eps=1.0, grad_clip=None)
+    return TrainConfig(**(defaults | fields))
+
+
+def algorithm_config(**fields) -> AlgorithmConfig:
+    """DAPO-like clipping (0.2 / 0.28), token-mean by default."""
+    return AlgorithmConfig(**({"clip_low": 0.2, "clip_high": 0.28} | fields))

@@ -1,0 +1,95 @@
+"""Rollout routing replay: with replay on, every router uses exactly the experts the batch gives.
+
+Runs at TP2 x PP2 (sequence parallelism splits each router's tokens over TP;
+each pipeline stage holds one of the two MoE layers) with two micro-batches.
+The experts the routers actually use are read from their ``routing_map``
+outputs (forward hooks), and compared with the given ones at the same
+(sequence, position, layer).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_rl.actor import PolicyActor
+from megatron_rl.data.micro_batching import token_budget_micro_batches
+from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
+from tests.actor_setup import algorithm_config, fixed_batch, parallel_config, save_tiny_moe_2layer, train_config
+from tests.distributed_utils import run_distributed
+
+SIZES = ParallelSizes(tp=2, pp=2)
+NUM_EXPERTS, TOP_K, NUM_LAYERS = 4, 2, 2
+BUDGET = 60
+
+
+def _given_experts(batch) -> torch.Tensor:
+    """[B, S, L, K] distinct experts per token, drawn from a fixed seed."""
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.rand((batch.num_sequences, batch.seq_length, NUM_LAYERS, NUM_EXPERTS), generator=generator)
+    return scores.topk(TOP_K, dim=-1).indices
+
+
+def _replay_rank(rank, world_size, hf_dir, batch):
+    initialize_parallel(SIZES)
+    actor = PolicyActor(
+        load_hf_config(hf_dir),
+        parallel_config(SIZES),
+        train_config(max_tokens_per_micro_batch=BUDGET),
+        algorithm_config(routing_replay=True),
+        norm_constant=16,
+        hf_weights=hf_dir,
+    )
+    used = []
+    for chunk in actor.chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(
+                    lambda router, inputs, outputs: used.append((router.layer_number - 1, outputs[1].clone()))
+                )
+    actor.compute_log_probs(batch)
+    with pytest.raises(ValueError, match="routed_experts") as missing:
+        actor.compute_log_probs(batch.replace(routed_experts=None))
+    result = {"used": used, "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "error": str(missing.value)}
+    destroy_parallel()
+    return result
+
+
+def _expected_routing_maps(batch, tp_rank: int, layer: int) -> list[torch.Tensor]:
+    """Per micro-batch: the [S/tp * rows, E] bool map of the given experts, in the router's token order.
+
+    The micro-batches are those the actor forms (token budget, padded to equal
+    rows and length; padding rows and positions route to experts 0..K-1).
+    """
+    plan = token_budget_micro_batches(batch.lengths.tolist(), BUDGET)
+    rows = max(len(part) for part in plan)
+    maps = []
+    for part in plan:
+        experts_BSK = batch.select(part).padded(rows, batch.seq_length).routed_experts[:, :, layer]
+        local_BSK = experts_BSK.chunk(SIZES.tp, dim=1)[tp_rank]
+        experts_TK = local_BSK.transpose(0, 1).reshape(-1, TOP_K)
+        maps.append(torch.zeros(experts_TK.shape[0], NUM_EXPERTS, dtype=torch.bool).scatter(1, experts_TK, True))
+    return maps
+
+
+@pytest.mark.distributed
+def test_replayed_experts_are_exactly_the_given_ones(tmp_path):
+    hf_dir = save_tiny_moe_2layer(tmp_path / "moe")
+    batch = fixed_batch()
+    batch = batch.replace(routed_experts=_given_experts(batch))
+    ranks = run_distributed(_replay_rank, 4, hf_dir, batch)
+    checked = set()
+    for rank in ranks:
+        assert "routing_replay" in rank["error"]
+        layers = {layer for layer, _ in rank["used"]}
+        assert len(layers) == 1, "with PP2 each rank holds one of the two MoE layers"
+        (layer,) = layers
+        expected = _expected_routing_maps(batch, rank["tp_rank"], layer)
+        assert len(rank["used"]) == len(expected) == 2
+        for (_, used), wanted in zip(rank["used"], expected, strict=True):
+            assert torch.equal(used, wanted)
+        checked.add((layer, rank["tp_rank"]))
+    assert checked == {(0, 0), (0, 1), (1, 0), (1, 1)}

@@ -1,0 +1,108 @@
+"""One training step gives the same parameters however the batch is split (DESIGN.md section 3).
+
+The same global batch is trained one step at (DP1, one micro-batch), (DP2 with
+EP2, three micro-batches per rank) and (TP2 x PP2, two micro-batches), for each
+loss aggregation mode; the exported Hugging Face weights must agree to fp32
+tolerance. The same runs check the actor's log-probs and entropies against
+transformers, and that the step's reported metrics agree across splits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.actor import PolicyActor
+from megatron_rl.algorithms import LOSS_AGG_MODES
+from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
+from tests.actor_setup import (
+    algorithm_config,
+    batch_with_old_log_probs,
+    parallel_config,
+    save_tiny_moe_2layer,
+    train_config,
+    transformers_log_probs,
+)
+from tests.distributed_utils import run_distributed
+
+PARAM_ATOL = 2e-6
+LOGPROB_ATOL = 1e-5
+# name: (sizes, world size, token budget per micro-batch, expected micro-batches per rank)
+SPLITS = {
+    "dp1-mb1": (ParallelSizes(), 1, 256, 1),
+    "dp2-ep2-mb3": (ParallelSizes(ep=2), 2, 24, 3),
+    "tp2-pp2-mb2": (ParallelSizes(tp=2, pp=2), 4, 60, 2),
+}
+
+
+def _train_rank(rank, world_size, sizes, budget, hf_dir, batch):
+    initialize_parallel(sizes)
+    results = {}
+    for mode in LOSS_AGG_MODES:
+        actor = PolicyActor(
+            load_hf_config(hf_dir),
+            parallel_config(sizes),
+            train_config(max_tokens_per_micro_batch=budget),
+            algorithm_config(loss_agg_mode=mode),
+            norm_constant=16,
+            hf_weights=hf_dir,
+        )
+        if mode == LOSS_AGG_MODES[0]:
+            results["before"] = actor.compute_log_probs(batch)
+        metrics = actor.train_step(batch)
+        results[mode] = (metrics, dict(actor.export_weights()))
+    destroy_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    hf_dir = save_tiny_moe_2layer(tmp_path_factory.mktemp("actor") / "moe")
+    batch = batch_with_old_log_probs(hf_dir)
+    runs = {}
+    for name, (sizes, world_size, budget, _) in SPLITS.items():
+        per_rank = run_distributed(_train_rank, world_size, sizes, budget, hf_dir, batch)
+        merged = {mode: (per_rank[-1][mode][0], {}) for mode in LOSS_AGG_MODES}
+        for rank_result in per_rank:
+            for mode in LOSS_AGG_MODES:
+                merged[mode][1].update(rank_result[mode][1])
+        runs[name] = {"before": per_rank[0]["before"], **merged}
+    return hf_dir, batch, runs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_one_step_parameters_agree_across_splits(split_runs, mode):
+    _, _, runs = split_runs
+    reference_metrics, reference = runs["dp1-mb1"][mode]
+    for name, (_, _, _, num_micro_batches) in SPLITS.items():
+        metrics, weights = runs[name][mode]
+        assert metrics["num_micro_batches"] == num_micro_batches, name
+        assert weights.keys() == reference.keys()
+        for key, value in reference.items():
+            error = (weights[key] - value).abs().max().item()
+            assert error <= PARAM_ATOL, f"{name} {key}: max |diff| {error:.2e}"
+        for key in ("loss", "policy_loss", "grad_norm", "clip_frac_upper", "clip_frac_lower", "approx_kl", "tokens"):
+            assert metrics[key] == pytest.approx(reference_metrics[key], rel=1e-5, abs=1e-7), f"{name} {key}"
+
+
+@pytest.mark.distributed
+def test_step_changes_parameters_differently_per_mode(split_runs):
+    _, _, runs = split_runs
+    weights = {mode: runs["dp1-mb1"][mode][1] for mode in LOSS_AGG_MODES}
+    name = "model.embed_tokens.weight"
+    for mode in LOSS_AGG_MODES[1:]:
+        assert (weights[mode][name] - weights[LOSS_AGG_MODES[0]][name]).abs().max() > 1e-4, mode
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_actor_log_probs_match_transformers(split_runs, split):
+    hf_dir, batch, runs = split_runs
+    expected_log_probs, expected_entropy = transformers_log_probs(hf_dir, batch)
+    valid = torch.arange(batch.seq_length) < batch.lengths.unsqueeze(1)
+    valid[:, 0] = False
+    before = runs[split]["before"]
+    torch.testing.assert_close(before.log_probs[valid], expected_log_probs[valid], atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(before.entropy[valid], expected_entropy[valid], atol=LOGPROB_ATOL, rtol=0)

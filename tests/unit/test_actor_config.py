@@ -1,0 +1,73 @@
+"""The actor's TransformerConfig overrides: precision, FP8 refusal, recompute, MoE losses, replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.actor.precision import FP8_RECIPE_FIELDS, actor_config_overrides, params_dtype
+from megatron_rl.config.schema import TrainConfig
+
+
+def _train(**fields) -> TrainConfig:
+    return TrainConfig(steps=1, prompts_per_step=1, **fields)
+
+
+def _overrides(train: TrainConfig, *, te: bool = False, replay: bool = False, moe: bool = True) -> dict:
+    return actor_config_overrides(train, is_moe=moe, routing_replay=replay, transformer_engine_usable=te)
+
+
+def test_per_token_loss_path_is_always_on():
+    fields = _overrides(_train())
+    assert fields["calculate_per_token_loss"] is True
+    assert fields["finalize_model_grads_func"].__name__ == "finalize_model_grads"
+
+
+def test_params_dtype_follows_precision():
+    assert params_dtype(_train(precision="fp32")) == torch.float32
+    assert params_dtype(_train(precision="bf16")) == torch.bfloat16
+    assert params_dtype(_train(precision="fp8", fp8_recipe="blockwise")) == torch.bfloat16
+
+
+@pytest.mark.parametrize("recipe", sorted(FP8_RECIPE_FIELDS))
+def test_fp8_recipe_sets_megatron_fp8_fields_when_transformer_engine_runs(recipe):
+    fields = _overrides(_train(precision="fp8", fp8_recipe=recipe), te=True)
+    assert fields["fp8_recipe"] == recipe
+    assert fields["fp8"] in ("e4m3", "hybrid")
+    assert fields["fp8_param"] is False
+
+
+def test_fp8_is_refused_without_transformer_engine_naming_the_field():
+    with pytest.raises(ValueError, match=r"train.precision=fp8 needs Transformer Engine on a CUDA device"):
+        _overrides(_train(precision="fp8", fp8_recipe="tensorwise"), te=False)
+
+
+def test_fp8_without_recipe_is_refused():
+    with pytest.raises(ValueError, match="train.fp8_recipe"):
+        _overrides(_train(precision="fp8"), te=True)
+
+
+def test_recompute_options_map_to_megatron_fields():
+    assert _overrides(_train(recompute="selective"))["recompute_modules"] == ["core_attn"]
+    full = _overrides(_train(recompute="full"))
+    assert (full["recompute_granularity"], full["recompute_method"], full["recompute_num_layers"]) == (
+        "full",
+        "uniform",
+        1,
+    )
+    assert "recompute_granularity" not in _overrides(_train())
+
+
+def test_moe_aux_loss_is_off_by_default_and_set_from_the_recipe():
+    assert _overrides(_train())["moe_router_load_balancing_type"] == "none"
+    fields = _overrides(_train(moe_aux_loss_type="seq_aux_loss", moe_aux_loss_coef=1e-3))
+    assert (fields["moe_router_load_balancing_type"], fields["moe_aux_loss_coeff"]) == ("seq_aux_loss", 1e-3)
+    assert "moe_aux_loss_coeff" not in _overrides(_train(), moe=False)
+
+
+def test_routing_replay_sets_the_megatron_flag_and_refuses_dense_models_and_full_recompute():
+    assert _overrides(_train(), replay=True)["moe_enable_routing_replay"] is True
+    with pytest.raises(ValueError, match="needs a MoE model"):
+        _overrides(_train(), replay=True, moe=False)
+    with pytest.raises(ValueError, match="recompute=full"):
+        _overrides(_train(recompute="full"), replay=True)
