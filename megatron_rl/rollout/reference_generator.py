@@ -126,6 +126,7 @@ def generate_samples(
 ) -> list[SampleOutput]:
     """Decode ``request.sampling_params.n`` samples of ``request.input_ids``.
 
+    ``generator`` draws the samples unless the request sets ``sampling_seed``.
     ``checkpoint()`` runs before every forward step: it may block (pause) or
     raise :class:`GenerationAborted`, after which every sample ends with an
     ``abort`` finish reason and the tokens decoded so far.
@@ -133,6 +134,8 @@ def generate_samples(
     params = request.sampling_params
     n = params.n
     device = next(model.parameters()).device
+    if params.sampling_seed is not None:
+        generator = torch.Generator(device=device).manual_seed(params.sampling_seed)
     stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else _eos_ids(model))
     track_routing = recorder is not None and request.return_routed_experts and recorder.top_k > 0
     if track_routing:
