@@ -20,6 +20,7 @@ import logging
 import traceback
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,6 +147,8 @@ def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: st
     """The transformers causal LM of ``model_path`` (``dummy``: random weights from its config.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"--model-path {model_path}: no config.json (a local Hugging Face directory is needed)")
     if load_format == "dummy":
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
     else:
