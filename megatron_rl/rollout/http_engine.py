@@ -69,6 +69,8 @@ class HttpEngine(RolloutEngine):
         self.request_timeout_s = request_timeout_s
         self.routed_experts_shape = routed_experts_shape
         self._slots = threading.BoundedSemaphore(max_concurrent_requests)
+        self._lock = threading.Lock()
+        self._samples_in_flight: dict[str, int] = {}
 
     def _describe_process(self) -> str:
         if self.process is None or self.process.exit_code is None:
@@ -130,14 +132,27 @@ class HttpEngine(RolloutEngine):
         )
 
     def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> list[GenerateResult]:
-        with self._slots:
-            answer = self.request("/generate", request.to_json(), timeout_s=timeout_s or self.request_timeout_s)
+        if request.rid is not None:
+            with self._lock:
+                self._samples_in_flight[request.rid] = request.sampling_params.n
+        try:
+            with self._slots:
+                answer = self.request("/generate", request.to_json(), timeout_s=timeout_s or self.request_timeout_s)
+        finally:
+            with self._lock:
+                self._samples_in_flight.pop(request.rid, None)
         samples = answer if isinstance(answer, list) else [answer]
         return [GenerateResult.from_json(s, routed_experts_shape=self.routed_experts_shape) for s in samples]
 
     def abort(self, rid: str | None = None) -> None:
-        body = AbortRequest(rid=rid or "", abort_all=rid is None)
-        self.request("/abort_request", body.to_json())
+        """Abort ``rid`` and, for n > 1, each sample's ``{rid}_{i}`` (SGLang expands n into those rids)."""
+        if rid is None:
+            self.request("/abort_request", AbortRequest(abort_all=True).to_json())
+            return
+        with self._lock:
+            n = self._samples_in_flight.get(rid, 1)
+        for sample_rid in [rid] + ([f"{rid}_{i}" for i in range(n)] if n > 1 else []):
+            self.request("/abort_request", AbortRequest(rid=sample_rid).to_json())
 
     def pause_generation(self, mode: str = "retract") -> None:
         self.request("/pause_generation", PauseGenerationRequest(mode=mode).to_json())  # type: ignore[arg-type]

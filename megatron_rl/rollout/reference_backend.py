@@ -67,8 +67,10 @@ class ReferenceBackend:
         rid = request.rid or f"ref-{id(request)}"
         epoch = self._abort_epoch
 
+        sample_rids = {rid} | {f"{rid}_{i}" for i in range(request.sampling_params.n)}
+
         def stopped() -> bool:
-            return self._abort_epoch != epoch or rid in self._aborted_rids
+            return self._abort_epoch != epoch or not sample_rids.isdisjoint(self._aborted_rids)
 
         def checkpoint() -> None:  # runs with the model lock held; gives it up while paused
             while True:
@@ -91,14 +93,18 @@ class ReferenceBackend:
         finally:
             with self._state:
                 self._in_flight -= 1
-                self._aborted_rids.discard(rid)
-        answers = [self._sample_json(rid, i, s, len(request.input_ids), version) for i, s in enumerate(samples)]
-        return answers if request.sampling_params.n > 1 else answers[0]
+                self._aborted_rids -= sample_rids
+        multiple = request.sampling_params.n > 1
+        answers = [
+            self._sample_json(rid, i, s, len(request.input_ids), version, multiple) for i, s in enumerate(samples)
+        ]
+        return answers if multiple else answers[0]
 
     @staticmethod
-    def _sample_json(rid: str, index: int, sample, prompt_tokens: int, version: str) -> dict:
+    def _sample_json(rid: str, index: int, sample, prompt_tokens: int, version: str, multiple: bool = False) -> dict:
+        """One sample's SGLang JSON; with n > 1 its id is ``{rid}_{index}`` as SGLang names expanded samples."""
         meta: dict[str, Any] = {
-            "id": rid if index == 0 else f"{rid}-{index}",
+            "id": f"{rid}_{index}" if index or multiple else rid,
             "finish_reason": sample.finish_reason.to_json(),
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(sample.output_ids),
