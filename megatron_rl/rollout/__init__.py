@@ -1,0 +1,39 @@
+"""Rollout engines and the rollout manager.
+
+Never imports Megatron, ``megatron_rl.models``/``actor``/``parallel`` or Ray.
+``engine`` is the interface, ``protocol`` the SGLang HTTP subset shared by
+the client (``http_engine``, ``sglang_engine``) and our reference server
+(``reference_server`` over ``reference_backend``/``reference_generator``),
+``manager`` turns prompts into scored groups for a training step.
+"""
+
+from megatron_rl.rollout.engine import (
+    EngineError,
+    EngineRequestError,
+    EngineStartupError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    RolloutEngine,
+)
+from megatron_rl.rollout.http_engine import HttpEngine
+from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from megatron_rl.rollout.reference_engine import ReferenceEngine
+from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangPlacement, build_sglang_command
+
+__all__ = [
+    "EngineError",
+    "EngineRequestError",
+    "EngineStartupError",
+    "EngineTimeoutError",
+    "EngineUnavailableError",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "HttpEngine",
+    "ReferenceEngine",
+    "RolloutEngine",
+    "SGLangEngine",
+    "SGLangPlacement",
+    "SamplingParams",
+    "build_sglang_command",
+]

@@ -1,0 +1,117 @@
+"""The rollout engine interface and its errors.
+
+An engine is one inference server (SGLang in production, the reference engine
+in tests and tiny runs) that owns some accelerators, generates from token ids
+and accepts new weights. Every call either returns within its timeout or raises
+an :class:`EngineError` subclass naming the engine, the endpoint and the cause:
+a dead process, a refused connection, a timeout or an error status never turn
+into a hang.
+
+Weight-update calls carry ``weight_version``; generation results report the
+version the engine held (``GenerateResult.weight_version``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+from megatron_rl.rollout.protocol import (
+    GenerateRequest,
+    GenerateResult,
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
+
+
+class EngineError(RuntimeError):
+    """Base of every engine failure; the message names the engine and what to check."""
+
+
+class EngineStartupError(EngineError):
+    """The engine process exited, or did not become healthy within its start-up timeout."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine could not be reached or dropped the connection (process dead, wrong port)."""
+
+
+class EngineTimeoutError(EngineError):
+    """A request got no answer within its timeout."""
+
+
+class EngineRequestError(EngineError):
+    """The engine answered with an error status; ``status`` and ``body`` hold its answer."""
+
+    def __init__(self, message: str, *, status: int, body: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class RolloutEngine(abc.ABC):
+    """One inference engine. Methods block; call them from threads for concurrency (they are thread-safe)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Launch the engine process (returns once it is started, not healthy)."""
+
+    @abc.abstractmethod
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Block until the engine answers ``/health``; EngineStartupError on exit or timeout."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> list[GenerateResult]:
+        """Generate ``request.sampling_params.n`` samples of one prompt; one result per sample."""
+
+    @abc.abstractmethod
+    def abort(self, rid: str | None = None) -> None:
+        """Abort the request ``rid`` (all requests when None); its samples come back with finish ``abort``."""
+
+    @abc.abstractmethod
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Stop scheduling generation (``abort`` drops in-flight requests, ``retract``/``in_place`` hold them)."""
+
+    @abc.abstractmethod
+    def continue_generation(self) -> None:
+        """Resume generation after :meth:`pause_generation`."""
+
+    @abc.abstractmethod
+    def flush_cache(self) -> None:
+        """Drop the prefix cache (stale after a weight update)."""
+
+    @abc.abstractmethod
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free accelerator memory of ``tags`` (``weights``, ``kv_cache``, ``cuda_graph``; None: all)."""
+
+    @abc.abstractmethod
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what :meth:`release_memory` freed (released weights must be updated before use)."""
+
+    @abc.abstractmethod
+    def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:
+        """Load a bucket of named tensors passed as IPC handles (colocated engines)."""
+
+    @abc.abstractmethod
+    def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> None:
+        """Join a broadcast group whose rank 0 is a trainer rank (blocks until every member joined)."""
+
+    @abc.abstractmethod
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave and destroy a group created by :meth:`init_weights_update_group`."""
+
+    @abc.abstractmethod
+    def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> None:
+        """Receive ``request.names`` by broadcast from rank 0 of the group, in order."""
+
+    @abc.abstractmethod
+    def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> None:
+        """Reload all weights from a Hugging Face directory."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine process; safe to call twice."""

@@ -1,0 +1,189 @@
+"""An engine driven over SGLang's HTTP API: shared by the SGLang and the reference engine.
+
+Transport: stdlib ``urllib`` from the caller's thread (one connection per
+request), so concurrency is the caller's thread count; :class:`HttpEngine`
+additionally bounds the requests in flight per engine with a semaphore
+(``max_concurrent_requests``). Every request has a timeout; connection
+failures, timeouts and error statuses raise the :mod:`engine` errors with the
+endpoint, the URL and, when the engine process has died, its exit code and
+log tail.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_rl.rollout.engine import (
+    EngineRequestError,
+    EngineStartupError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    RolloutEngine,
+)
+from megatron_rl.rollout.protocol import (
+    AbortRequest,
+    DestroyWeightsUpdateGroupRequest,
+    GenerateRequest,
+    GenerateResult,
+    InitWeightsUpdateGroupRequest,
+    MemoryOccupationRequest,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
+from megatron_rl.rollout.server_process import ServerProcess
+
+CONTROL_TIMEOUT_S = 600.0
+HEALTH_POLL_S = 0.25
+
+
+class HttpEngine(RolloutEngine):
+    """An engine at ``http://host:port``, optionally launched and supervised from ``process``.
+
+    ``routed_experts_shape`` = (num_layers, top_k) decodes routing replay buffers in results.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        *,
+        process: ServerProcess | None = None,
+        max_concurrent_requests: int = 256,
+        request_timeout_s: float = 3600.0,
+        routed_experts_shape: tuple[int, int] | None = None,
+    ) -> None:
+        self.name = name
+        self.base_url = f"http://{host}:{port}"
+        self.process = process
+        self.request_timeout_s = request_timeout_s
+        self.routed_experts_shape = routed_experts_shape
+        self._slots = threading.BoundedSemaphore(max_concurrent_requests)
+        self._lock = threading.Lock()
+        self._samples_in_flight: dict[str, int] = {}
+
+    def _describe_process(self) -> str:
+        if self.process is None or self.process.exit_code is None:
+            return ""
+        return f"; engine process exited with code {self.process.exit_code}; log tail:\n{self.process.log_tail()}"
+
+    def request(self, endpoint: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
+        """POST ``body`` (GET when None) to ``endpoint``; the decoded JSON answer, or None for an empty one."""
+        url = self.base_url + endpoint
+        timeout = timeout_s if timeout_s is not None else CONTROL_TIMEOUT_S
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as error:
+            text = error.read().decode("utf-8", errors="replace")
+            raise EngineRequestError(
+                f"engine {self.name}: {endpoint} answered HTTP {error.code}: {text[:500]}",
+                status=error.code,
+                body=text,
+            ) from error
+        except TimeoutError as error:
+            raise EngineTimeoutError(
+                f"engine {self.name}: {endpoint} got no answer within {timeout:.0f} s ({url}){self._describe_process()}"
+            ) from error
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError) as error:
+            reason = getattr(error, "reason", error)
+            if isinstance(reason, (TimeoutError, socket.timeout)):
+                raise EngineTimeoutError(
+                    f"engine {self.name}: {endpoint} got no answer within {timeout:.0f} s ({url})"
+                ) from error
+            raise EngineUnavailableError(
+                f"engine {self.name}: {endpoint} failed at {url}: {reason!r}{self._describe_process()}"
+            ) from error
+        return json.loads(raw) if raw.strip() else None
+
+    def start(self) -> None:
+        if self.process is None:
+            raise EngineStartupError(f"engine {self.name} has no process to start (attached to {self.base_url})")
+        self.process.start()
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.exit_code is not None:
+                raise EngineStartupError(f"engine {self.name} exited before becoming healthy{self._describe_process()}")
+            try:
+                self.request("/health", timeout_s=max(1.0, min(5.0, deadline - time.monotonic())))
+                return
+            except (EngineUnavailableError, EngineTimeoutError, EngineRequestError) as error:
+                last_error = error
+            time.sleep(HEALTH_POLL_S)
+        raise EngineStartupError(
+            f"engine {self.name} not healthy at {self.base_url} after {timeout_s:.0f} s (last error: {last_error})"
+            f"{self._describe_process()}"
+        )
+
+    def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> list[GenerateResult]:
+        if request.rid is not None:
+            with self._lock:
+                self._samples_in_flight[request.rid] = request.sampling_params.n
+        try:
+            with self._slots:
+                answer = self.request("/generate", request.to_json(), timeout_s=timeout_s or self.request_timeout_s)
+        finally:
+            with self._lock:
+                self._samples_in_flight.pop(request.rid, None)
+        samples = answer if isinstance(answer, list) else [answer]
+        return [GenerateResult.from_json(s, routed_experts_shape=self.routed_experts_shape) for s in samples]
+
+    def abort(self, rid: str | None = None) -> None:
+        """Abort ``rid`` and, for n > 1, each sample's ``{rid}_{i}`` (SGLang expands n into those rids)."""
+        if rid is None:
+            self.request("/abort_request", AbortRequest(abort_all=True).to_json())
+            return
+        with self._lock:
+            n = self._samples_in_flight.get(rid, 1)
+        for sample_rid in [rid] + ([f"{rid}_{i}" for i in range(n)] if n > 1 else []):
+            self.request("/abort_request", AbortRequest(rid=sample_rid).to_json())
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        self.request("/pause_generation", PauseGenerationRequest(mode=mode).to_json())  # type: ignore[arg-type]
+
+    def continue_generation(self) -> None:
+        self.request("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self.request("/flush_cache", {})
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.request("/release_memory_occupation", MemoryOccupationRequest(list(tags) if tags else None).to_json())
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.request("/resume_memory_occupation", MemoryOccupationRequest(list(tags) if tags else None).to_json())
+
+    def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:
+        self.request("/update_weights_from_tensor", request.to_json())
+
+    def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> None:
+        self.request("/init_weights_update_group", request.to_json())
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.request("/destroy_weights_update_group", DestroyWeightsUpdateGroupRequest(group_name).to_json())
+
+    def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> None:
+        self.request("/update_weights_from_distributed", request.to_json())
+
+    def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> None:
+        self.request("/update_weights_from_disk", request.to_json())
+
+    def shutdown(self) -> None:
+        if self.process is not None:
+            self.process.stop()

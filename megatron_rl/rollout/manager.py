@@ -1,0 +1,225 @@
+"""The rollout manager: prompts in, a step's worth of scored groups out.
+
+Per step (:meth:`RolloutManager.generate_step`):
+
+1. take a generation batch of prompt indices from the sampler (its batch size
+   is the generation batch; make it larger than ``prompts_per_step`` to
+   over-sample);
+2. send one ``/generate`` request per prompt with ``n`` samples, spread
+   round-robin over the engines, at most ``max_concurrent_requests`` per
+   engine in flight;
+3. as each group comes back, score it in the reward worker processes, add the
+   DAPO overlong penalty (and zero the loss mask of truncated responses when
+   overlong filtering is on), and, with dynamic sampling, drop it when its
+   scores do not vary (``algorithms.groups_with_signal``);
+4. once ``prompts_per_step`` groups are kept, abort every request still in
+   flight and discard pending scores (counted as aborted); otherwise take the
+   next generation batch, up to ``max_gen_batches`` (then an error, or the
+   partial step when ``on_exhausted: train_partial``).
+
+Prompts of aborted groups are not re-queued (the sampler has moved on).
+Metrics: ``rollout/groups_kept``, ``groups_dropped``, ``groups_aborted``,
+``gen_batches``, ``samples``, ``response_length_mean``, ``truncated_frac``,
+``score_mean``, ``accuracy``, ``seconds``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_rl.algorithms import groups_with_signal, overlong_penalty
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.groups import RolloutBatch, RolloutGroup, RolloutSample
+from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
+from megatron_rl.rollout.scoring import RewardPool
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
+    from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+
+
+class RolloutExhaustedError(RuntimeError):
+    """Dynamic sampling hit ``max_gen_batches`` before the step was full."""
+
+
+class _Progress:
+    """A rich progress bar of kept groups when stderr is a terminal; silent otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._task = self._bar.add_task("rollout", total=total)
+            self._bar.start()
+
+    def update(self, kept: int, description: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=kept, description=description)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+class RolloutManager:
+    """Generates, scores, shapes and filters groups for training steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        dataset: PromptDataset,
+        sampler: PromptSampler,
+        rollout: RolloutConfig,
+        overlong: OverlongConfig,
+        dynamic_sampling: DynamicSamplingConfig,
+        *,
+        prompts_per_step: int,
+        reward: str,
+        reward_num_workers: int,
+        decode: Callable[[list[int]], str],
+        routing_replay: bool = False,
+    ) -> None:
+        if not engines:
+            raise ValueError("RolloutManager needs at least one engine")
+        if sampler.batch_size < prompts_per_step:
+            raise ValueError(
+                f"the sampler's generation batch ({sampler.batch_size} prompts) is smaller than prompts_per_step "
+                f"({prompts_per_step}); make it at least as large (larger to over-sample)"
+            )
+        self.engines, self.dataset, self.sampler = list(engines), dataset, sampler
+        self.rollout, self.overlong, self.dynamic_sampling = rollout, overlong, dynamic_sampling
+        self.prompts_per_step = prompts_per_step
+        self.decode = decode
+        self.routing_replay = routing_replay
+        self.rewards = RewardPool(reward, reward_num_workers)
+        self._threads = ThreadPoolExecutor(max_workers=rollout.max_concurrent_requests * len(self.engines))
+        self._uids = itertools.count()
+        self._engine_cycle = itertools.cycle(self.engines)
+
+    def _request(self, item: PromptItem, uid: str) -> GenerateRequest:
+        params = SamplingParams(
+            max_new_tokens=self.rollout.max_response_length,
+            temperature=self.rollout.temperature,
+            top_p=self.rollout.top_p,
+            top_k=self.rollout.top_k,
+            n=self.rollout.n_samples_per_prompt,
+        )
+        return GenerateRequest(list(item.prompt_ids), params, rid=uid, return_routed_experts=self.routing_replay)
+
+    def _group(self, item: PromptItem, uid: str, results: list[GenerateResult], scored) -> RolloutGroup:
+        lengths = torch.tensor([len(r.output_ids) for r in results])
+        penalties = torch.zeros(len(results))
+        if self.overlong.enable:
+            penalties = overlong_penalty(
+                lengths, self.rollout.max_response_length, self.overlong.buffer_length, self.overlong.penalty_factor
+            )
+        samples = []
+        for result, (score, correct), penalty in zip(results, scored, penalties.tolist(), strict=True):
+            truncated = result.finish_reason.type == "length"
+            keep_tokens = 0 if truncated and self.overlong.filter_truncated else 1
+            samples.append(
+                RolloutSample(
+                    prompt_ids=list(item.prompt_ids),
+                    response_ids=result.output_ids,
+                    rollout_logprobs=result.output_logprobs,
+                    finish_reason=result.finish_reason.type,
+                    score=score + penalty,
+                    correct=correct,
+                    overlong_penalty=penalty,
+                    loss_mask=[keep_tokens] * len(result.output_ids),
+                    weight_version=result.weight_version,
+                    routed_experts=result.routed_experts,
+                )
+            )
+        return RolloutGroup(uid=uid, prompt_index=item.index, samples=samples)
+
+    def _has_signal(self, group: RolloutGroup) -> bool:
+        if not self.dynamic_sampling.enable:
+            return True
+        scores = torch.tensor(group.scores)
+        return bool(groups_with_signal(scores, [0] * len(scores)).all())
+
+    def _run_batch(self, indices: list[int], kept: list[RolloutGroup], counts: dict[str, int], bar: _Progress) -> None:
+        generating: dict[Future, tuple[PromptItem, str, RolloutEngine]] = {}
+        for index in indices:
+            item, uid, engine = self.dataset[index], f"g{next(self._uids)}", next(self._engine_cycle)
+            generating[self._threads.submit(engine.generate, self._request(item, uid))] = (item, uid, engine)
+        scoring: dict[Future, tuple[PromptItem, str, list[GenerateResult]]] = {}
+        while generating or scoring:
+            done, _ = wait([*generating, *scoring], return_when=FIRST_COMPLETED)
+            for future in done:
+                if future in generating:
+                    item, uid, _ = generating.pop(future)
+                    results = future.result()
+                    if any(r.aborted for r in results):
+                        counts["aborted"] += 1
+                        continue
+                    texts = [self.decode(r.output_ids) for r in results]
+                    scoring[self.rewards.submit(texts, item.ground_truth, item.extra_info)] = (item, uid, results)
+                    counts["samples"] += len(results)
+                else:
+                    item, uid, results = scoring.pop(future)
+                    group = self._group(item, uid, results, future.result())
+                    if len(kept) >= self.prompts_per_step:
+                        counts["aborted"] += 1
+                    elif self._has_signal(group):
+                        kept.append(group)
+                    else:
+                        counts["dropped"] += 1
+            bar.update(len(kept), f"rollout: {len(kept)}/{self.prompts_per_step} groups")
+            if len(kept) >= self.prompts_per_step and generating:
+                for _, uid, engine in generating.values():
+                    engine.abort(uid)
+
+    def generate_step(self) -> RolloutBatch:
+        """Kept groups for one training step and the step's rollout metrics."""
+        start = time.perf_counter()
+        kept: list[RolloutGroup] = []
+        counts = {"aborted": 0, "dropped": 0, "samples": 0}
+        max_batches = self.dynamic_sampling.max_gen_batches if self.dynamic_sampling.enable else 1
+        bar = _Progress(self.prompts_per_step)
+        try:
+            for gen_batches in range(1, max_batches + 1):  # noqa: B007 - read after the loop
+                self._run_batch(self.sampler.next_batch(), kept, counts, bar)
+                if len(kept) >= self.prompts_per_step:
+                    break
+        finally:
+            bar.close()
+        if len(kept) < self.prompts_per_step and self.dynamic_sampling.on_exhausted == "error":
+            raise RolloutExhaustedError(
+                f"dynamic sampling kept {len(kept)} of {self.prompts_per_step} groups after {gen_batches} generation "
+                f"batches ({counts['dropped']} dropped with identical scores); raise "
+                "algorithm.dynamic_sampling.max_gen_batches or set on_exhausted: train_partial"
+            )
+        return RolloutBatch(kept, self._metrics(kept, counts, gen_batches, time.perf_counter() - start))
+
+    @staticmethod
+    def _metrics(kept: list[RolloutGroup], counts: dict[str, int], gen_batches: int, seconds: float) -> dict:
+        samples = [s for g in kept for s in g.samples]
+        num = max(1, len(samples))
+        return {
+            "rollout/groups_kept": float(len(kept)),
+            "rollout/groups_dropped": float(counts["dropped"]),
+            "rollout/groups_aborted": float(counts["aborted"]),
+            "rollout/gen_batches": float(gen_batches),
+            "rollout/samples": float(counts["samples"]),
+            "rollout/response_length_mean": sum(len(s.response_ids) for s in samples) / num,
+            "rollout/truncated_frac": sum(s.truncated for s in samples) / num,
+            "rollout/score_mean": sum(s.score for s in samples) / num,
+            "rollout/accuracy": sum(s.correct for s in samples) / num,
+            "rollout/seconds": seconds,
+        }
+
+    def close(self) -> None:
+        """Stop the reward workers and request threads (engines are not shut down)."""
+        self.rewards.close()
+        self._threads.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,254 @@
+"""The SGLang HTTP subset we speak: request bodies and generation results (target: sglang 0.5.23).
+
+Each request dataclass maps to one endpoint and one SGLang request type (in
+``sglang/srt/managers/io_struct.py``, 0.5.23); :meth:`to_json` gives the JSON
+body, with field names and meanings identical to SGLang's. The SGLang client
+(:mod:`~megatron_rl.rollout.http_engine`) sends these bodies and the reference
+server (:mod:`~megatron_rl.rollout.reference_server`) parses them with the
+same classes, so the client code that drives production engines is the code
+under test.
+
+``/generate`` answers one JSON object per sample (a list when the request had
+``n > 1``): ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+"prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+"output_token_logprobs": [[logprob, token_id, text | null], ...],
+"routed_experts": base64 int32}}``. :class:`GenerateResult` parses one.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+
+
+class _Body:
+    """JSON body helpers shared by the request dataclasses."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The request body: every field, None values included (SGLang's defaults match ours)."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]):
+        """Parse a body; unknown keys raise ValueError naming them (SGLang ignores them, we do not)."""
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = set(body) - names
+        if unknown:
+            raise ValueError(
+                f"{cls.__name__}: unknown field(s) {sorted(unknown)}; expected a subset of {sorted(names)}"
+            )
+        return cls(**body)
+
+
+@dataclass(frozen=True)
+class SamplingParams(_Body):
+    """SGLang ``sampling_params`` (the subset RL uses). ``top_k=-1`` and ``top_p=1`` disable those filters."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = True
+    skip_special_tokens: bool = False
+    sampling_seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest(_Body):
+    """``POST /generate`` (SGLang ``GenerateReqInput``): one prompt's token ids, ``n`` samples."""
+
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    rid: str | None = None
+    return_logprob: bool = True
+    logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    stream: bool = False
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> GenerateRequest:
+        body = dict(body)
+        params = SamplingParams.from_json(body.pop("sampling_params", None) or {})
+        request = super().from_json({**body, "sampling_params": params})
+        if not request.input_ids or not all(isinstance(t, int) for t in request.input_ids):
+            raise ValueError("GenerateRequest.input_ids must be a non-empty list of token ids (one prompt)")
+        return request
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromTensorRequest(_Body):
+    """``POST /update_weights_from_tensor``: one base64 payload per engine TP rank (see ``tensor_serialization``)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True)
+class InitWeightsUpdateGroupRequest(_Body):
+    """``POST /init_weights_update_group``: engine rank ``i`` joins as ``rank_offset + i``; the trainer is rank 0."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass(frozen=True)
+class DestroyWeightsUpdateGroupRequest(_Body):
+    """``POST /destroy_weights_update_group``."""
+
+    group_name: str = "weight_update_group"
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDistributedRequest(_Body):
+    """``POST /update_weights_from_distributed``: the engine receives one ``broadcast(src=0)`` per name, in order.
+
+    ``dtypes`` are torch dtype names without the ``torch.`` prefix (``"float32"``, ``"bfloat16"``).
+    """
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDiskRequest(_Body):
+    """``POST /update_weights_from_disk``: reload every weight from a Hugging Face directory."""
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+@dataclass(frozen=True)
+class MemoryOccupationRequest(_Body):
+    """``POST /release_memory_occupation`` and ``/resume_memory_occupation``; ``tags=None`` means all."""
+
+    tags: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.tags or ()) - set(MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"memory tags {sorted(unknown)} are not among {list(MEMORY_TAGS)}")
+
+
+@dataclass(frozen=True)
+class PauseGenerationRequest(_Body):
+    """``POST /pause_generation``: abort in-flight requests, or hold them (``retract``/``in_place``)."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+@dataclass(frozen=True)
+class AbortRequest(_Body):
+    """``POST /abort_request``: one request id, or all requests."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+@dataclass(frozen=True)
+class GetWeightsByNameRequest(_Body):
+    """``POST /get_weights_by_name``: a weight by its Hugging Face name (nested lists, first ``truncate_size`` rows)."""
+
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a sample ended: ``stop`` (a stop token, ``matched``), ``length`` (max_new_tokens) or ``abort``."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.type == "length":
+            return {"type": "length", "length": None}
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        return {"type": "abort", "message": self.message}
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One sample of a ``/generate`` answer.
+
+    ``output_logprobs[i]`` is the engine's log-prob of ``output_ids[i]``.
+    ``routed_experts``: int32 ``[prompt_len + len(output_ids) - 1 - start, num_layers, top_k]``,
+    the experts every token fed through the model was routed to (None unless asked).
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    weight_version: str | None
+    rid: str | None = None
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
+
+    @property
+    def aborted(self) -> bool:
+        """True when the engine aborted this sample (pause, abort request, shutdown)."""
+        return self.finish_reason.type == "abort"
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any], *, routed_experts_shape: tuple[int, int] | None = None) -> GenerateResult:
+        """Parse one sample; ``routed_experts_shape`` = (num_layers, top_k) decodes the base64 routing buffer."""
+        meta = body["meta_info"]
+        output_ids = list(body["output_ids"])
+        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        if logprobs and len(logprobs) != len(output_ids):
+            raise ValueError(f"engine returned {len(logprobs)} log-probs for {len(output_ids)} output tokens")
+        reason = meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason"}
+        routed = meta.get("routed_experts")
+        if routed is not None and routed_experts_shape is not None:
+            routed = decode_routed_experts(routed, routed_experts_shape)
+        return cls(
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            finish_reason=FinishReason(reason["type"], reason.get("matched"), reason.get("message")),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            weight_version=meta.get("weight_version"),
+            rid=meta.get("id"),
+            routed_experts=routed if isinstance(routed, np.ndarray) else None,
+        )
+
+
+def encode_routed_experts(routed: np.ndarray) -> str:
+    """int32 ``[tokens, layers, top_k]`` -> base64 of its raw bytes (SGLang's wire format)."""
+    return base64.b64encode(np.ascontiguousarray(routed, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def decode_routed_experts(encoded: str, shape: tuple[int, int]) -> np.ndarray:
+    """Inverse of :func:`encode_routed_experts`; ``shape`` = (num_layers, top_k) of one token."""
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    per_token = shape[0] * shape[1]
+    if flat.size % per_token:
+        raise ValueError(f"routed_experts holds {flat.size} ids, not a multiple of layers x top_k = {per_token}")
+    return flat.reshape(-1, *shape).copy()

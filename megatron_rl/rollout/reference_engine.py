@@ -1,0 +1,69 @@
+"""The reference engine as a :class:`RolloutEngine`: our own server process, driven by the SGLang client."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from megatron_rl.rollout.http_engine import HttpEngine
+from megatron_rl.rollout.server_process import ServerProcess
+
+
+def build_reference_command(
+    model_path: str | Path,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    load_format: str = "auto",
+    dtype: str = "float32",
+    device: str | None = None,
+    seed: int = 0,
+    python: str = sys.executable,
+) -> list[str]:
+    """``python -m megatron_rl.rollout.reference_server ...`` for one engine."""
+    command = [python, "-m", "megatron_rl.rollout.reference_server", "--model-path", str(model_path)]
+    command += ["--host", host, "--port", str(port), "--load-format", load_format, "--dtype", dtype]
+    command += ["--seed", str(seed)]
+    if device is not None:
+        command += ["--device", device]
+    return command
+
+
+class ReferenceEngine(HttpEngine):
+    """A reference server process on ``host:port`` (see :mod:`megatron_rl.rollout.reference_server`).
+
+    ``routed_experts_shape`` = (num_hidden_layers, num_experts_per_tok) decodes routing in results.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model_path: str | Path,
+        port: int,
+        *,
+        log_dir: str | Path,
+        host: str = "127.0.0.1",
+        load_format: str = "auto",
+        dtype: str = "float32",
+        device: str | None = None,
+        seed: int = 0,
+        max_concurrent_requests: int = 64,
+        request_timeout_s: float = 600.0,
+        routed_experts_shape: tuple[int, int] | None = None,
+    ) -> None:
+        command = build_reference_command(
+            model_path, port, host=host, load_format=load_format, dtype=dtype, device=device, seed=seed
+        )
+        super().__init__(
+            name,
+            host,
+            port,
+            process=ServerProcess(command, Path(log_dir) / f"{name}.log"),
+            max_concurrent_requests=max_concurrent_requests,
+            request_timeout_s=request_timeout_s,
+            routed_experts_shape=routed_experts_shape,
+        )
+
+    def weights_by_name(self, name: str, truncate_size: int = 1 << 30) -> list:
+        """A weight's values as nested lists (SGLang's ``/get_weights_by_name``; exact for fp32)."""
+        return self.request("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

@@ -1,0 +1,179 @@
+"""The reference engine's HTTP server: SGLang's RL subset, same JSON shapes, plain PyTorch behind it.
+
+Run ``python -m megatron_rl.rollout.reference_server --model-path DIR --port P``
+(binds 127.0.0.1 unless ``--host`` says otherwise). ``--load-format dummy``
+initialises random weights from ``DIR/config.json`` (as SGLang's dummy
+format), for engines that will receive their weights from the trainer.
+
+Status codes follow SGLang: 200 on success; 400 with ``{"error": {"message"}}``
+for a malformed request or one the current state refuses; 400 with
+``{"success": false, "message"}`` for failed weight updates; 404 for an
+unknown endpoint; 500 for anything unexpected. ``/health`` answers 200 once
+the model is loaded (the socket is only opened then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import traceback
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.rollout.protocol import (
+    AbortRequest,
+    DestroyWeightsUpdateGroupRequest,
+    GenerateRequest,
+    GetWeightsByNameRequest,
+    InitWeightsUpdateGroupRequest,
+    MemoryOccupationRequest,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
+from megatron_rl.rollout.reference_backend import EngineStateError, ReferenceBackend
+
+logger = logging.getLogger(__name__)
+
+Route = Callable[[ReferenceBackend, dict[str, Any]], Any]
+_OK = {"success": True, "message": "Succeeded."}
+
+
+def _update(fn: Callable[[ReferenceBackend, Any], None], parse: Callable[[dict], Any]) -> Route:
+    def route(backend: ReferenceBackend, body: dict[str, Any]) -> dict:
+        fn(backend, parse(body))
+        return _OK
+
+    return route
+
+
+ROUTES: dict[str, Route] = {
+    "/health": lambda b, body: None,
+    "/health_generate": lambda b, body: None,
+    "/model_info": lambda b, body: {"model_path": b.model.config.name_or_path, "weight_version": b.weight_version},
+    "/generate": lambda b, body: b.generate(GenerateRequest.from_json(body)),
+    "/abort_request": lambda b, body: b.abort(**AbortRequest.from_json(body).to_json()),
+    "/pause_generation": lambda b, body: b.pause(PauseGenerationRequest.from_json(body).mode),
+    "/continue_generation": lambda b, body: b.resume_generation(),
+    "/flush_cache": lambda b, body: None,
+    "/release_memory_occupation": lambda b, body: b.release(MemoryOccupationRequest.from_json(body).tags),
+    "/resume_memory_occupation": lambda b, body: b.resume(MemoryOccupationRequest.from_json(body).tags),
+    "/get_weights_by_name": lambda b, body: b.weights_by_name(**GetWeightsByNameRequest.from_json(body).to_json()),
+    "/update_weights_from_tensor": _update(
+        lambda b, r: b.update_from_tensor(r.serialized_named_tensors, r.weight_version),
+        UpdateWeightsFromTensorRequest.from_json,
+    ),
+    "/init_weights_update_group": _update(ReferenceBackend.init_group, InitWeightsUpdateGroupRequest.from_json),
+    "/destroy_weights_update_group": _update(
+        lambda b, r: b.destroy_group(r.group_name), DestroyWeightsUpdateGroupRequest.from_json
+    ),
+    "/update_weights_from_distributed": _update(
+        ReferenceBackend.update_from_distributed, UpdateWeightsFromDistributedRequest.from_json
+    ),
+    "/update_weights_from_disk": _update(
+        lambda b, r: b.update_from_disk(r.model_path, r.weight_version), UpdateWeightsFromDiskRequest.from_json
+    ),
+}
+_UPDATE_ROUTES = frozenset(r for r in ROUTES if r.startswith(("/update_", "/init_weights", "/destroy_weights")))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    backend: ReferenceBackend
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s " + format, self.address_string(), *args)
+
+    def _reply(self, status: int, payload: Any) -> None:
+        data = b"" if payload is None else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _dispatch(self, body: dict[str, Any]) -> None:
+        path = self.path.split("?", 1)[0]
+        route = ROUTES.get(path)
+        if route is None:
+            self._reply(404, {"error": {"message": f"unknown endpoint {path}", "code": 404}})
+            return
+        try:
+            self._reply(200, route(self.backend, body))
+        except (ValueError, TypeError, KeyError, EngineStateError) as error:
+            message = f"{type(error).__name__}: {error}"
+            payload = (
+                {"success": False, "message": message}
+                if path in _UPDATE_ROUTES
+                else {"error": {"message": message, "code": 400}}
+            )
+            self._reply(400, payload)
+        except Exception as error:  # noqa: BLE001 - the server must answer, whatever failed
+            logger.error("%s failed:\n%s", path, traceback.format_exc())
+            self._reply(500, {"error": {"message": f"{type(error).__name__}: {error}", "code": 500}})
+
+    def do_GET(self) -> None:
+        self._dispatch({})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as error:
+            self._reply(400, {"error": {"message": f"body is not JSON: {error}", "code": 400}})
+            return
+        if not isinstance(body, dict):
+            self._reply(400, {"error": {"message": "body must be a JSON object", "code": 400}})
+            return
+        self._dispatch(body)
+
+
+def build_server(backend: ReferenceBackend, host: str, port: int) -> ThreadingHTTPServer:
+    """A threading HTTP server bound to ``host:port`` serving ``backend`` (call ``serve_forever``)."""
+    handler = type("ReferenceHandler", (_Handler,), {"backend": backend})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The transformers causal LM of ``model_path`` (``dummy``: random weights from its config.json)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"--model-path {model_path}: no config.json (a local Hugging Face directory is needed)")
+    if load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return model.to(device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads on CPU")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s reference-engine %(levelname)s %(message)s")
+    torch.set_num_threads(args.num_threads)
+    model = load_model(args.model_path, args.load_format, getattr(torch, args.dtype), args.device)
+    server = build_server(ReferenceBackend(model, seed=args.seed), args.host, args.port)
+    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

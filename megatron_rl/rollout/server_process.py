@@ -1,0 +1,74 @@
+"""Launch and supervise one engine server process (SGLang or the reference server).
+
+The process runs in its own session (so :meth:`ServerProcess.stop` can end
+its whole process tree, e.g. SGLang's scheduler children) with stdout and
+stderr appended to a log file; errors quote the log's tail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+LOG_TAIL_CHARS = 2000
+
+
+class ServerProcess:
+    """A server subprocess: ``start()``, ``exit_code`` (None while running), ``log_tail()``, ``stop()``."""
+
+    def __init__(self, command: Sequence[str], log_path: str | Path, env: Mapping[str, str] | None = None) -> None:
+        self.command = list(command)
+        self.log_path = Path(log_path)
+        self.env = dict(env) if env is not None else None
+        self._process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start the process; RuntimeError if it is already running."""
+        if self._process is not None and self._process.poll() is None:
+            raise RuntimeError(f"server already running (pid {self._process.pid}): {' '.join(self.command)}")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env} if self.env is not None else None,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        """The process id once started."""
+        return None if self._process is None else self._process.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit status once the process ended; None while it runs (or before start)."""
+        return None if self._process is None else self._process.poll()
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        """The last ``chars`` characters of the log ('' when none yet)."""
+        if not self.log_path.exists():
+            return ""
+        data = self.log_path.read_bytes()[-chars:]
+        return data.decode("utf-8", errors="replace")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL after ``timeout_s``; a no-op when not running."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                process.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue

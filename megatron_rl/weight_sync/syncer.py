@@ -1,0 +1,114 @@
+"""One weight sync: pause the engines, stream the export through buckets and a transport, resume.
+
+Called on every trainer rank at once (it is collective: the exporter gathers
+over TP groups and the ranks meet at barriers). Rank 0 is the controller: it
+pauses generation (``retract``: in-flight requests wait) and flushes the
+prefix caches before any weight moves, then flushes again and continues once
+every rank has sent. The ``version`` string travels with every update request
+and comes back as ``meta_info.weight_version`` in generation results.
+
+:func:`build_transport` is the one place a transport is chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.config.schema import WeightSyncConfig
+from megatron_rl.models.hf_config import QwenArchitecture
+from megatron_rl.models.weight_transfer import export_hf_weights
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.weight_sync.buckets import MIB, NamedTensor, iter_buckets, tensor_bytes
+from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What this rank sent in one sync: tensors, bytes, buckets and wall seconds (pause to resume)."""
+
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+
+
+def _on_controller(engines: Sequence[RolloutEngine], action: Callable[[RolloutEngine], None]) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for engine in engines:
+            action(engine)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class WeightSyncer:
+    """Streams named tensors into ``engines`` through ``transport`` in buckets of ``bucket_bytes``."""
+
+    def __init__(self, engines: Sequence[RolloutEngine], transport: WeightTransport, *, bucket_bytes: int) -> None:
+        self.engines = list(engines)
+        self.transport = transport
+        self.bucket_bytes = bucket_bytes
+
+    def sync(self, named_tensors: Iterable[NamedTensor], version: str) -> SyncStats:
+        """Deliver this rank's share of the weights; every rank calls it with its own stream."""
+        start = time.perf_counter()
+        _on_controller(self.engines, lambda e: (e.pause_generation("retract"), e.flush_cache()))
+        _barrier()
+        num_tensors = num_bytes = num_buckets = 0
+        self.transport.begin(version)
+        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+            self.transport.send_bucket(bucket, version)
+            num_tensors += len(bucket)
+            num_bytes += sum(tensor_bytes(t) for _, t in bucket)
+            num_buckets += 1
+        self.transport.finish(version)
+        _barrier()
+        _on_controller(self.engines, lambda e: (e.flush_cache(), e.continue_generation()))
+        return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+
+    def sync_megatron(self, chunks: Sequence, arch: QwenArchitecture, version: str) -> SyncStats:
+        """Sync this rank's Megatron chunks: each tensor is sent once, by its designated source rank."""
+        return self.sync(export_hf_weights(chunks, arch, designated_only=True), version)
+
+    def close(self) -> None:
+        """Release the transport's resources (e.g. broadcast groups)."""
+        self.transport.close()
+
+
+def build_transport(
+    config: WeightSyncConfig,
+    placement: str,
+    engines: Sequence[RolloutEngine],
+    *,
+    engine_world_sizes: Sequence[int] | None = None,
+    master_address: str = "127.0.0.1",
+    disk_dir: str | Path | None = None,
+    hf_config_dir: str | Path | None = None,
+) -> WeightTransport:
+    """The transport ``config.transport`` names (``auto``: tensor when colocated, distributed otherwise).
+
+    Raises ValueError for ``disk`` without ``disk_dir`` and ``hf_config_dir``.
+    """
+    kind = config.transport
+    if kind == "auto":
+        kind = "tensor" if placement == "colocated" else "distributed"
+    if kind == "tensor":
+        return TensorTransport(engines, engine_world_sizes)
+    if kind == "distributed":
+        return DistributedTransport(engines, engine_world_sizes, master_address=master_address)
+    if disk_dir is None or hf_config_dir is None:
+        raise ValueError("weight_sync.transport=disk needs disk_dir (shared by trainer and engines) and hf_config_dir")
+    return DiskTransport(engines, disk_dir, hf_config_dir)
+
+
+def build_syncer(config: WeightSyncConfig, placement: str, engines: Sequence[RolloutEngine], **kwargs) -> WeightSyncer:
+    """A :class:`WeightSyncer` with the transport of :func:`build_transport` and the recipe's bucket size."""
+    transport = build_transport(config, placement, engines, **kwargs)
+    return WeightSyncer(engines, transport, bucket_bytes=config.bucket_size_mb * MIB)

@@ -1,0 +1,219 @@
+"""How a trainer rank's buckets reach the engines: one class per transport behind :class:`WeightTransport`.
+
+Every trainer rank owns one transport and calls ``begin``, ``send_bucket``
+for each of its buckets (possibly none), and ``finish``, all with the sync's
+weight version; ``begin``/``finish`` are collective over the trainer's
+default process group when the transport needs it (disk). Each sending rank
+talks to the engines directly; nothing is funnelled through one rank.
+
+- :class:`TensorTransport` (colocated): ``/update_weights_from_tensor`` with
+  IPC handles: CUDA tensors as they are, CPU tensors packed into one reused
+  shared-memory buffer per rank (one copy, the model's storage untouched).
+- :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
+  broadcast group with every engine rank (engine ``i`` at rank offset
+  1 + sum of the previous engines' sizes); per bucket it posts
+  ``/update_weights_from_distributed`` to every engine and broadcasts the
+  tensors in order. Gloo on CPU, NCCL on GPU; the group is created on the first
+  bucket and kept until :meth:`close`.
+- :class:`DiskTransport`: each rank writes its buckets as safetensors shards
+  into a shared directory; after a barrier, rank 0 copies the config files and
+  posts ``/update_weights_from_disk``.
+"""
+
+from __future__ import annotations
+
+import abc
+import shutil
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from megatron_rl.parallel.local_launch import free_port
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.protocol import (
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
+from megatron_rl.rollout.tensor_serialization import serialize_named_tensors
+from megatron_rl.rollout.weight_group import WeightGroup, broadcast_from_trainer, create_weight_group
+from megatron_rl.weight_sync.buckets import NamedTensor, tensor_bytes
+
+ALIGN_BYTES = 64
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _on_every_engine(engines: Sequence[RolloutEngine], call: Callable[[int, RolloutEngine], None]) -> None:
+    """Run ``call(index, engine)`` for all engines concurrently; re-raise the first failure."""
+    with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
+        for future in [pool.submit(call, i, engine) for i, engine in enumerate(engines)]:
+            future.result()
+
+
+class WeightTransport(abc.ABC):
+    """Delivers this rank's buckets of (Hugging Face name, full tensor) to every engine."""
+
+    def begin(self, version: str) -> None:  # noqa: B027 (optional hook)
+        """Start a sync (collective for transports that need it)."""
+
+    @abc.abstractmethod
+    def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
+        """Deliver one bucket; returns once every engine holds it (disk: once it is written)."""
+
+    def finish(self, version: str) -> None:  # noqa: B027 (optional hook)
+        """End a sync (collective for transports that need it)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release resources held across syncs."""
+
+
+class TensorTransport(WeightTransport):
+    """Colocated engines: IPC handles through ``/update_weights_from_tensor``.
+
+    ``engine_tp_sizes[i]`` payloads go to engine ``i`` (one per TP rank, the same
+    handles: every rank of a node can open them).
+    """
+
+    def __init__(self, engines: Sequence[RolloutEngine], engine_tp_sizes: Sequence[int] | None = None) -> None:
+        self.engines = list(engines)
+        self.engine_tp_sizes = list(engine_tp_sizes or [1] * len(self.engines))
+        self._buffer: torch.Tensor | None = None
+
+    def _shareable(self, bucket: list[NamedTensor]) -> list[NamedTensor]:
+        if all(t.is_cuda for _, t in bucket):
+            return [(name, t.contiguous()) for name, t in bucket]
+        offsets, total = [], 0
+        for _, tensor in bucket:
+            offsets.append(total)
+            total += -(-tensor_bytes(tensor) // ALIGN_BYTES) * ALIGN_BYTES
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = torch.empty(total, dtype=torch.uint8).share_memory_()
+        shared = []
+        for (name, tensor), offset in zip(bucket, offsets, strict=True):
+            view = self._buffer[offset : offset + tensor_bytes(tensor)].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+            shared.append((name, view))
+        return shared
+
+    def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
+        payload = serialize_named_tensors(self._shareable(bucket))
+
+        def update(index: int, engine: RolloutEngine) -> None:
+            request = UpdateWeightsFromTensorRequest(
+                [payload] * self.engine_tp_sizes[index], flush_cache=False, weight_version=version
+            )
+            engine.update_weights_from_tensor(request)
+
+        _on_every_engine(self.engines, update)
+
+    def close(self) -> None:
+        self._buffer = None
+
+
+class DistributedTransport(WeightTransport):
+    """Disaggregated engines: a broadcast group per sending rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        engine_world_sizes: Sequence[int] | None = None,
+        *,
+        master_address: str = "127.0.0.1",
+        backend: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.engines = list(engines)
+        self.engine_world_sizes = list(engine_world_sizes or [1] * len(self.engines))
+        self.master_address = master_address
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        self.group_name = f"megatron_rl_weights_rank{_rank()}"
+        self._group: WeightGroup | None = None
+
+    def _ensure_group(self) -> WeightGroup:
+        if self._group is not None:
+            return self._group
+        port = free_port()
+        world_size = 1 + sum(self.engine_world_sizes)
+        offsets = [1 + sum(self.engine_world_sizes[:i]) for i in range(len(self.engines))]
+        requests = [
+            InitWeightsUpdateGroupRequest(self.master_address, port, offset, world_size, self.group_name, self.backend)
+            for offset in offsets
+        ]
+        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            joins = [pool.submit(e.init_weights_update_group, r) for e, r in zip(self.engines, requests, strict=True)]
+            self._group = create_weight_group(
+                self.master_address, port, 0, world_size, self.group_name, self.backend, timeout_s=self.timeout_s
+            )
+            for join in joins:
+                join.result()
+        return self._group
+
+    def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
+        group = self._ensure_group()
+        request = UpdateWeightsFromDistributedRequest(
+            names=[name for name, _ in bucket],
+            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            shapes=[list(t.shape) for _, t in bucket],
+            group_name=self.group_name,
+            flush_cache=False,
+            weight_version=version,
+        )
+        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            posts = [pool.submit(engine.update_weights_from_distributed, request) for engine in self.engines]
+            for _, tensor in bucket:
+                broadcast_from_trainer(group, tensor.contiguous())
+            for post in posts:
+                post.result()
+
+    def close(self) -> None:
+        if self._group is not None:
+            _on_every_engine(self.engines, lambda i, e: e.destroy_weights_update_group(self.group_name))
+            self._group = None
+
+
+class DiskTransport(WeightTransport):
+    """Safetensors shards in ``directory`` (shared by all ranks and engines), then ``/update_weights_from_disk``."""
+
+    CONFIG_FILES = ("config.json", "generation_config.json")
+
+    def __init__(self, engines: Sequence[RolloutEngine], directory: str | Path, hf_config_dir: str | Path) -> None:
+        self.engines = list(engines)
+        self.directory = Path(directory)
+        self.hf_config_dir = Path(hf_config_dir)
+        self._shards = 0
+
+    def begin(self, version: str) -> None:
+        if _rank() == 0:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory.mkdir(parents=True)
+        self._shards = 0
+        _barrier()
+
+    def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in bucket}
+        save_file(tensors, self.directory / f"rank{_rank():05d}-{self._shards:05d}.safetensors")
+        self._shards += 1
+
+    def finish(self, version: str) -> None:
+        _barrier()
+        if _rank() == 0:
+            for name in self.CONFIG_FILES:
+                if (self.hf_config_dir / name).exists():
+                    shutil.copy(self.hf_config_dir / name, self.directory / name)
+            request = UpdateWeightsFromDiskRequest(str(self.directory), weight_version=version, flush_cache=False)
+            _on_every_engine(self.engines, lambda i, e: e.update_weights_from_disk(request))
+        _barrier()

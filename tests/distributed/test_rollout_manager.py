@@ -1,0 +1,85 @@
+"""The rollout manager against a real reference engine and reward worker processes.
+
+Prompts alternate between ``constant`` (every sample scores 1: no signal, so
+dynamic sampling drops the group) and ``mixed`` (the score is the parity of
+the first sampled token, so most groups of 4 vary); see ``tests/rollout_rewards.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
+from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+from megatron_rl.rollout import ReferenceEngine
+from megatron_rl.rollout.manager import RolloutExhaustedError, RolloutManager
+from tests.distributed_utils import free_port
+from tests.tiny_checkpoints import save_tiny_moe
+
+REWARD = "tests.rollout_rewards:first_token_parity"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    engine = ReferenceEngine("ref", save_tiny_moe(root / "moe"), free_port(), log_dir=root, routed_experts_shape=(4, 2))
+    engine.start()
+    try:
+        engine.wait_healthy(120)
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def _dataset(truths: list[str]) -> PromptDataset:
+    return PromptDataset([PromptItem(i, [i % 50 + 1, 3], truth, "test") for i, truth in enumerate(truths)], 0)
+
+
+def _manager(engine, truths, *, gen_batch, prompts_per_step, max_new, max_gen_batches=4) -> RolloutManager:
+    rollout = RolloutConfig(engine="reference", n_samples_per_prompt=4, max_response_length=max_new)
+    rollout = rollout.model_copy(update={"max_concurrent_requests": 4})
+    return RolloutManager(
+        [engine],
+        _dataset(truths),
+        PromptSampler(len(truths), gen_batch, seed=0),
+        rollout,
+        OverlongConfig(enable=True, buffer_length=4, penalty_factor=0.5, filter_truncated=True),
+        DynamicSamplingConfig(enable=True, max_gen_batches=max_gen_batches),
+        prompts_per_step=prompts_per_step,
+        reward=REWARD,
+        reward_num_workers=2,
+        decode=lambda ids: " ".join(map(str, ids)),
+        routing_replay=True,
+    )
+
+
+@pytest.mark.distributed
+def test_dynamic_sampling_fills_the_step_and_aborts_the_surplus(engine):
+    manager = _manager(engine, ["constant", "mixed"] * 12, gen_batch=12, prompts_per_step=2, max_new=16)
+    try:
+        batch = manager.generate_step()
+    finally:
+        manager.close()
+    metrics = batch.metrics
+    assert len(batch.groups) == 2 and metrics["rollout/groups_kept"] == 2
+    assert metrics["rollout/groups_aborted"] >= 1, metrics
+    assert metrics["rollout/groups_kept"] + metrics["rollout/groups_dropped"] + metrics["rollout/groups_aborted"] <= 12
+    assert len({g.uid for g in batch.groups}) == 2
+    for group in batch.groups:
+        assert len(set(group.scores)) > 1
+        for sample in group.samples:
+            assert sample.truncated and sample.overlong_penalty == -0.5 and set(sample.loss_mask) == {0}
+            assert len(sample.rollout_logprobs) == len(sample.response_ids) == 16
+            assert sample.routed_experts.shape == (2 + 16 - 1, 4, 2)
+    padded = batch.padded()
+    assert padded["response_ids"].shape == (8, 16) and padded["group_index"].tolist() == [0] * 4 + [1] * 4
+
+
+@pytest.mark.distributed
+def test_dynamic_sampling_without_signal_raises_after_max_gen_batches(engine):
+    manager = _manager(engine, ["constant"] * 4, gen_batch=2, prompts_per_step=2, max_new=4, max_gen_batches=2)
+    try:
+        with pytest.raises(RolloutExhaustedError, match="kept 0 of 2 groups after 2 generation batches"):
+            manager.generate_step()
+    finally:
+        manager.close()

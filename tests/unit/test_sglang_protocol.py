@@ -1,0 +1,193 @@
+"""Our SGLang request bodies, server command and response parsing against SGLang 0.5.23.
+
+Always: every body is checked against ``SGLANG_0_5_23`` below, the field sets of
+the request types written from sglang 0.5.23's ``srt/managers/io_struct.py``
+(``rid``/``http_worker_ipc`` omitted: internal routing fields).
+
+When ``sglang`` is importable (``pip install --no-deps sglang==0.5.23`` plus the
+light modules io_struct needs, see docs), also against SGLang's own code: the
+request types built from our bodies exactly as its FastAPI layer does
+(pydantic over the msgspec structs), ``GenerateReqInput`` normalised, its
+``sampling_params`` verified, the ``/generate`` JSON contract, our response
+JSON decoded by its ``GenerateResponse``, our command line parsed by its
+``ServerArgs`` parser, and the field sets above compared with its structs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout.protocol import (
+    AbortRequest,
+    DestroyWeightsUpdateGroupRequest,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    GetWeightsByNameRequest,
+    InitWeightsUpdateGroupRequest,
+    MemoryOccupationRequest,
+    PauseGenerationRequest,
+    SamplingParams,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
+from megatron_rl.rollout.reference_backend import ReferenceBackend
+from megatron_rl.rollout.reference_generator import SampleOutput
+from megatron_rl.rollout.sglang_engine import SGLangPlacement, build_sglang_command
+
+SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
+    # our class: (io_struct class, its fields, required fields)
+    "UpdateWeightsFromTensorRequest": (
+        "UpdateWeightsFromTensorReqInput",
+        frozenset({"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version",
+                   "selector", "torch_empty_cache"}),
+        frozenset({"serialized_named_tensors"}),
+    ),
+    "InitWeightsUpdateGroupRequest": (
+        "InitWeightsUpdateGroupReqInput",
+        frozenset({"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}),
+        frozenset({"master_address", "master_port", "rank_offset", "world_size"}),
+    ),
+    "DestroyWeightsUpdateGroupRequest": ("DestroyWeightsUpdateGroupReqInput", frozenset({"group_name"}), frozenset()),
+    "UpdateWeightsFromDistributedRequest": (
+        "UpdateWeightsFromDistributedReqInput",
+        frozenset({"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+                   "load_format", "selector", "torch_empty_cache"}),
+        frozenset({"names", "dtypes", "shapes"}),
+    ),
+    "UpdateWeightsFromDiskRequest": (
+        "UpdateWeightFromDiskReqInput",
+        frozenset({"model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
+                   "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"}),
+        frozenset({"model_path"}),
+    ),
+    "MemoryOccupationRequest": ("ReleaseMemoryOccupationReqInput", frozenset({"tags"}), frozenset()),
+    "PauseGenerationRequest": ("PauseGenerationReqInput", frozenset({"mode"}), frozenset()),
+    "AbortRequest": (
+        "AbortReq", frozenset({"rid", "abort_all", "finished_reason", "abort_message", "weight_versions"}), frozenset()
+    ),
+    "GetWeightsByNameRequest": ("GetWeightsByNameReqInput", frozenset({"name", "truncate_size"}), frozenset({"name"})),
+}  # fmt: skip
+INTERNAL_FIELDS = {"rid", "http_worker_ipc"}  # BaseReq routing fields; only AbortReq's rid is ours to set
+
+BODIES = [
+    UpdateWeightsFromTensorRequest(["aGVsbG8="], flush_cache=False, weight_version="3"),
+    InitWeightsUpdateGroupRequest("10.0.0.1", 29500, 1, 5, "megatron_rl_weights_rank0", "nccl"),
+    DestroyWeightsUpdateGroupRequest("megatron_rl_weights_rank0"),
+    UpdateWeightsFromDistributedRequest(["a.weight"], ["bfloat16"], [[4, 8]], "g", False, weight_version="3"),
+    UpdateWeightsFromDiskRequest("/ckpt/step3", weight_version="3"),
+    MemoryOccupationRequest(["weights", "kv_cache"]),
+    PauseGenerationRequest("retract"),
+    AbortRequest("g17"),
+    GetWeightsByNameRequest("model.embed_tokens.weight", 4),
+]
+GENERATE = GenerateRequest(
+    [1, 2, 3],
+    SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, n=4, stop_token_ids=[2]),
+    rid="g0",
+    return_routed_experts=True,
+)
+SGLANG_IMPORTABLE = importlib.util.find_spec("sglang") is not None
+needs_sglang = pytest.mark.skipif(not SGLANG_IMPORTABLE, reason="sglang 0.5.23 not installed (see module docstring)")
+
+
+@pytest.mark.parametrize("request_body", BODIES, ids=lambda b: type(b).__name__)
+def test_body_fields_match_sglang_0_5_23_schema(request_body):
+    _, fields, required = SGLANG_0_5_23[type(request_body).__name__]
+    body = request_body.to_json()
+    assert set(body) <= fields, f"fields SGLang does not know: {set(body) - fields}"
+    assert required <= set(body)
+    assert type(request_body).from_json(body) == request_body
+
+
+@needs_sglang
+@pytest.mark.parametrize("request_body", BODIES, ids=lambda b: type(b).__name__)
+def test_body_builds_sglangs_own_request_type(request_body):
+    from pydantic import TypeAdapter
+    from sglang.srt.managers import io_struct
+
+    name, fields, _ = SGLANG_0_5_23[type(request_body).__name__]
+    cls = getattr(io_struct, name)
+    expected = set(cls.__struct_fields__) - INTERNAL_FIELDS
+    assert expected == fields - {"rid"}, "the written schema drifted from sglang's source"
+    built = TypeAdapter(cls).validate_python(request_body.to_json())
+    for key, value in request_body.to_json().items():
+        if key != "serialized_named_tensors":
+            assert getattr(built, key) == value, key
+
+
+@needs_sglang
+def test_generate_body_passes_sglangs_contract_and_sampling_checks():
+    from sglang.api.v1.api_types import GenerateRequest as ContractRequest
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
+
+    body = GENERATE.to_json()
+    ContractRequest.from_json_value(body)
+    request = GenerateReqInput(**body)
+    request.normalize_batch_and_arguments()
+    # SGLang expands n samples into n requests named {rid}_{i}: what HttpEngine.abort(rid) aborts
+    assert request.rid == ["g0_0", "g0_1", "g0_2", "g0_3"] and request.return_routed_experts
+    params = SGLangSamplingParams(**body["sampling_params"])
+    params.normalize(None)
+    params.verify(100)
+    assert (params.top_k, params.n, params.stop_token_ids) == (20, 4, {2})
+
+
+def _reference_sample_json() -> dict:
+    routed = np.arange(2 * 3 * 2, dtype=np.int32).reshape(2, 3, 2)
+    sample = SampleOutput([7, 2], [-0.5, -1.25], FinishReason("stop", matched=2), routed)
+    return ReferenceBackend._sample_json("g0", 0, sample, prompt_tokens=1, version="3")
+
+
+def test_reference_response_round_trips_through_our_parser():
+    result = GenerateResult.from_json(_reference_sample_json(), routed_experts_shape=(3, 2))
+    assert result.output_ids == [7, 2] and result.output_logprobs == [-0.5, -1.25]
+    assert result.finish_reason == FinishReason("stop", matched=2) and result.weight_version == "3"
+    assert result.routed_experts.shape == (2, 3, 2) and result.routed_experts[1, 2, 1] == 11
+
+
+@needs_sglang
+def test_reference_response_decodes_as_sglangs_generate_response():
+    from sglang.api.v1.api_types import GenerateResponse
+
+    decoded = GenerateResponse.from_json_value(_reference_sample_json())
+    assert decoded.output_ids == [7, 2] and decoded.meta_info.weight_version == "3"
+    assert [entry.logprob for entry in decoded.meta_info.output_token_logprobs] == [-0.5, -1.25]
+
+
+def _command() -> list[str]:
+    config = RolloutConfig(tp=4, ep=4, dp=1, placement="colocated", quantization="fp8", mem_fraction=0.6)
+    return build_sglang_command(config, SGLangPlacement(4, 30000, 30001), "/models/qwen3", routing_replay=True)
+
+
+def test_command_carries_the_rl_flags():
+    command = _command()
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    for flag in ("--enable-memory-saver", "--skip-tokenizer-init", "--enable-return-routed-experts"):
+        assert flag in command
+    assert command[command.index("--base-gpu-id") + 1] == "4" and command[command.index("--quantization") + 1] == "fp8"
+
+
+def test_command_refuses_a_bad_placement():
+    with pytest.raises(ValueError, match="needs dist_init_addr"):
+        build_sglang_command(RolloutConfig(), SGLangPlacement(0, 30000, 30001, nnodes=2), "/m")
+
+
+@needs_sglang
+def test_command_parses_into_sglangs_server_args():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(_command()[3:])
+    assert (args.tp_size, args.ep_size, args.dp_size, args.base_gpu_id, args.port) == (4, 4, 1, 4, 30000)
+    assert args.enable_memory_saver and args.skip_tokenizer_init and args.enable_return_routed_experts
+    assert args.quantization == "fp8" and args.mem_fraction_static == 0.6
