@@ -5,7 +5,7 @@ the rollout engines. :class:`PolicyActor` is the entry point.
 """
 
 from megatron_rl.actor.batch import RolloutBatch
-from megatron_rl.actor.logprobs import TokenLogProbs
 from megatron_rl.actor.policy_actor import PolicyActor, parallel_sizes
+from megatron_rl.actor.token_logprobs import TokenLogProbs
 
 __all__ = ["PolicyActor", "RolloutBatch", "TokenLogProbs", "parallel_sizes"]

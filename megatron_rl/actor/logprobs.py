@@ -1,20 +1,16 @@
 """Per-token log-probs and entropy of given sequences, forward only.
 
-Shape legend: B sequences, S tokens, V/tp this TP rank's vocabulary slice.
+Shape legend: B sequences, S tokens.
 
-:func:`token_log_probs` turns vocab-parallel logits into [B, S] log-probs and
-entropies aligned with the input ids (position t: the distribution predicted
-at t - 1; position 0 holds 0). :func:`compute_log_probs` runs this rank's
-share of a global batch through the pipeline schedule in token-budget
-micro-batches and returns the WHOLE batch's values on every rank: the last
-pipeline stage broadcasts them over its pipeline group, and the
-data-parallel ranks' disjoint rows are summed into one [B, S] tensor (exact:
-the other ranks contribute zeros).
+:func:`compute_log_probs` runs this rank's share of a global batch through
+the pipeline schedule in token-budget micro-batches (packed or padded, see
+``schedule``) and returns the WHOLE batch's [B, S] values (aligned as in
+``token_logprobs``) on every rank: the last pipeline stage broadcasts them
+over its pipeline group, and the data-parallel ranks' disjoint rows are
+summed into one [B, S] tensor (exact: the other ranks contribute zeros).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,30 +18,10 @@ from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.actor.microbatching import dp_shard, padded_micro_batches, plan_micro_batches
+from megatron_rl.actor.packing import PackingRule
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.schedule import run_schedule
-from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
-
-
-@dataclass(frozen=True)
-class TokenLogProbs:
-    """Log-probs and entropies (nats) of a batch, [B, S] float32 each, aligned with ``input_ids``."""
-
-    log_probs: torch.Tensor
-    entropy: torch.Tensor
-
-
-def token_log_probs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor, vocab_size: int) -> TokenLogProbs:
-    """Log-probs of ``input_ids`` and entropies from this TP rank's logits slice (differentiable).
-
-    Columns at or beyond ``vocab_size`` (TP padding of the vocabulary) are excluded.
-    """
-    group = parallel_state.get_tensor_model_parallel_group()
-    log_probs_BS, entropy_BS = vocab_parallel_logprobs_entropy(
-        logits_BSV[:, :-1], input_ids_BS[:, 1:], vocab_size=vocab_size, group=group
-    )
-    first_BS = log_probs_BS.new_zeros((log_probs_BS.shape[0], 1))
-    return TokenLogProbs(torch.cat([first_BS, log_probs_BS], dim=1), torch.cat([first_BS, entropy_BS], dim=1))
+from megatron_rl.actor.token_logprobs import TokenLogProbs
 
 
 @torch.no_grad()
@@ -55,12 +31,13 @@ def compute_log_probs(
     *,
     vocab_size: int,
     max_tokens_per_micro_batch: int,
+    packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
 ) -> TokenLogProbs:
     """Log-probs and entropies of every row of the global ``batch``, identical on every rank.
 
     All ranks must call this together with the same ``batch``. Each DP rank
-    computes the rows :func:`dp_shard` gives it.
+    computes the rows :func:`dp_shard` gives it. ``packing``: as in ``run_schedule``.
     """
     dp_group = parallel_state.get_data_parallel_group()
     rows = dp_shard(batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
@@ -69,10 +46,12 @@ def compute_log_probs(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     micro_batches = padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
 
-    def loss_fn(micro_batch: RolloutBatch, logits: torch.Tensor) -> TokenLogProbs:
-        return token_log_probs(logits, micro_batch.input_ids, vocab_size)
+    def loss_fn(micro_batch: RolloutBatch, current: TokenLogProbs) -> TokenLogProbs:
+        return current
 
-    outputs = run_schedule(models, micro_batches, loss_fn, forward_only=True, replay=replay)
+    outputs = run_schedule(
+        models, micro_batches, loss_fn, vocab_size=vocab_size, forward_only=True, packing=packing, replay=replay
+    )
     result_2BS = batch.input_ids.new_zeros((2, batch.num_sequences, batch.seq_length), dtype=torch.float32)
     if parallel_state.is_pipeline_last_stage():
         for part, output in zip(plan, outputs, strict=True):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import RolloutBatch
-from megatron_rl.actor.logprobs import TokenLogProbs
+from megatron_rl.actor.token_logprobs import TokenLogProbs
 from megatron_rl.algorithms import (
     aggregate_loss,
     count_tokens_and_seqs,

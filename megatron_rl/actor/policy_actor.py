@@ -27,6 +27,7 @@ from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.actor.logprobs import TokenLogProbs, compute_log_probs
 from megatron_rl.actor.offload import StateOffloader
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
+from megatron_rl.actor.packing import select_packing
 from megatron_rl.actor.precision import actor_config_overrides, params_dtype
 from megatron_rl.actor.reference import ReferenceWeights
 from megatron_rl.actor.routing_replay import RoutingReplay
@@ -91,8 +92,17 @@ class PolicyActor:
             if algorithm.routing_replay
             else None
         )
+        packing = select_packing(
+            pack_sequences=train.pack_sequences,
+            cuda=torch.cuda.is_available(),
+            transformer_engine_spec=use_te,
+            tp=self.config.tensor_model_parallel_size,
+            cp=self.config.context_parallel_size,
+            sequence_parallel=self.config.sequence_parallel,
+            fp8_recipe=self.config.fp8_recipe if self.config.fp8 else None,
+        )
         self._context = StepContext(
-            self.models, self.optimizer, train, algorithm, self.arch.vocab_size, norm_constant, replay
+            self.models, self.optimizer, train, algorithm, self.arch.vocab_size, norm_constant, replay, packing
         )
         keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
         self._reference = ReferenceWeights(self.models) if keep else None
@@ -106,6 +116,7 @@ class PolicyActor:
             self._prepare(batch),
             vocab_size=self.arch.vocab_size,
             max_tokens_per_micro_batch=self._train.max_tokens_per_micro_batch,
+            packing=self._context.packing,
             replay=self._context.replay,
         )
 

@@ -11,6 +11,8 @@ each one its slice of the batch's ``routed_experts`` [B, S, L, K]:
 * tokens: Megatron's router sees hidden states [S_local, B] flattened
   sequence-major; with sequence parallelism TP rank r holds positions
   ``[r * S / tp, (r + 1) * S / tp)``. The slice is laid out the same way.
+  A packed micro-batch is the stream [1, T] (``packing``): the experts are
+  packed like the tokens (pad tokens get experts ``0..K-1``) and sliced along T.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.packing import PackedLayout, pack_tokens
 
 
 class RoutingReplay:
@@ -61,10 +64,17 @@ class RoutingReplay:
                 f"routed_experts has {num_layers} layers; the model routes in layer {max(self.layer_indices)} (0-based)"
             )
 
-    def set_micro_batch(self, batch: RolloutBatch) -> None:
-        """Give every router of this rank its experts for ``batch``'s forward pass (see :meth:`check_batch`)."""
+    def set_micro_batch(self, batch: RolloutBatch, layout: PackedLayout | None = None) -> None:
+        """Give every router of this rank its experts for ``batch``'s forward pass (see :meth:`check_batch`).
+
+        ``layout``: the micro-batch runs packed with this layout (None: padded [B, S]).
+        """
         self.check_batch(batch)
-        local_BSLK = self._local_positions(batch.routed_experts)
+        experts_BSLK = batch.routed_experts
+        if layout is not None:
+            distinct_K = torch.arange(experts_BSLK.shape[-1], dtype=experts_BSLK.dtype, device=experts_BSLK.device)
+            experts_BSLK = pack_tokens(experts_BSLK, layout, fill=distinct_K)
+        local_BSLK = self._local_positions(experts_BSLK)
         for layer, replay in self._replays:
             replay.set_target_indices(local_BSLK[:, :, layer].transpose(0, 1).reshape(-1, local_BSLK.shape[-1]))
 

@@ -1,29 +1,79 @@
-"""One call of Megatron-core's pipeline schedule over equally shaped micro-batches.
+"""One call of Megatron-core's pipeline schedule over a rank's micro-batches.
 
 :func:`run_schedule` feeds :class:`RolloutBatch` micro-batches through
 ``get_forward_backward_func`` (no pipelining, 1F1B or interleaved, as the
 parallel state dictates), forward-only or forward-backward. Per micro-batch it
 sets the routers' replay targets (when replaying) right before the model's
-forward, and hands the last stage's vocab-parallel logits to ``loss_fn``.
+forward, turns the last stage's vocab-parallel logits into [B, S] token
+log-probs and entropies, and hands them to ``loss_fn``.
 
-Position ids are 0..S-1 for every row and attention is causal: right padding
-never influences the positions before it.
+Two input layouts, chosen once by :func:`~megatron_rl.actor.packing.select_packing`:
+
+* padded (``packing=None``): the micro-batch's ``[B, S]`` ids, positions
+  0..S-1 for every row, causal attention (right padding never influences the
+  positions before it); all micro-batches share one ``[B, S]`` shape;
+* packed (a :class:`~megatron_rl.actor.packing.PackingRule`): each
+  micro-batch becomes one ``[1, T]`` THD stream with ``PackedSeqParams``
+  (Transformer Engine attention only), T the same for all micro-batches of
+  the call; the log-probs are unpacked back to ``[B, S]`` before ``loss_fn``.
+
+Either way ``loss_fn`` sees the same [B, S] tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.packing import (
+    PackedLayout,
+    PackingRule,
+    pack_tokens,
+    packed_seq_params,
+    plan_micro_batch_packing,
+)
 from megatron_rl.actor.routing_replay import RoutingReplay
+from megatron_rl.actor.token_logprobs import TokenLogProbs, packed_token_log_probs, token_log_probs
 
-# loss_fn(micro_batch, logits [B, S, V/tp]) -> Megatron's loss_func result.
-LossFn = Callable[[RolloutBatch, torch.Tensor], Any]
+# loss_fn(micro_batch, its token log-probs and entropies [B, S]) -> Megatron's loss_func result.
+LossFn = Callable[[RolloutBatch, TokenLogProbs], Any]
+
+
+@dataclass(frozen=True)
+class _ModelInput:
+    """What the model gets for one micro-batch: ids and positions [B, S] or [1, T], THD parameters if packed."""
+
+    micro_batch: RolloutBatch
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    layout: PackedLayout | None = None
+    packed_seq_params: PackedSeqParams | None = None
+
+
+def _model_inputs(micro_batches: Sequence[RolloutBatch], packing: PackingRule | None) -> list[_ModelInput]:
+    first = micro_batches[0].input_ids
+    if packing is None:
+        positions = torch.arange(first.shape[1], device=first.device).expand(first.shape[0], -1)
+        return [_ModelInput(mb, mb.input_ids, positions) for mb in micro_batches]
+    layouts = plan_micro_batch_packing([mb.lengths.tolist() for mb in micro_batches], first.shape[1], packing)
+    return [
+        _ModelInput(
+            mb,
+            pack_tokens(mb.input_ids, layout),
+            layout.position_ids(first.device),
+            layout,
+            packed_seq_params(layout, first.device),
+        )
+        for mb, layout in zip(micro_batches, layouts, strict=True)
+    ]
 
 
 def run_schedule(
@@ -31,39 +81,47 @@ def run_schedule(
     micro_batches: Sequence[RolloutBatch],
     loss_fn: LossFn,
     *,
+    vocab_size: int,
     forward_only: bool,
+    packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
 ) -> list[Any]:
     """Run the schedule; return what ``loss_fn`` produced per micro-batch (last pipeline stage; else ``[]``).
 
-    All micro-batches must share one ``[B, S]`` shape. Forward-only runs
-    collect ``loss_fn``'s return value as non-loss data; training runs follow
-    Megatron's ``loss_func`` contract ``(loss, num_tokens, log_dict)`` and
-    return the log dicts.
+    All micro-batches must share one ``[B, S]`` shape. ``packing``: pack with
+    this rule (GPU with Transformer Engine), or None for the padded layout.
+    Forward-only runs collect ``loss_fn``'s return value as non-loss data;
+    training runs follow Megatron's ``loss_func`` contract ``(loss,
+    num_tokens, log_dict)`` and return the log dicts.
     """
-    batch_size, seq_length = micro_batches[0].input_ids.shape
-    position_ids = torch.arange(seq_length, device=micro_batches[0].input_ids.device).expand(batch_size, -1)
+    inputs = _model_inputs(micro_batches, packing)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def forward_step(data_iterator, model):
-        micro_batch = next(data_iterator)
+        item: _ModelInput = next(data_iterator)
         if replay is not None:
-            replay.set_micro_batch(micro_batch)
-        logits = model(micro_batch.input_ids, position_ids, None)
+            replay.set_micro_batch(item.micro_batch, item.layout)
+        logits = model(item.input_ids, item.position_ids, None, packed_seq_params=item.packed_seq_params)
 
         def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> Any:
-            return loss_fn(micro_batch, output)
+            if item.layout is None:
+                current = token_log_probs(output, item.input_ids, vocab_size, tp_group)
+            else:
+                current = packed_token_log_probs(output, item.input_ids, item.layout, vocab_size, tp_group)
+            return loss_fn(item.micro_batch, current)
 
         return logits, loss_func
 
     for model in models:
         model.eval() if forward_only else model.train()
-    iterators = [iter(micro_batches) for _ in models] if len(models) > 1 else iter(micro_batches)
+    iterators = [iter(inputs) for _ in models] if len(models) > 1 else iter(inputs)
+    batch_size, seq_length = inputs[0].input_ids.shape
     with replay.replaying() if replay is not None else contextlib.nullcontext():
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators,
             model=list(models),
-            num_microbatches=len(micro_batches),
+            num_microbatches=len(inputs),
             seq_length=seq_length,
             micro_batch_size=batch_size,
             forward_only=forward_only,

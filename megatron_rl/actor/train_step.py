@@ -21,19 +21,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import RolloutBatch
-from megatron_rl.actor.logprobs import token_log_probs
 from megatron_rl.actor.loss import actor_loss, count_step, megatron_loss
 from megatron_rl.actor.metrics import MetricsAccumulator
 from megatron_rl.actor.microbatching import dp_shard, padded_micro_batches, plan_micro_batches, split_mini_batches
 from megatron_rl.actor.optimizer import OptimizerBundle, step_optimizer
+from megatron_rl.actor.packing import PackingRule
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.schedule import run_schedule
+from megatron_rl.actor.token_logprobs import TokenLogProbs
 from megatron_rl.config.schema import AlgorithmConfig, TrainConfig
 
 
 @dataclass(frozen=True)
 class StepContext:
-    """What a training step needs besides the batch."""
+    """What a training step needs besides the batch (``packing``: as in ``run_schedule``)."""
 
     models: Sequence[torch.nn.Module]
     optimizer: OptimizerBundle
@@ -42,6 +43,7 @@ class StepContext:
     vocab_size: int
     norm_constant: float
     replay: RoutingReplay | None = None
+    packing: PackingRule | None = None
 
 
 def train_on_batch(context: StepContext, batch: RolloutBatch) -> list[dict[str, float]]:
@@ -73,8 +75,7 @@ def update_on_mini_batch(context: StepContext, mini_batch: RolloutBatch) -> dict
     counts = count_step(micro_batches, parallel_state.get_data_parallel_group())
     accumulator = MetricsAccumulator()
 
-    def loss_fn(micro_batch: RolloutBatch, logits: torch.Tensor):
-        current = token_log_probs(logits, micro_batch.input_ids, context.vocab_size)
+    def loss_fn(micro_batch: RolloutBatch, current: TokenLogProbs):
         loss, shares, means = actor_loss(current, micro_batch, counts, context.algorithm, context.norm_constant)
         scaled_loss, local_tokens = megatron_loss(loss, micro_batch, counts)
         accumulator.add(shares, means, float(local_tokens))
@@ -83,7 +84,15 @@ def update_on_mini_batch(context: StepContext, mini_batch: RolloutBatch) -> dict
     for model in context.models:
         model.zero_grad_buffer()
     context.optimizer.optimizer.zero_grad()
-    run_schedule(context.models, micro_batches, loss_fn, forward_only=False, replay=context.replay)
+    run_schedule(
+        context.models,
+        micro_batches,
+        loss_fn,
+        vocab_size=context.vocab_size,
+        forward_only=False,
+        packing=context.packing,
+        replay=context.replay,
+    )
     forward_backward_s = time.perf_counter() - started
     update = step_optimizer(context.optimizer)
     metrics = accumulator.reduce() | update

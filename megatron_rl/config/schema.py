@@ -204,6 +204,11 @@ class TrainConfig(Section):
     mini_batches_per_step: PositiveInt = Field(1, description="Optimizer updates per PPO epoch (1: on-policy).")
     ppo_epochs: PositiveInt = Field(1, description="Passes over each step's batch.")
     max_tokens_per_micro_batch: PositiveInt = Field(8192, description="Token budget of a micro-batch per DP rank.")
+    pack_sequences: bool = Field(
+        True,
+        description="Pack each micro-batch's sequences into one THD stream (GPU with Transformer Engine only; "
+        "elsewhere, or when false, micro-batches are padded to one [rows, seq] shape).",
+    )
     lr: PositiveFloat = Field(1e-6, description="Peak learning rate.")
     min_lr: float = Field(0.0, ge=0.0, description="Final learning rate of the cosine schedule.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warmup.")
