@@ -42,6 +42,8 @@ from megatron_rl.rollout.protocol import (
 )
 from megatron_rl.rollout.server_process import ServerProcess
 
+CONNECTION_LOSS_SETTLE_S = 2.0
+"""Seconds to wait, after a dropped connection, for a dying engine process to report its exit."""
 CONTROL_TIMEOUT_S = 600.0
 HEALTH_POLL_S = 0.25
 
@@ -72,10 +74,15 @@ class HttpEngine(RolloutEngine):
         self._lock = threading.Lock()
         self._samples_in_flight: dict[str, int] = {}
 
-    def _describe_process(self) -> str:
-        if self.process is None or self.process.exit_code is None:
+    def _describe_process(self, settle_s: float = 0.0) -> str:
+        """Exit code and log tail of a dead engine process ('' while it runs).
+
+        ``settle_s``: after a dropped connection the process may still be exiting; wait that long for it.
+        """
+        exit_code = None if self.process is None else self.process.wait_for_exit(settle_s)
+        if exit_code is None:
             return ""
-        return f"; engine process exited with code {self.process.exit_code}; log tail:\n{self.process.log_tail()}"
+        return f"; engine process exited with code {exit_code}; log tail:\n{self.process.log_tail()}"
 
     def request(self, endpoint: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         """POST ``body`` (GET when None) to ``endpoint``; the decoded JSON answer, or None for an empty one."""
@@ -105,7 +112,8 @@ class HttpEngine(RolloutEngine):
                     f"engine {self.name}: {endpoint} got no answer within {timeout:.0f} s ({url})"
                 ) from error
             raise EngineUnavailableError(
-                f"engine {self.name}: {endpoint} failed at {url}: {reason!r}{self._describe_process()}"
+                f"engine {self.name}: {endpoint} failed at {url}: {reason!r}"
+                f"{self._describe_process(settle_s=CONNECTION_LOSS_SETTLE_S)}"
             ) from error
         return json.loads(raw) if raw.strip() else None
 

@@ -50,6 +50,15 @@ class ServerProcess:
         """The exit status once the process ended; None while it runs (or before start)."""
         return None if self._process is None else self._process.poll()
 
+    def wait_for_exit(self, timeout_s: float) -> int | None:
+        """The exit status if the process ends within ``timeout_s`` (0: just poll); None if it still runs."""
+        if self._process is None:
+            return None
+        try:
+            return self._process.wait(timeout=timeout_s) if timeout_s > 0 else self._process.poll()
+        except subprocess.TimeoutExpired:
+            return None
+
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         """The last ``chars`` characters of the log ('' when none yet)."""
         if not self.log_path.exists():
