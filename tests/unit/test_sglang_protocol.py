@@ -4,8 +4,10 @@ Always: every body is checked against ``SGLANG_0_5_23`` below, the field sets of
 the request types written from sglang 0.5.23's ``srt/managers/io_struct.py``
 (``rid``/``http_worker_ipc`` omitted: internal routing fields).
 
-When ``sglang`` is importable (``pip install --no-deps sglang==0.5.23`` plus the
-light modules io_struct needs, see docs), also against SGLang's own code: the
+When ``sglang`` is importable, also against SGLang's own code (CI installs
+``tests/sglang_protocol_requirements.txt``, sglang 0.5.23 and the light modules
+it imports, with ``--no-deps --target .sglang-protocol`` and runs this module with
+``PYTHONPATH=.sglang-protocol``, failing if any test skips; see .ci/run): the
 request types built from our bodies exactly as its FastAPI layer does
 (pydantic over the msgspec structs), ``GenerateReqInput`` normalised, its
 ``sampling_params`` verified, the ``/generate`` JSON contract, our response
