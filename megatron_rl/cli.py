@@ -90,6 +90,23 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_rl.orchestration.driver import train
+
+    try:
+        cfg, warnings = load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    _silence_library_warnings()
+    print(_layout_summary(cfg), flush=True)
+    checkpoints = train(cfg)
+    print(f"# done: {cfg.train.steps} steps; metrics {cfg.log_dir}/metrics.jsonl; checkpoints {checkpoints}")
+    return 0
+
+
 def _parallel_sizes(args: argparse.Namespace) -> ParallelSizes:
     from megatron_rl.parallel.distributed import ParallelSizes
 
@@ -171,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("recipe", help="recipe YAML file")
     prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.synthetic.task=max")
     prepare.set_defaults(handler=_cmd_prepare)
+
+    train = commands.add_parser(
+        "train", help="run a recipe's RL job (resumes from the latest checkpoint of its run directory)"
+    )
+    train.add_argument("recipe", help="recipe YAML file")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=4")
+    train.set_defaults(handler=_cmd_train)
 
     _add_checkpoint_commands(commands)
     return parser

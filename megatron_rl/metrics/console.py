@@ -18,7 +18,7 @@ HEADLINE_METRICS: tuple[tuple[str, str], ...] = (
     ("actor/approx_kl", "kl"),
     ("actor/entropy", "entropy"),
     ("actor/grad_norm", "grad_norm"),
-    ("rollout/dropped_groups", "dropped"),
+    ("rollout/groups_dropped", "dropped"),
     ("perf/tokens_per_s", "tok/s"),
     ("time/step_s", "step_s"),
 )

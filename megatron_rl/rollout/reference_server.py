@@ -135,12 +135,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch(body)
 
 
+class _Server(ThreadingHTTPServer):
+    """Accepts as many pending connections as clients keep in flight (the default backlog of 5 resets the rest)."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 def build_server(backend: ReferenceBackend, host: str, port: int) -> ThreadingHTTPServer:
     """A threading HTTP server bound to ``host:port`` serving ``backend`` (call ``serve_forever``)."""
     handler = type("ReferenceHandler", (_Handler,), {"backend": backend})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    return _Server((host, port), handler)
 
 
 def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
