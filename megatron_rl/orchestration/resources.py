@@ -248,4 +248,5 @@ def build_validation_manager(cfg: RunConfig, data: PreparedData, engines: list[R
         reward=cfg.data.reward,
         reward_num_workers=1,
         decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
+        uid_prefix="val",
     )

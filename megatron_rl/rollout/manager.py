@@ -71,7 +71,11 @@ class _Progress:
 
 
 class RolloutManager:
-    """Generates, scores, shapes and filters groups for training steps (see the module docstring)."""
+    """Generates, scores, shapes and filters groups for training steps (see the module docstring).
+
+    Group uids (also the engines' request ids) are ``<uid_prefix><n>``; managers sharing engines
+    need distinct prefixes, since an engine remembers an aborted id until a request of it ends.
+    """
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class RolloutManager:
         reward_num_workers: int,
         decode: Callable[[list[int]], str],
         routing_replay: bool = False,
+        uid_prefix: str = "g",
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -103,6 +108,7 @@ class RolloutManager:
         self.rewards = RewardPool(reward, reward_num_workers)
         self._threads = ThreadPoolExecutor(max_workers=rollout.max_concurrent_requests * len(self.engines))
         self._uids = itertools.count()
+        self._uid_prefix = uid_prefix
         self._engine_cycle = itertools.cycle(self.engines)
 
     def _request(self, item: PromptItem, uid: str) -> GenerateRequest:
@@ -151,7 +157,7 @@ class RolloutManager:
     def _run_batch(self, indices: list[int], kept: list[RolloutGroup], counts: dict[str, int], bar: _Progress) -> None:
         generating: dict[Future, tuple[PromptItem, str, RolloutEngine]] = {}
         for index in indices:
-            item, uid, engine = self.dataset[index], f"g{next(self._uids)}", next(self._engine_cycle)
+            item, uid, engine = self.dataset[index], f"{self._uid_prefix}{next(self._uids)}", next(self._engine_cycle)
             generating[self._threads.submit(engine.generate, self._request(item, uid))] = (item, uid, engine)
         scoring: dict[Future, tuple[PromptItem, str, list[GenerateResult]]] = {}
         while generating or scoring:
