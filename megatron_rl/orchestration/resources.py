@@ -227,6 +227,7 @@ def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[Roll
         reward_num_workers=cfg.data.reward_num_workers,
         decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
         routing_replay=cfg.algorithm.routing_replay,
+        seed=cfg.train.seed,
     )
 
 
