@@ -112,7 +112,12 @@ def train_one_step(run: RunResources, step: int) -> dict[str, float]:
 
 
 def validate(run: RunResources) -> dict[str, float]:
-    """Rewards of the validation set under the current weights (``val/reward_mean``, ``val/accuracy``, ...)."""
+    """Rewards of the validation set under the current weights (``val/reward_mean``, ``val/accuracy``, ...).
+
+    Empty when the recipe has no validation data.
+    """
+    if run.validation is None:
+        return {}
     groups = run.validation.generate_step().groups
     return rollout_metrics(groups, max_response_length=run.cfg.rollout.max_response_length, prefix="val")
 
