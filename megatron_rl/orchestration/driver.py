@@ -8,7 +8,9 @@ holds the weights of the last sync, so generation always uses the current policy
 Checkpoints (under ``cfg.checkpoint_dir``) are written into a staging directory
 and committed by rename with ``latest`` written last: trainer state (step,
 sampler state, weight version), the Megatron model/optimizer/schedule shards and
-every rank's RNG states. ``checkpoint.resume: auto`` continues from ``latest``.
+every rank's RNG states, plus ``hf_metadata/`` (config and tokenizer) so that
+``megatron-rl convert mcore-to-hf --ckpt <checkpoint dir>`` exports the latest
+one. ``checkpoint.resume: auto`` continues from ``latest``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from megatron_rl.checkpoint import (
 )
 from megatron_rl.config import RunConfig
 from megatron_rl.config.schema import CheckpointConfig, TrainConfig
+from megatron_rl.models.cli_commands import HF_METADATA
+from megatron_rl.models.hf_files import copy_hf_metadata
 from megatron_rl.orchestration.batch_assembly import assemble_actor_batch, group_advantages, rollout_metrics
 from megatron_rl.orchestration.resources import RunResources, start_run
 
@@ -123,10 +127,12 @@ def validate(run: RunResources) -> dict[str, float]:
 
 
 def save_checkpoint(run: RunResources, step: int) -> Path:
-    """Stage trainer state and every rank's shards and RNG states, commit, prune to ``keep_last``."""
+    """Stage trainer state, HF metadata and every rank's shards and RNG states, commit, prune to ``keep_last``."""
     root = run.cfg.checkpoint_dir
     staging = staging_dir(root, step)
     save_trainer_state(staging, TrainerState(step=step, sampler=run.rollout.sampler.state_dict(), weight_version=step))
+    copy_hf_metadata(run.hf_dir, staging / HF_METADATA)
+    run.data.tokenizer.save_pretrained(staging / HF_METADATA)
     run.trainers.call("save_checkpoint", str(staging))
     committed = commit_checkpoint(root, step)
     prune_checkpoints(root, run.cfg.checkpoint.keep_last)

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_KEYS = {
@@ -51,3 +53,17 @@ def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> 
     state = json.loads((checkpoints / "step_000003" / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["weight_version"] == 3
     assert sorted(p.name for p in (checkpoints / "step_000003" / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+
+    exported = tmp_path / "hf"
+    convert = [sys.executable, "-m", "megatron_rl.cli", "convert", "mcore-to-hf", "--ckpt", str(checkpoints)]
+    result = subprocess.run(
+        [*convert, "--out", str(exported)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    trained, initial = (
+        load_file(exported / "model.safetensors"),
+        load_file(run_dir / "initial_hf" / "model.safetensors"),
+    )
+    assert trained.keys() == initial.keys()
+    assert not torch.equal(trained["lm_head.weight"], initial["lm_head.weight"])  # three steps of training
+    assert (exported / "tokenizer.json").is_file() and (exported / "config.json").is_file()
