@@ -73,7 +73,7 @@ def train(cfg: RunConfig) -> Path:
     """Run (or continue) the recipe's RL job to ``train.steps``; returns the checkpoint directory."""
     resume_from = checkpoint_to_resume(cfg)
     state = load_trainer_state(resume_from) if resume_from else TrainerState(step=0, sampler={}, weight_version=0)
-    run = start_run(cfg, resume_step=state.step)
+    run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
     try:
         if resume_from:
             restore(run, resume_from, state)

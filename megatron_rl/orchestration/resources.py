@@ -71,7 +71,7 @@ class RunResources:
 def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
     """Prepare data, write or locate the initial weights, start Ray, engines, trainer ranks, managers and sinks.
 
-    ``resume_step`` is the step the run continues after (0 for a fresh run); metric records
+    ``resume_step`` is the step the run continues after (-1 for a fresh run); metric records
     logged after it are dropped. The caller must :meth:`~RunResources.close` the result.
     """
     if cfg.rollout.engine != "reference":
