@@ -90,6 +90,23 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_rl.orchestration.driver import train
+
+    try:
+        cfg, warnings = load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    _silence_library_warnings()
+    print(_layout_summary(cfg), flush=True)
+    checkpoints = train(cfg)
+    print(f"# done: {cfg.train.steps} steps; metrics {cfg.log_dir}/metrics.jsonl; checkpoints {checkpoints}")
+    return 0
+
+
 def _parallel_sizes(args: argparse.Namespace) -> ParallelSizes:
     from megatron_rl.parallel.distributed import ParallelSizes
 
@@ -111,10 +128,25 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_checkpoint(ckpt: Path) -> tuple[Path, Path | None]:
+    """(weights dir, HF metadata dir or None for the default) of ``--ckpt``: hf-to-mcore output, a run
+    checkpoint (``step_*`` with ``megatron/`` and ``hf_metadata/``), or a run's checkpoint root (its ``latest``)."""
+    from megatron_rl.checkpoint import LATEST_FILE, latest_checkpoint
+    from megatron_rl.checkpoint.megatron_state import MEGATRON_DIR
+    from megatron_rl.models.cli_commands import HF_METADATA
+
+    if (ckpt / LATEST_FILE).is_file():
+        ckpt = latest_checkpoint(ckpt)
+    if (ckpt / MEGATRON_DIR).is_dir():
+        return ckpt / MEGATRON_DIR, ckpt / HF_METADATA
+    return ckpt, None
+
+
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_rl.models.cli_commands import convert_mcore_to_hf
 
-    convert_mcore_to_hf(args.ckpt, args.out, _parallel_sizes(args))
+    weights, metadata = _model_checkpoint(args.ckpt)
+    convert_mcore_to_hf(weights, args.out, _parallel_sizes(args), metadata_dir=metadata)
     return 0
 
 
@@ -140,7 +172,12 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     _add_layout_arguments(to_mcore)
     to_mcore.set_defaults(handler=_cmd_hf_to_mcore)
     to_hf = directions.add_parser("mcore-to-hf", help="Megatron torch_dist -> HF safetensors")
-    to_hf.add_argument("--ckpt", required=True, type=Path, help="directory written by hf-to-mcore")
+    to_hf.add_argument(
+        "--ckpt",
+        required=True,
+        type=Path,
+        help="directory written by hf-to-mcore, a run checkpoint, or a run's checkpoint dir (converts its latest)",
+    )
     to_hf.add_argument("--out", required=True, type=Path, help="new Hugging Face model directory")
     _add_layout_arguments(to_hf)
     to_hf.set_defaults(handler=_cmd_mcore_to_hf)
@@ -171,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("recipe", help="recipe YAML file")
     prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.synthetic.task=max")
     prepare.set_defaults(handler=_cmd_prepare)
+
+    train = commands.add_parser(
+        "train", help="run a recipe's RL job (resumes from the latest checkpoint of its run directory)"
+    )
+    train.add_argument("recipe", help="recipe YAML file")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=4")
+    train.set_defaults(handler=_cmd_train)
 
     _add_checkpoint_commands(commands)
     return parser

@@ -216,6 +216,12 @@ def _check_loss_terms(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findin
         yield _error("algorithm.dynamic_sampling.enable", "needs rollout.n_samples_per_prompt >= 2")
     if algo.routing_replay and not arch.is_moe:
         yield _error("algorithm.routing_replay", f"{arch.architecture} has no experts to replay")
+    if cfg.rollout.temperature != 1.0:
+        yield _warning(
+            "rollout.temperature",
+            f"{cfg.rollout.temperature} != 1: the trainer computes log-probs at temperature 1, so the policy ratio "
+            "is not that of the sampling policy and the rollout/train mismatch (and TIS) is off by the temperature",
+        )
 
 
 def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:

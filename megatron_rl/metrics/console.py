@@ -18,7 +18,7 @@ HEADLINE_METRICS: tuple[tuple[str, str], ...] = (
     ("actor/approx_kl", "kl"),
     ("actor/entropy", "entropy"),
     ("actor/grad_norm", "grad_norm"),
-    ("rollout/dropped_groups", "dropped"),
+    ("rollout/groups_dropped", "dropped"),
     ("perf/tokens_per_s", "tok/s"),
     ("time/step_s", "step_s"),
 )
@@ -36,7 +36,7 @@ def format_step_line(step: int, total_steps: int, metrics: Metrics) -> str:
 
 
 class ConsoleSink:
-    """Prints :func:`format_step_line` for each step (colour only on a terminal)."""
+    """Prints :func:`format_step_line` for each step, flushed (colour only on a terminal)."""
 
     def __init__(self, total_steps: int, console: Console | None = None) -> None:
         self._total_steps = total_steps
@@ -44,6 +44,7 @@ class ConsoleSink:
 
     def log(self, step: int, metrics: Metrics) -> None:
         self._console.print(format_step_line(step, self._total_steps, metrics), soft_wrap=True)
+        self._console.file.flush()  # a line per step as it happens, also when piped to a file
 
     def close(self) -> None:
         """Nothing to release."""

@@ -103,7 +103,7 @@ class WandbSink:
         if project is None:
             raise ValueError("logging.wandb_project: required when logging.sinks includes 'wandb'")
         self._run = wandb.init(
-            project=project, name=run_name, id=run_name, dir=str(directory), resume="allow" if resume_step else None
+            project=project, name=run_name, id=run_name, dir=str(directory), resume="allow" if resume_step > 0 else None
         )
 
     def log(self, step: int, metrics: Metrics) -> None:

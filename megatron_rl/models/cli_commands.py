@@ -87,12 +87,18 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, sizes: Parallel
 
 
 def _mcore_to_hf_rank(
-    rank: int, world_size: int, sizes: ParallelSizes, ckpt_dir: Path, max_shard_bytes: int, out_dir: Path
+    rank: int,
+    world_size: int,
+    sizes: ParallelSizes,
+    ckpt_dir: Path,
+    metadata_dir: Path,
+    max_shard_bytes: int,
+    out_dir: Path,
 ) -> None:
     initialize_parallel(sizes)
     try:
         with distributed_output_dir(out_dir) as staging:
-            arch, chunks = _build(load_hf_config(ckpt_dir / HF_METADATA), sizes)
+            arch, chunks = _build(load_hf_config(metadata_dir), sizes)
             load_model_weights(chunks, ckpt_dir)
             tensors = export_hf_weights(chunks, arch, designated_only=True)
             shards = write_shard_files(tensors, staging, max_shard_bytes, prefix=f"rank{rank}")
@@ -100,7 +106,7 @@ def _mcore_to_hf_rank(
             dist.all_gather_object(per_rank, shards)
             if rank == 0:
                 finalize_safetensors(staging, [shard for rank_shards in per_rank for shard in rank_shards])
-                copy_hf_metadata(ckpt_dir / HF_METADATA, staging)
+                copy_hf_metadata(metadata_dir, staging)
     finally:
         destroy_parallel()
 
@@ -110,18 +116,25 @@ def convert_mcore_to_hf(
     out_dir: str | Path,
     sizes: ParallelSizes = ParallelSizes(),
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    *,
+    metadata_dir: str | Path | None = None,
 ) -> None:
     """Write the torch_dist checkpoint at ``ckpt_dir`` as a Hugging Face model directory.
+
+    ``metadata_dir`` holds the Hugging Face config (and tokenizer) files to copy; default
+    ``<ckpt_dir>/hf_metadata`` (as hf-to-mcore writes). Only the model weights are read, so
+    a checkpoint that also holds optimizer state converts the same way.
 
     Each rank writes the tensors it is the designated source of (its pipeline
     stage, its experts), so memory per rank is its shard plus one gathered
     tensor; rank 0 names the files and writes the index.
     """
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / HF_METADATA / "config.json").is_file():
-        raise FileNotFoundError(f"{ckpt_dir}/{HF_METADATA}/config.json missing: not written by hf-to-mcore")
-    check_layout(parse_hf_config(load_hf_config(ckpt_dir / HF_METADATA)), sizes)
-    _run_converter(_mcore_to_hf_rank, sizes, Path(out_dir), ckpt_dir, max_shard_bytes)
+    metadata_dir = Path(metadata_dir) if metadata_dir is not None else ckpt_dir / HF_METADATA
+    if not (metadata_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{metadata_dir}/config.json missing: not written by hf-to-mcore or a training run")
+    check_layout(parse_hf_config(load_hf_config(metadata_dir)), sizes)
+    _run_converter(_mcore_to_hf_rank, sizes, Path(out_dir), ckpt_dir, metadata_dir, max_shard_bytes)
 
 
 def check_parity(

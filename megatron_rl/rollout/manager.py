@@ -12,12 +12,17 @@ Per step (:meth:`RolloutManager.generate_step`):
    DAPO overlong penalty (and zero the loss mask of truncated responses when
    overlong filtering is on), and, with dynamic sampling, drop it when its
    scores do not vary (``algorithms.groups_with_signal``);
-4. once ``prompts_per_step`` groups are kept, abort every request still in
-   flight and discard pending scores (counted as aborted); otherwise take the
+4. groups are kept in submission order, whatever order they come back in (so
+   a step's groups depend only on the prompts and the engines' outputs); once
+   ``prompts_per_step`` are kept, abort every later request still in flight
+   and discard later scores (counted as aborted); otherwise take the
    next generation batch, up to ``max_gen_batches`` (then an error, or the
    partial step when ``on_exhausted: train_partial``).
 
 Prompts of aborted groups are not re-queued (the sampler has moved on).
+Request ids are ``<uid_prefix><serial>``, the serial counting the sampler's
+prompts over epochs, so they (and, with ``seed``, each request's sampling seed
+``seed * 2**32 + serial``) are the same after a resume from the sampler's state.
 Metrics: ``rollout/groups_kept``, ``groups_dropped``, ``groups_aborted``,
 ``gen_batches``, ``samples``, ``response_length_mean``, ``truncated_frac``,
 ``score_mean``, ``accuracy``, ``seconds``.
@@ -70,8 +75,57 @@ class _Progress:
             self._bar.stop()
 
 
+_SEED_STRIDE = 1 << 32
+"""Request seeds are ``seed * _SEED_STRIDE + serial``: distinct per prompt for any run of fewer than 2**32 prompts."""
+
+
+class _OrderedSelection:
+    """Keeps groups in submission order, as if they had come back one by one: the outcome does not depend on timing.
+
+    A group at position p is kept when it has signal and fewer than ``needed`` groups were kept before it;
+    once the step is full at position p, ``cutoff`` becomes p + 1 and later positions are surplus (aborted).
+    """
+
+    def __init__(self, size: int, kept: list[RolloutGroup], needed: int, counts: dict[str, int]) -> None:
+        self.cutoff = size
+        self._kept, self._needed, self._counts = kept, needed, counts
+        self._outcomes: dict[int, RolloutGroup | None] = {}
+        self._settled = 0
+
+    def discard(self, position: int) -> None:
+        """The request at ``position`` was aborted or is surplus."""
+        self._counts["aborted"] += 1
+        self._outcomes[position] = None
+        self._settle()
+
+    def decide(self, position: int, group: RolloutGroup | None) -> None:
+        """The scored group at ``position``, or None when dynamic sampling drops it."""
+        if position >= self.cutoff:
+            self._counts["aborted"] += 1
+            return
+        if group is None:
+            self._counts["dropped"] += 1
+        self._outcomes[position] = group
+        self._settle()
+
+    def _settle(self) -> None:
+        while self._settled < self.cutoff and self._settled in self._outcomes:
+            group = self._outcomes.pop(self._settled)
+            self._settled += 1
+            if group is None:
+                continue
+            self._kept.append(group)
+            if len(self._kept) >= self._needed:
+                self._counts["aborted"] += sum(g is not None for p, g in self._outcomes.items() if p >= self._settled)
+                self.cutoff = self._settled
+
+
 class RolloutManager:
-    """Generates, scores, shapes and filters groups for training steps (see the module docstring)."""
+    """Generates, scores, shapes and filters groups for training steps (see the module docstring).
+
+    Group uids (also the engines' request ids) are ``<uid_prefix><n>``; managers sharing engines
+    need distinct prefixes, since an engine remembers an aborted id until a request of it ends.
+    """
 
     def __init__(
         self,
@@ -87,6 +141,8 @@ class RolloutManager:
         reward_num_workers: int,
         decode: Callable[[list[int]], str],
         routing_replay: bool = False,
+        uid_prefix: str = "g",
+        seed: int | None = None,
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -102,16 +158,18 @@ class RolloutManager:
         self.routing_replay = routing_replay
         self.rewards = RewardPool(reward, reward_num_workers)
         self._threads = ThreadPoolExecutor(max_workers=rollout.max_concurrent_requests * len(self.engines))
-        self._uids = itertools.count()
+        self._uid_prefix = uid_prefix
+        self.seed = seed
         self._engine_cycle = itertools.cycle(self.engines)
 
-    def _request(self, item: PromptItem, uid: str) -> GenerateRequest:
+    def _request(self, item: PromptItem, uid: str, serial: int) -> GenerateRequest:
         params = SamplingParams(
             max_new_tokens=self.rollout.max_response_length,
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
             top_k=self.rollout.top_k,
             n=self.rollout.n_samples_per_prompt,
+            sampling_seed=None if self.seed is None else self.seed * _SEED_STRIDE + serial,
         )
         return GenerateRequest(list(item.prompt_ids), params, rid=uid, return_routed_experts=self.routing_replay)
 
@@ -149,36 +207,44 @@ class RolloutManager:
         return bool(groups_with_signal(scores, [0] * len(scores)).all())
 
     def _run_batch(self, indices: list[int], kept: list[RolloutGroup], counts: dict[str, int], bar: _Progress) -> None:
-        generating: dict[Future, tuple[PromptItem, str, RolloutEngine]] = {}
-        for index in indices:
-            item, uid, engine = self.dataset[index], f"g{next(self._uids)}", next(self._engine_cycle)
-            generating[self._threads.submit(engine.generate, self._request(item, uid))] = (item, uid, engine)
-        scoring: dict[Future, tuple[PromptItem, str, list[GenerateResult]]] = {}
+        serial = self._next_serial()
+        generating: dict[Future, tuple[int, PromptItem, str, RolloutEngine]] = {}
+        for position, index in enumerate(indices):
+            item, uid, engine = self.dataset[index], f"{self._uid_prefix}{serial + position}", next(self._engine_cycle)
+            future = self._threads.submit(engine.generate, self._request(item, uid, serial + position))
+            generating[future] = (position, item, uid, engine)
+        scoring: dict[Future, tuple[int, PromptItem, str, list[GenerateResult]]] = {}
+        selection = _OrderedSelection(len(indices), kept, self.prompts_per_step, counts)
         while generating or scoring:
             done, _ = wait([*generating, *scoring], return_when=FIRST_COMPLETED)
             for future in done:
                 if future in generating:
-                    item, uid, _ = generating.pop(future)
+                    position, item, uid, _ = generating.pop(future)
                     results = future.result()
-                    if any(r.aborted for r in results):
-                        counts["aborted"] += 1
+                    if any(r.aborted for r in results) or position >= selection.cutoff:
+                        selection.discard(position)
                         continue
                     texts = [self.decode(r.output_ids) for r in results]
-                    scoring[self.rewards.submit(texts, item.ground_truth, item.extra_info)] = (item, uid, results)
+                    scoring[self.rewards.submit(texts, item.ground_truth, item.extra_info)] = (
+                        position,
+                        item,
+                        uid,
+                        results,
+                    )
                     counts["samples"] += len(results)
                 else:
-                    item, uid, results = scoring.pop(future)
+                    position, item, uid, results = scoring.pop(future)
                     group = self._group(item, uid, results, future.result())
-                    if len(kept) >= self.prompts_per_step:
-                        counts["aborted"] += 1
-                    elif self._has_signal(group):
-                        kept.append(group)
-                    else:
-                        counts["dropped"] += 1
+                    selection.decide(position, group if self._has_signal(group) else None)
             bar.update(len(kept), f"rollout: {len(kept)}/{self.prompts_per_step} groups")
-            if len(kept) >= self.prompts_per_step and generating:
-                for _, uid, engine in generating.values():
+            for position, _, uid, engine in generating.values():
+                if position >= selection.cutoff:
                     engine.abort(uid)
+
+    def _next_serial(self) -> int:
+        """Serial number of the sampler's next prompt (epoch * dataset size + position): resume-safe request ids."""
+        state = self.sampler.state_dict()
+        return state["epoch"] * self.sampler.dataset_size + state["position"]
 
     def generate_step(self) -> RolloutBatch:
         """Kept groups for one training step and the step's rollout metrics."""

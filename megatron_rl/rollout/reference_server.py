@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -135,12 +138,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch(body)
 
 
+class _Server(ThreadingHTTPServer):
+    """Accepts as many pending connections as clients keep in flight (the default backlog of 5 resets the rest)."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 def build_server(backend: ReferenceBackend, host: str, port: int) -> ThreadingHTTPServer:
     """A threading HTTP server bound to ``host:port`` serving ``backend`` (call ``serve_forever``)."""
     handler = type("ReferenceHandler", (_Handler,), {"backend": backend})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    return _Server((host, port), handler)
 
 
 def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -156,6 +164,19 @@ def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: st
     return model.to(device)
 
 
+def _exit_when_orphaned(interval_s: float = 1.0) -> None:
+    """End this process once its parent is gone (e.g. a driver killed with SIGKILL), not to linger holding memory."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        logger.info("parent process %d is gone; exiting", parent)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True)
@@ -169,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reference-engine %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
+    _exit_when_orphaned()
     model = load_model(args.model_path, args.load_format, getattr(torch, args.dtype), args.device)
     server = build_server(ReferenceBackend(model, seed=args.seed), args.host, args.port)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)

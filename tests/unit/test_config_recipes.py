@@ -278,3 +278,8 @@ def test_validate_command_lists_errors_and_exits_non_zero(capsys: pytest.Capture
 def test_hf_field_megatron_cannot_honour_is_rejected_at_validation() -> None:
     (problem,) = _problems(TINY, "model.random_init.rope_scaling={rope_type: yarn, factor: 4.0}")
     assert problem.startswith("model.random_init: rope_scaling=") and "only plain RoPE" in problem
+
+
+def test_sampling_temperature_other_than_one_is_flagged() -> None:
+    _, warnings = load_recipe(TINY, ["rollout.temperature=0.7"])
+    assert any(str(w).startswith("rollout.temperature: 0.7 != 1: the trainer computes") for w in warnings), warnings

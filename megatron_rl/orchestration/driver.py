@@ -1,0 +1,146 @@
+"""The synchronous RL driver: one loop, every line a named phase.
+
+Per step: generate (score, shape, filter) -> old (and reference) log-probs ->
+advantages -> train -> weight sync -> periodic validation -> periodic
+checkpoint -> metrics. The reference engine runs beside the trainer ranks and
+holds the weights of the last sync, so generation always uses the current policy.
+
+Checkpoints (under ``cfg.checkpoint_dir``) are written into a staging directory
+and committed by rename with ``latest`` written last: trainer state (step,
+sampler state, weight version), the Megatron model/optimizer/schedule shards and
+every rank's RNG states, plus ``hf_metadata/`` (config and tokenizer) so that
+``megatron-rl convert mcore-to-hf --ckpt <checkpoint dir>`` exports the latest
+one. ``checkpoint.resume: auto`` continues from ``latest``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from megatron_rl.checkpoint import (
+    TrainerState,
+    commit_checkpoint,
+    latest_checkpoint,
+    load_trainer_state,
+    prune_checkpoints,
+    save_trainer_state,
+    staging_dir,
+)
+from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import CheckpointConfig, TrainConfig
+from megatron_rl.models.cli_commands import HF_METADATA
+from megatron_rl.models.hf_files import copy_hf_metadata
+from megatron_rl.orchestration.batch_assembly import assemble_actor_batch, group_advantages, rollout_metrics
+from megatron_rl.orchestration.resources import RunResources, start_run
+
+
+def should_validate(train: TrainConfig, step: int) -> bool:
+    """Validate after ``step`` (0: before training) every ``val_interval`` steps and after the last one."""
+    return train.val_interval > 0 and (step % train.val_interval == 0 or step == train.steps)
+
+
+def should_checkpoint(checkpoint: CheckpointConfig, train: TrainConfig, step: int) -> bool:
+    """Save after every ``checkpoint.interval`` steps and after the last one."""
+    return step == train.steps or (checkpoint.interval > 0 and step % checkpoint.interval == 0)
+
+
+def checkpoint_to_resume(cfg: RunConfig) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names: ``latest`` for auto (None when there is none), a path, or None."""
+    if cfg.checkpoint.resume == "none":
+        return None
+    if cfg.checkpoint.resume == "auto":
+        return latest_checkpoint(cfg.checkpoint_dir)
+    return Path(cfg.checkpoint.resume)
+
+
+class PhaseTimer:
+    """Wall seconds per named phase of one step, as ``time/<phase>_s`` metrics."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[f"time/{phase}_s"] = time.perf_counter() - start
+
+
+def train(cfg: RunConfig) -> Path:
+    """Run (or continue) the recipe's RL job to ``train.steps``; returns the checkpoint directory."""
+    resume_from = checkpoint_to_resume(cfg)
+    state = load_trainer_state(resume_from) if resume_from else TrainerState(step=0, sampler={}, weight_version=0)
+    run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
+    try:
+        if resume_from:
+            restore(run, resume_from, state)
+        if state.step == 0 and should_validate(cfg.train, 0):
+            run.logger.log(0, validate(run))
+        for step in range(state.step + 1, cfg.train.steps + 1):
+            run.logger.log(step, train_one_step(run, step))
+    finally:
+        run.close()
+    return Path(cfg.checkpoint_dir)
+
+
+def train_one_step(run: RunResources, step: int) -> dict[str, float]:
+    """Generate, train, sync weights, and validate and checkpoint when due; the step's metrics."""
+    cfg, timer, started = run.cfg, PhaseTimer(), time.perf_counter()
+    with timer("generate"):
+        rollout = run.rollout.generate_step()
+    advantages = group_advantages(rollout.groups, norm_by_std=cfg.algorithm.norm_adv_by_std)
+    batch = assemble_actor_batch(rollout.groups, advantages, pad_token_id=run.data.tokenizer.pad_token_id or 0)
+    with timer("old_log_probs"):
+        batch = batch.replace(old_log_probs=run.trainers.call("compute_old_log_probs", batch)[0])
+    if cfg.algorithm.use_kl_loss:
+        with timer("ref_log_probs"):
+            batch = batch.replace(ref_log_probs=run.trainers.call("compute_ref_log_probs", batch)[0])
+    with timer("train"):
+        actor_metrics = run.trainers.call("train_step", batch)[0]
+    with timer("weight_sync"):
+        run.trainers.call("sync_weights", step)
+    metrics = rollout.metrics | rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
+    metrics |= {f"actor/{name}": value for name, value in actor_metrics.items()}
+    if should_validate(cfg.train, step):
+        with timer("validate"):
+            metrics |= validate(run)
+    if should_checkpoint(cfg.checkpoint, cfg.train, step):
+        with timer("checkpoint"):
+            save_checkpoint(run, step)
+    step_seconds = time.perf_counter() - started
+    tokens = float(batch.lengths.sum())
+    return metrics | timer.seconds | {"time/step_s": step_seconds, "perf/tokens_per_s": tokens / step_seconds}
+
+
+def validate(run: RunResources) -> dict[str, float]:
+    """Rewards of the validation set under the current weights (``val/reward_mean``, ``val/accuracy``, ...).
+
+    Empty when the recipe has no validation data.
+    """
+    if run.validation is None:
+        return {}
+    groups = run.validation.generate_step().groups
+    return rollout_metrics(groups, max_response_length=run.cfg.rollout.max_response_length, prefix="val")
+
+
+def save_checkpoint(run: RunResources, step: int) -> Path:
+    """Stage trainer state, HF metadata and every rank's shards and RNG states, commit, prune to ``keep_last``."""
+    root = run.cfg.checkpoint_dir
+    staging = staging_dir(root, step)
+    save_trainer_state(staging, TrainerState(step=step, sampler=run.rollout.sampler.state_dict(), weight_version=step))
+    copy_hf_metadata(run.hf_dir, staging / HF_METADATA)
+    run.data.tokenizer.save_pretrained(staging / HF_METADATA)
+    run.trainers.call("save_checkpoint", str(staging))
+    committed = commit_checkpoint(root, step)
+    prune_checkpoints(root, run.cfg.checkpoint.keep_last)
+    return committed
+
+
+def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> None:
+    """Load ``checkpoint`` into every rank, restore the sampler and give the engines the restored weights."""
+    run.trainers.call("load_checkpoint", str(checkpoint))
+    run.rollout.sampler.load_state_dict(state.sampler)
+    run.trainers.call("sync_weights", state.weight_version)

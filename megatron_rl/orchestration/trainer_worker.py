@@ -1,0 +1,88 @@
+"""One trainer rank as the driver sees it: a :class:`PolicyActor` plus weight sync and checkpoint parts.
+
+A :class:`~megatron_rl.orchestration.worker_group.RankWorkerGroup` builds one
+:class:`TrainerWorker` per rank (with the torchrun environment set) and calls each
+method on every rank at once; collectives inside need all of them. Methods that
+produce one global result (log-probs) return it on rank 0 and None elsewhere, so
+the driver does not receive the same tensors world-size times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor import PolicyActor, RolloutBatch, parallel_sizes
+from megatron_rl.checkpoint import load_rng_state, save_rng_state
+from megatron_rl.checkpoint.megatron_state import load_megatron_state, save_megatron_state
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
+from megatron_rl.rollout import HttpEngine
+from megatron_rl.weight_sync.syncer import WeightSyncer, build_syncer
+
+EngineAddress = tuple[str, str, int]
+"""(name, host, port) of a running rollout engine."""
+
+
+class TrainerWorker:
+    """This rank's actor, built from the Hugging Face checkpoint ``hf_dir`` (every rank loads the same weights).
+
+    Args:
+        cfg: the run's recipe.
+        hf_dir: Hugging Face checkpoint the actor starts from (config.json + safetensors).
+        engines: addresses of the rollout engines weight sync delivers to.
+    """
+
+    def __init__(self, cfg: RunConfig, hf_dir: str, engines: Sequence[EngineAddress]) -> None:
+        initialize_parallel(parallel_sizes(cfg.parallel), seed=cfg.train.seed)
+        self.actor = PolicyActor(
+            load_hf_config(hf_dir),
+            cfg.parallel,
+            cfg.train,
+            cfg.algorithm,
+            norm_constant=cfg.loss_norm_constant,
+            hf_weights=hf_dir,
+        )
+        clients = [HttpEngine(name, host, port) for name, host, port in engines]
+        self._syncer: WeightSyncer = build_syncer(cfg.weight_sync, cfg.rollout.placement, clients)
+        self._rank = dist.get_rank()
+
+    def _on_rank0(self, value: torch.Tensor) -> torch.Tensor | None:
+        return value if self._rank == 0 else None
+
+    def compute_old_log_probs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """The current policy's [B, S] log-probs of ``batch`` (rank 0; None elsewhere)."""
+        return self._on_rank0(self.actor.compute_log_probs(batch).log_probs)
+
+    def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """The reference policy's [B, S] log-probs of ``batch`` (rank 0; None elsewhere)."""
+        return self._on_rank0(self.actor.compute_ref_log_probs(batch))
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``; the actor's metrics (the same on every rank)."""
+        return self.actor.train_step(batch)
+
+    def sync_weights(self, version: int) -> float:
+        """Deliver the current weights to every engine as ``version``; seconds it took on this rank."""
+        return self._syncer.sync_megatron(self.actor.chunks, self.actor.arch, str(version)).seconds
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write model, optimizer and schedule shards and this rank's RNG states into ``directory``."""
+        optimizer = self.actor.optimizer
+        save_megatron_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory)
+        save_rng_state(directory, self._rank)
+        dist.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (model, optimizer, schedule, this rank's RNG states)."""
+        optimizer = self.actor.optimizer
+        load_megatron_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory)
+        load_rng_state(directory, self._rank)
+
+    def close(self) -> None:
+        """Release the weight-sync transport and tear down the process groups."""
+        self._syncer.close()
+        destroy_parallel()

@@ -1,0 +1,69 @@
+"""The tiny DAPO recipe end to end for three steps: metrics per step, validation, committed checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_KEYS = {
+    "train/reward_mean",
+    "train/accuracy",
+    "train/response_length_mean",
+    "train/length_wrong_over_correct",
+    "train/truncation_rate",
+    "rollout/groups_dropped",
+    "actor/policy_loss",
+    "actor/grad_norm",
+    "actor/mismatch_abs_max",
+    "time/generate_s",
+    "time/train_s",
+    "time/weight_sync_s",
+    "perf/tokens_per_s",
+}
+
+
+@pytest.mark.slow
+def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
+    command += ["train.steps=3", "train.prompts_per_step=4", "train.val_interval=3", "checkpoint.interval=2"]
+    command += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    run_dir = tmp_path / "runs" / "tiny-moe-cpu-dapo"
+    records = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert {"val/reward_mean", "val/accuracy"} <= set(records[0]) and "val/reward_mean" in records[3]
+    for record in records[1:]:
+        assert set(record) >= STEP_KEYS, f"step {record['step']} lacks {sorted(STEP_KEYS - set(record))}"
+        assert record["actor/mismatch_abs_max"] < 1e-3  # trainer and engine hold the same weights
+
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000003"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000003"]
+    state = json.loads((checkpoints / "step_000003" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["weight_version"] == 3
+    assert sorted(p.name for p in (checkpoints / "step_000003" / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+
+    exported = tmp_path / "hf"
+    convert = [sys.executable, "-m", "megatron_rl.cli", "convert", "mcore-to-hf", "--ckpt", str(checkpoints)]
+    result = subprocess.run(
+        [*convert, "--out", str(exported)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    trained, initial = (
+        load_file(exported / "model.safetensors"),
+        load_file(run_dir / "initial_hf" / "model.safetensors"),
+    )
+    assert trained.keys() == initial.keys()
+    assert not torch.equal(trained["lm_head.weight"], initial["lm_head.weight"])  # three steps of training
+    assert (exported / "tokenizer.json").is_file() and (exported / "config.json").is_file()
