@@ -51,3 +51,28 @@ def test_ray_job_runs_the_command_on_a_ray_cluster_of_the_allocation(slurm_env: 
 def test_ray_job_returns_the_command_exit_status(slurm_env: dict[str, str], tmp_path: Path) -> None:
     result = _sbatch(slurm_env, tmp_path / "job.out", "bash", "-c", "exit 3")
     assert result.returncode == 3, result.stderr
+
+
+def test_train_sbatch_runs_the_rl_job_on_the_allocation(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    overrides = [
+        "train.steps=1",
+        "train.prompts_per_step=4",
+        "train.val_interval=0",
+        f"checkpoint.dir={tmp_path / 'checkpoints'}",
+        f"logging.dir={tmp_path / 'logs'}",
+    ]
+    result = subprocess.run(
+        ["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", "slurm/train.sbatch", "recipes/tiny_moe_cpu_dapo.yaml"]
+        + overrides,
+        cwd=ROOT,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    log = (tmp_path / "job.out").read_text()
+    assert result.returncode == 0, result.stderr + log
+    assert "[ray_cluster] all 1 node(s) joined" in log
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert '"step": 1' in (tmp_path / "logs" / "metrics.jsonl").read_text()
