@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.actor.batch import RolloutBatch
 from megatron_rl.actor.packing import (
@@ -42,6 +41,7 @@ from megatron_rl.actor.packing import (
 )
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.token_logprobs import TokenLogProbs, packed_token_log_probs, token_log_probs
+from megatron_rl.models.forward import run_pipeline_schedule
 
 # loss_fn(micro_batch, its token log-probs and entropies [B, S]) -> Megatron's loss_func result.
 LossFn = Callable[[RolloutBatch, TokenLogProbs], Any]
@@ -114,17 +114,8 @@ def run_schedule(
 
     for model in models:
         model.eval() if forward_only else model.train()
-    iterators = [iter(inputs) for _ in models] if len(models) > 1 else iter(inputs)
     batch_size, seq_length = inputs[0].input_ids.shape
     with replay.replaying() if replay is not None else contextlib.nullcontext():
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators,
-            model=list(models),
-            num_microbatches=len(inputs),
-            seq_length=seq_length,
-            micro_batch_size=batch_size,
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
+        return run_pipeline_schedule(
+            models, forward_step, inputs, micro_batch_size=batch_size, seq_length=seq_length, forward_only=forward_only
         )
-    return list(outputs)

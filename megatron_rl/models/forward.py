@@ -14,7 +14,8 @@ the positions before it (padded positions' outputs are garbage, mask them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -25,6 +26,35 @@ def _forward_step(data_iterator, model):
     batch = next(data_iterator)
     logits = model(batch["input_ids"], batch["position_ids"], None)
     return logits, lambda output, non_loss_data=True: output
+
+
+def run_pipeline_schedule(
+    chunks: Sequence[torch.nn.Module],
+    forward_step: Callable[..., Any],
+    inputs: Sequence[Any],
+    *,
+    micro_batch_size: int,
+    seq_length: int,
+    forward_only: bool,
+) -> list[Any]:
+    """One ``get_forward_backward_func`` call over ``inputs`` (one item per micro-batch).
+
+    Each model chunk (virtual pipeline stage) gets its own iterator over ``inputs``. Forward-only
+    calls collect the forward step's non-loss outputs; the result is what Megatron returns
+    (on the last pipeline stage; empty elsewhere).
+    """
+    iterators = [iter(inputs) for _ in chunks] if len(chunks) > 1 else iter(inputs)
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=list(chunks),
+        num_microbatches=len(inputs),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        collect_non_loss_data=forward_only,
+    )
+    return list(outputs)
 
 
 @torch.no_grad()
@@ -44,15 +74,6 @@ def forward_logits(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[to
     batches = [{"input_ids": mb, "position_ids": position_ids} for mb in micro_batches]
     for chunk in chunks:
         chunk.eval()
-    iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
-    outputs = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iterators,
-        model=list(chunks),
-        num_microbatches=len(batches),
-        seq_length=seq_length,
-        micro_batch_size=batch_size,
-        forward_only=True,
-        collect_non_loss_data=True,
+    return run_pipeline_schedule(
+        chunks, _forward_step, batches, micro_batch_size=batch_size, seq_length=seq_length, forward_only=True
     )
-    return list(outputs)
