@@ -11,7 +11,13 @@ from megatron_rl.checkpoint.commit import (
     step_dir_name,
     step_of,
 )
-from megatron_rl.checkpoint.rng import capture_rng_state, load_rng_state, restore_rng_state, save_rng_state
+from megatron_rl.checkpoint.rng import (
+    capture_rng_state,
+    load_rng_state,
+    reseed_generators,
+    restore_rng_state,
+    save_rng_state,
+)
 from megatron_rl.checkpoint.trainer_state import TrainerState, load_trainer_state, save_trainer_state
 
 __all__ = [
@@ -25,6 +31,7 @@ __all__ = [
     "load_rng_state",
     "load_trainer_state",
     "prune_checkpoints",
+    "reseed_generators",
     "restore_rng_state",
     "save_rng_state",
     "save_trainer_state",

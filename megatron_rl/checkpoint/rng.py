@@ -1,4 +1,10 @@
-"""Capture and restore every random generator a rank draws from, for bitwise-exact resume."""
+"""Capture and restore every random generator a rank draws from, for bitwise-exact resume.
+
+Generator states are per global rank, so they are restored only when a run resumes at the
+layout it was saved at. At another layout the ranks hold other shards and there is no
+meaningful mapping; :func:`reseed_generators` then gives every generator a fresh, deterministic
+seed instead.
+"""
 
 from __future__ import annotations
 
@@ -38,17 +44,29 @@ def rng_state_path(checkpoint_dir: str | Path, rank: int) -> Path:
     return Path(checkpoint_dir) / "rng" / f"rank_{rank:05d}.pt"
 
 
-def save_rng_state(checkpoint_dir: str | Path, rank: int) -> Path:
-    """Write this rank's generator states into the (staging) checkpoint directory."""
+def save_rng_state(checkpoint_dir: str | Path, rank: int, extra: dict[str, Any] | None = None) -> Path:
+    """Write this rank's generator states, plus ``extra`` states its caller owns, into the checkpoint directory."""
     path = rng_state_path(checkpoint_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(capture_rng_state(), path)
+    torch.save(capture_rng_state() | {"extra": extra or {}}, path)
     return path
 
 
-def load_rng_state(checkpoint_dir: str | Path, rank: int) -> None:
-    """Restore this rank's generator states; FileNotFoundError names the missing file (e.g. more ranks now)."""
+def load_rng_state(checkpoint_dir: str | Path, rank: int) -> dict[str, Any]:
+    """Restore this rank's generator states and return the ``extra`` states saved with them.
+
+    Raises FileNotFoundError naming the missing file (a run saved with fewer ranks).
+    """
     path = rng_state_path(checkpoint_dir, rank)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no generator state for rank {rank} (was the run saved with fewer ranks?)")
-    restore_rng_state(torch.load(path, weights_only=False))
+    state = torch.load(path, weights_only=False)
+    restore_rng_state(state)
+    return state.get("extra", {})
+
+
+def reseed_generators(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (CUDA ones included) with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

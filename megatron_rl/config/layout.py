@@ -40,3 +40,27 @@ def trainer_layout(parallel: ParallelConfig, cluster: ClusterConfig, rollout: Ro
     dp = world // model_parallel if world > 0 and world % model_parallel == 0 else 0
     expert_dp = world // expert_parallel if world > 0 and world % expert_parallel == 0 else 0
     return TrainerLayout(world_size=world, dp=dp, expert_dp=expert_dp)
+
+
+def layout_record(parallel: ParallelConfig, cluster: ClusterConfig, rollout: RolloutConfig) -> dict[str, int]:
+    """The trainer's rank layout as plain numbers, as checkpoints record it.
+
+    Keys: ``tp``, ``pp``, ``vpp`` (1 without interleaving), ``cp``, ``ep``, ``etp`` (resolved) and
+    ``world_size``. Two runs with equal records place every parameter shard and generator on the
+    same global rank.
+    """
+    return {
+        "tp": parallel.tp,
+        "pp": parallel.pp,
+        "vpp": parallel.vpp or 1,
+        "cp": parallel.cp,
+        "ep": parallel.ep,
+        "etp": parallel.expert_tp,
+        "world_size": trainer_world_size(cluster, rollout),
+    }
+
+
+def describe_layout(record: dict[str, int]) -> str:
+    """``tp2 pp1 vpp1 cp1 ep1 etp2 (2 ranks)`` for a :func:`layout_record`."""
+    sizes = " ".join(f"{key}{record[key]}" for key in ("tp", "pp", "vpp", "cp", "ep", "etp"))
+    return f"{sizes} ({record['world_size']} ranks)"

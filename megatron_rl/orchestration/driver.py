@@ -11,10 +11,16 @@ sampler state, weight version), the Megatron model/optimizer/schedule shards and
 every rank's RNG states, plus ``hf_metadata/`` (config and tokenizer) so that
 ``megatron-rl convert mcore-to-hf --ckpt <checkpoint dir>`` exports the latest
 one. ``checkpoint.resume: auto`` continues from ``latest``.
+
+A checkpoint records the trainer layout it was saved at; resuming at another TP/PP/EP
+layout reshards the weights and optimizer state exactly, and reseeds every rank's
+generators from ``train.seed + step`` (generator states belong to the ranks that saved them).
+Before anything starts, a resume checks that the checkpoint holds the recipe's model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +35,7 @@ from megatron_rl.checkpoint import (
     save_trainer_state,
     staging_dir,
 )
-from megatron_rl.config import RunConfig
+from megatron_rl.config import RunConfig, describe_layout, layout_record, read_architecture
 from megatron_rl.config.schema import CheckpointConfig, TrainConfig
 from megatron_rl.models.cli_commands import HF_METADATA
 from megatron_rl.models.hf_files import copy_hf_metadata
@@ -73,6 +79,8 @@ def train(cfg: RunConfig) -> Path:
     """Run (or continue) the recipe's RL job to ``train.steps``; returns the checkpoint directory."""
     resume_from = checkpoint_to_resume(cfg)
     state = load_trainer_state(resume_from) if resume_from else TrainerState(step=0, sampler={}, weight_version=0)
+    if resume_from:
+        check_same_model(cfg, resume_from)
     run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
     try:
         if resume_from:
@@ -130,7 +138,9 @@ def save_checkpoint(run: RunResources, step: int) -> Path:
     """Stage trainer state, HF metadata and every rank's shards and RNG states, commit, prune to ``keep_last``."""
     root = run.cfg.checkpoint_dir
     staging = staging_dir(root, step)
-    save_trainer_state(staging, TrainerState(step=step, sampler=run.rollout.sampler.state_dict(), weight_version=step))
+    layout = layout_record(run.cfg.parallel, run.cfg.cluster, run.cfg.rollout)
+    sampler = run.rollout.sampler.state_dict()
+    save_trainer_state(staging, TrainerState(step=step, sampler=sampler, weight_version=step, layout=layout))
     copy_hf_metadata(run.hf_dir, staging / HF_METADATA)
     run.data.tokenizer.save_pretrained(staging / HF_METADATA)
     run.trainers.call("save_checkpoint", str(staging))
@@ -139,8 +149,37 @@ def save_checkpoint(run: RunResources, step: int) -> Path:
     return committed
 
 
+def check_same_model(cfg: RunConfig, checkpoint: Path) -> None:
+    """Raise ValueError naming the differing fields when ``checkpoint`` holds another model than the recipe's."""
+    saved = read_architecture(str(checkpoint / HF_METADATA), None)
+    wanted = read_architecture(cfg.model.path, cfg.model.random_init)
+    differing = [
+        f"{field.name}: {getattr(saved, field.name)} saved, {getattr(wanted, field.name)} in the recipe"
+        for field in dataclasses.fields(saved)
+        if getattr(saved, field.name) != getattr(wanted, field.name)
+    ]
+    if differing:
+        raise ValueError(
+            f"checkpoint.resume: {checkpoint} holds another model ({'; '.join(differing)}); "
+            "resume with the recipe it was saved with, or set checkpoint.resume=none (or another checkpoint.dir)"
+        )
+
+
 def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> None:
-    """Load ``checkpoint`` into every rank, restore the sampler and give the engines the restored weights."""
-    run.trainers.call("load_checkpoint", str(checkpoint))
+    """Load ``checkpoint`` into every rank, restore the sampler and give the engines the restored weights.
+
+    At the saved layout every rank's generator states are restored (bitwise-exact resume); at
+    another layout the shards are resharded and generators reseeded from ``train.seed + step``.
+    """
+    layout = layout_record(run.cfg.parallel, run.cfg.cluster, run.cfg.rollout)
+    if state.layout is None or state.layout == layout:
+        run.trainers.call("load_checkpoint", str(checkpoint))
+    else:
+        print(
+            f"# resume: {checkpoint.name} was saved at {describe_layout(state.layout)}; continuing at "
+            f"{describe_layout(layout)}: weights and optimizer state resharded, generators reseeded",
+            flush=True,
+        )
+        run.trainers.call("load_checkpoint", str(checkpoint), reseed=run.cfg.train.seed + state.step)
     run.rollout.sampler.load_state_dict(state.sampler)
     run.trainers.call("sync_weights", state.weight_version)

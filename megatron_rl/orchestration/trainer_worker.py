@@ -13,15 +13,19 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 
 from megatron_rl.actor import PolicyActor, RolloutBatch, parallel_sizes
-from megatron_rl.checkpoint import load_rng_state, save_rng_state
+from megatron_rl.checkpoint import load_rng_state, reseed_generators, save_rng_state
 from megatron_rl.checkpoint.megatron_state import load_megatron_state, save_megatron_state
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
 from megatron_rl.rollout import HttpEngine
 from megatron_rl.weight_sync.syncer import WeightSyncer, build_syncer
+
+_TRACKER_STATES = "megatron_rng_tracker"
+"""Key of Megatron's model-parallel generator states among a rank's saved generator states."""
 
 EngineAddress = tuple[str, str, int]
 """(name, host, port) of a running rollout engine."""
@@ -73,14 +77,25 @@ class TrainerWorker:
         """Write model, optimizer and schedule shards and this rank's RNG states into ``directory``."""
         optimizer = self.actor.optimizer
         save_megatron_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory)
-        save_rng_state(directory, self._rank)
+        tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states()
+        save_rng_state(directory, self._rank, extra={_TRACKER_STATES: tracker_states})
         dist.barrier()
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (model, optimizer, schedule, this rank's RNG states)."""
+    def load_checkpoint(self, directory: str, *, reseed: int | None = None) -> None:
+        """Restore what :meth:`save_checkpoint` wrote: model, optimizer, schedule and generator states.
+
+        The checkpoint may come from any TP/PP/EP layout. Generator states belong to the rank
+        that saved them, so pass ``reseed`` when the layout differs: every generator (Megatron's
+        model-parallel ones included) is then seeded from it instead of restored.
+        """
         optimizer = self.actor.optimizer
         load_megatron_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory)
-        load_rng_state(directory, self._rank)
+        if reseed is None:
+            extra = load_rng_state(directory, self._rank)
+            tensor_parallel.get_cuda_rng_tracker().set_states(extra[_TRACKER_STATES])
+        else:
+            reseed_generators(reseed)
+            tensor_parallel.model_parallel_cuda_manual_seed(reseed)
 
     def close(self) -> None:
         """Release the weight-sync transport and tear down the process groups."""

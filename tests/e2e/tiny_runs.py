@@ -1,0 +1,52 @@
+"""Running the tiny DAPO recipe as a user does (``megatron-rl train`` in a subprocess) and reading what it left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml"
+RUN = Path("runs") / "tiny-moe-cpu-dapo"
+"""The run directory, relative to the working directory of the command."""
+
+
+def train_command(overrides: list[str]) -> list[str]:
+    """``python -m megatron_rl.cli train <tiny DAPO recipe> <overrides>``."""
+    return [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), *overrides]
+
+
+def run_env() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH."""
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def run_train(cwd: Path, overrides: list[str]) -> str:
+    """Run the command in ``cwd`` to completion; its stdout. Fails the test with stderr's tail on a non-zero exit."""
+    result = subprocess.run(
+        train_command(overrides), cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=600, check=False
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The records of ``<run_dir>/logs/metrics.jsonl``, in order."""
+    return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def full_tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every unsharded tensor of a checkpoint's ``megatron/`` directory (model and optimizer), by key.
+
+    Read with torch's DCP converter, so no process group is needed: the same keys at any layout.
+    """
+    target = scratch / f"{checkpoint.parent.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint / "megatron", target)
+    state = torch.load(target, weights_only=False)
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
