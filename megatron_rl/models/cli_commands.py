@@ -21,24 +21,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
+from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.models.hf_files import (
     DEFAULT_MAX_SHARD_BYTES,
-    ShardFile,
     check_output_dir,
     copy_hf_metadata,
     distributed_output_dir,
-    finalize_safetensors,
     partial_dir,
-    write_shard_files,
 )
 from megatron_rl.models.mcore_checkpoint import load_model_weights, save_model_weights
 from megatron_rl.models.megatron_config import check_layout
 from megatron_rl.models.parity import make_uneven_batch, max_abs_diffs, megatron_rank_outputs, reference_outputs
-from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
+from megatron_rl.models.weight_transfer import load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import launched_externally, run_local_ranks, run_ranks
 
@@ -100,13 +97,7 @@ def _mcore_to_hf_rank(
         with distributed_output_dir(out_dir) as staging:
             arch, chunks = _build(load_hf_config(metadata_dir), sizes)
             load_model_weights(chunks, ckpt_dir)
-            tensors = export_hf_weights(chunks, arch, designated_only=True)
-            shards = write_shard_files(tensors, staging, max_shard_bytes, prefix=f"rank{rank}")
-            per_rank: list[list[ShardFile]] = [[] for _ in range(world_size)]
-            dist.all_gather_object(per_rank, shards)
-            if rank == 0:
-                finalize_safetensors(staging, [shard for rank_shards in per_rank for shard in rank_shards])
-                copy_hf_metadata(metadata_dir, staging)
+            write_hf_model_dir(chunks, arch, metadata_dir, staging, max_shard_bytes)
     finally:
         destroy_parallel()
 
@@ -125,9 +116,8 @@ def convert_mcore_to_hf(
     ``<ckpt_dir>/hf_metadata`` (as hf-to-mcore writes). Only the model weights are read, so
     a checkpoint that also holds optimizer state converts the same way.
 
-    Each rank writes the tensors it is the designated source of (its pipeline
-    stage, its experts), so memory per rank is its shard plus one gathered
-    tensor; rank 0 names the files and writes the index.
+    Written by :func:`~megatron_rl.models.hf_export.write_hf_model_dir` (each rank its
+    designated tensors; weights in the dtype the metadata's config.json names).
     """
     ckpt_dir = Path(ckpt_dir)
     metadata_dir = Path(metadata_dir) if metadata_dir is not None else ckpt_dir / HF_METADATA

@@ -10,7 +10,12 @@ and committed by rename with ``latest`` written last: trainer state (step,
 sampler state, weight version), the Megatron model/optimizer/schedule shards and
 every rank's RNG states, plus ``hf_metadata/`` (config and tokenizer) so that
 ``megatron-rl convert mcore-to-hf --ckpt <checkpoint dir>`` exports the latest
-one. ``checkpoint.resume: auto`` continues from ``latest``.
+one. With ``checkpoint.export_hf`` each checkpoint also holds ``hf/``: a Hugging
+Face model directory (safetensors, sharded with ``model.safetensors.index.json``
+when the trainer has several writing ranks; config.json, generation config,
+tokenizer) with the same tensors that converter writes, loadable by
+``transformers`` and the reference engine. ``checkpoint.resume: auto`` continues
+from ``latest``.
 
 A checkpoint records the trainer layout it was saved at; resuming at another TP/PP/EP
 layout reshards the weights and optimizer state exactly, and reseeds every rank's
@@ -135,7 +140,12 @@ def validate(run: RunResources) -> dict[str, float]:
 
 
 def save_checkpoint(run: RunResources, step: int) -> Path:
-    """Stage trainer state, HF metadata and every rank's shards and RNG states, commit, prune to ``keep_last``."""
+    """Stage trainer state, HF metadata, every rank's shards and RNG states (and ``hf/``), commit, prune.
+
+    With ``checkpoint.export_hf`` the Hugging Face model directory ``hf/`` is complete in the
+    staging directory before the commit, so a committed checkpoint never holds a partial one.
+    Keeps the newest ``checkpoint.keep_last`` checkpoints.
+    """
     root = run.cfg.checkpoint_dir
     staging = staging_dir(root, step)
     layout = layout_record(run.cfg.parallel, run.cfg.cluster, run.cfg.rollout)
@@ -144,6 +154,9 @@ def save_checkpoint(run: RunResources, step: int) -> Path:
     copy_hf_metadata(run.hf_dir, staging / HF_METADATA)
     run.data.tokenizer.save_pretrained(staging / HF_METADATA)
     run.trainers.call("save_checkpoint", str(staging))
+    if run.cfg.checkpoint.export_hf:
+        run.trainers.call("export_hf", str(staging / "hf"))
+        run.data.tokenizer.save_pretrained(staging / "hf")
     committed = commit_checkpoint(root, step)
     prune_checkpoints(root, run.cfg.checkpoint.keep_last)
     return committed

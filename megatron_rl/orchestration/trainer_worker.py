@@ -20,6 +20,7 @@ from megatron_rl.checkpoint import load_rng_state, reseed_generators, save_rng_s
 from megatron_rl.checkpoint.megatron_state import load_megatron_state, save_megatron_state
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
 from megatron_rl.rollout import HttpEngine
 from megatron_rl.weight_sync.syncer import WeightSyncer, build_syncer
@@ -53,6 +54,7 @@ class TrainerWorker:
         clients = [HttpEngine(name, host, port) for name, host, port in engines]
         self._syncer: WeightSyncer = build_syncer(cfg.weight_sync, cfg.rollout.placement, clients)
         self._rank = dist.get_rank()
+        self._hf_dir = hf_dir
 
     def _on_rank0(self, value: torch.Tensor) -> torch.Tensor | None:
         return value if self._rank == 0 else None
@@ -80,6 +82,14 @@ class TrainerWorker:
         tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states()
         save_rng_state(directory, self._rank, extra={_TRACKER_STATES: tracker_states})
         dist.barrier()
+
+    def export_hf(self, directory: str) -> None:
+        """Write the current weights as a Hugging Face model directory ``directory`` (all ranks together).
+
+        Weights in the dtype the starting checkpoint's config.json names (as ``convert mcore-to-hf``
+        writes them), with its config, generation config and tokenizer files; complete on return.
+        """
+        write_hf_model_dir(self.actor.chunks, self.actor.arch, self._hf_dir, directory)
 
     def load_checkpoint(self, directory: str, *, reseed: int | None = None) -> None:
         """Restore what :meth:`save_checkpoint` wrote: model, optimizer, schedule and generator states.

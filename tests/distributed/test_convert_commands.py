@@ -11,10 +11,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.cli import main
+from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.cli_commands import convert_hf_to_mcore, convert_mcore_to_hf
+from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.models.hf_files import partial_dir
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
-from megatron_rl.parallel.distributed import ParallelSizes
+from megatron_rl.models.weight_transfer import load_hf_weights
+from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import RankFailedError
 from tests.distributed_utils import run_distributed
 from tests.tiny_checkpoints import save_tiny_dense, save_tiny_moe
@@ -79,6 +83,27 @@ def test_bfloat16_checkpoint_round_trips_bit_identically_in_bfloat16(tmp_path):
     original, converted = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert converted.keys() == original.keys()
     assert all(converted[n].dtype == torch.bfloat16 and torch.equal(converted[n], original[n]) for n in original)
+
+
+def _write_from_bfloat16_chunks(rank: int, world_size: int, hf_dir: Path, out_dir: Path) -> None:
+    sizes = ParallelSizes(ep=2)
+    initialize_parallel(sizes)
+    try:
+        arch, _, chunks = build_qwen_model(load_hf_config(hf_dir), sizes, params_dtype=torch.bfloat16)
+        load_hf_weights(chunks, arch, hf_dir)
+        write_hf_model_dir(chunks, arch, hf_dir, out_dir)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.distributed
+def test_weights_trained_in_bfloat16_are_written_in_the_config_dtype(tmp_path, moe_dir):
+    run_distributed(_write_from_bfloat16_chunks, 2, moe_dir, tmp_path / "hf")
+    original, written = load_file(moe_dir / "model.safetensors"), SafetensorsCheckpoint(tmp_path / "hf")
+    assert sorted(written.names()) == sorted(original)
+    for name, tensor in original.items():
+        assert written.read(name).dtype == torch.float32, name
+        assert torch.equal(written.read(name), tensor.to(torch.bfloat16).to(torch.float32)), name
 
 
 @pytest.mark.distributed

@@ -1,4 +1,8 @@
-"""The tiny DAPO recipe end to end for three steps: metrics per step, validation, committed checkpoints."""
+"""The tiny DAPO recipe end to end for three steps: metrics per step, validation, committed checkpoints.
+
+The run exports Hugging Face weights at each save (``checkpoint.export_hf``): the latest
+checkpoint's ``hf/`` loads with transformers and equals what ``convert mcore-to-hf`` writes from it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
+
+from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_KEYS = {
@@ -34,7 +41,7 @@ STEP_KEYS = {
 def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
     command += ["train.steps=3", "train.prompts_per_step=4", "train.val_interval=3", "checkpoint.interval=2"]
-    command += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
+    command += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]", "checkpoint.export_hf=true"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -67,3 +74,24 @@ def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> 
     assert trained.keys() == initial.keys()
     assert not torch.equal(trained["lm_head.weight"], initial["lm_head.weight"])  # three steps of training
     assert (exported / "tokenizer.json").is_file() and (exported / "config.json").is_file()
+    _assert_hf_export_equals_conversion(checkpoints / "step_000003" / "hf", exported)
+    assert (checkpoints / "step_000002" / "hf" / "config.json").is_file()
+
+
+def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    checkpoint = SafetensorsCheckpoint(hf_dir)
+    return {name: checkpoint.read(name) for name in checkpoint.names()}
+
+
+def _assert_hf_export_equals_conversion(hf_dir: Path, converted_dir: Path) -> None:
+    """``hf_dir`` (written at save by two ranks: sharded + index) loads and holds the converter's tensors bitwise."""
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    saved, converted = _tensors(hf_dir), _tensors(converted_dir)
+    assert saved.keys() == converted.keys()
+    for name, tensor in converted.items():
+        assert saved[name].dtype == tensor.dtype and torch.equal(saved[name], tensor), name
+    assert (hf_dir / "config.json").read_text() == (converted_dir / "config.json").read_text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert torch.equal(model.state_dict()["lm_head.weight"], converted["lm_head.weight"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert tokenizer.eos_token_id == model.config.eos_token_id
