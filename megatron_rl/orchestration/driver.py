@@ -1,9 +1,11 @@
 """The synchronous RL driver: one loop, every line a named phase.
 
 Per step: generate (score, shape, filter) -> old (and reference) log-probs ->
-advantages -> train -> weight sync -> periodic validation -> periodic
-checkpoint -> metrics. The reference engine runs beside the trainer ranks and
-holds the weights of the last sync, so generation always uses the current policy.
+advantages -> train -> weight sync -> periodic validation -> metrics -> periodic
+checkpoint. The reference engine runs beside the trainer ranks and holds the weights
+of the last sync, so generation always uses the current policy. A step's metrics are
+written before its checkpoint, so a run killed after the commit has them all; the
+checkpoint's own wall time is in the next step's record (``time/checkpoint_s``).
 
 Checkpoints (under ``cfg.checkpoint_dir``) are written into a staging directory
 and committed by rename with ``latest`` written last: trainer state (step,
@@ -92,15 +94,21 @@ def train(cfg: RunConfig) -> Path:
             restore(run, resume_from, state)
         if state.step == 0 and should_validate(cfg.train, 0):
             run.logger.log(0, validate(run))
+        checkpoint_seconds: dict[str, float] = {}
         for step in range(state.step + 1, cfg.train.steps + 1):
-            run.logger.log(step, train_one_step(run, step))
+            run.logger.log(step, train_one_step(run, step) | checkpoint_seconds)
+            checkpoint_seconds = {}
+            if should_checkpoint(cfg.checkpoint, cfg.train, step):
+                started = time.perf_counter()
+                save_checkpoint(run, step)
+                checkpoint_seconds = {"time/checkpoint_s": time.perf_counter() - started}
     finally:
         run.close()
     return Path(cfg.checkpoint_dir)
 
 
 def train_one_step(run: RunResources, step: int) -> dict[str, float]:
-    """Generate, train, sync weights, and validate and checkpoint when due; the step's metrics."""
+    """Generate, train, sync weights, and validate when due; the step's metrics."""
     cfg, timer, started = run.cfg, PhaseTimer(), time.perf_counter()
     with timer("generate"):
         rollout = run.rollout.generate_step()
@@ -120,9 +128,6 @@ def train_one_step(run: RunResources, step: int) -> dict[str, float]:
     if should_validate(cfg.train, step):
         with timer("validate"):
             metrics |= validate(run)
-    if should_checkpoint(cfg.checkpoint, cfg.train, step):
-        with timer("checkpoint"):
-            save_checkpoint(run, step)
     step_seconds = time.perf_counter() - started
     tokens = float(batch.lengths.sum())
     return metrics | timer.seconds | {"time/step_s": step_seconds, "perf/tokens_per_s": tokens / step_seconds}
