@@ -66,22 +66,27 @@ def fixed_batch() -> RolloutBatch:
     return RolloutBatch(input_ids=input_ids, lengths=lengths, response_mask=response_mask, advantages=advantages)
 
 
-def transformers_log_probs(hf_dir: Path, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, entropy) [B, S] of ``batch`` under the checkpoint, in fp32 eager transformers, aligned like the actor's."""
+def transformers_log_probs(
+    hf_dir: Path, batch: RolloutBatch, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) [B, S] of ``batch`` under softmax(logits / temperature) of the checkpoint.
+
+    fp32 eager transformers, aligned like the actor's.
+    """
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         logits = model(batch.input_ids).logits[:, :-1].float()
-    log_softmax = torch.log_softmax(logits, dim=-1)
+    log_softmax = torch.log_softmax(logits / temperature, dim=-1)
     log_probs = log_softmax.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     zeros = torch.zeros(batch.num_sequences, 1)
     return torch.cat([zeros, log_probs], 1), torch.cat([zeros, entropy], 1)
 
 
-def batch_with_old_log_probs(hf_dir: Path) -> RolloutBatch:
-    """The fixed batch with old log-probs = transformers' log-probs + N(0, 0.2) noise on response tokens."""
+def batch_with_old_log_probs(hf_dir: Path, temperature: float = 1.0) -> RolloutBatch:
+    """The fixed batch with old log-probs = transformers' log-probs (at ``temperature``) + N(0, 0.2) noise on responses."""
     batch = fixed_batch()
-    log_probs, _ = transformers_log_probs(hf_dir, batch)
+    log_probs, _ = transformers_log_probs(hf_dir, batch, temperature)
     noise = 0.2 * torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(1))
     return batch.replace(old_log_probs=torch.where(batch.response_mask, log_probs + noise, 0.0))
 

@@ -69,3 +69,23 @@ def save_tiny_moe(path: Path, *, sparse_step: bool = False, dtype: torch.dtype =
     _randomise(model, seed=2)
     model.to(dtype).save_pretrained(path)
     return path
+
+
+def checkpoint_named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The ``.grad`` of every parameter of a transformers model under its on-disk (checkpoint) name.
+
+    transformers keeps the experts fused in memory (``gate_up_proj`` [E, 2I, H],
+    ``down_proj`` [E, H, I]); the checkpoint, and so our export, names one
+    tensor per expert and projection.
+    """
+    grads = {}
+    for name, param in model.named_parameters():
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for expert, (gate, up) in enumerate(g.chunk(2) for g in param.grad):
+                grads[f"{prefix}.{expert}.gate_proj.weight"], grads[f"{prefix}.{expert}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            grads |= {f"{prefix}.{expert}.down_proj.weight": g for expert, g in enumerate(param.grad)}
+        else:
+            grads[name] = param.grad
+    return grads

@@ -30,6 +30,7 @@ def compute_log_probs(
     batch: RolloutBatch,
     *,
     vocab_size: int,
+    temperature: float,
     max_tokens_per_micro_batch: int,
     packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
@@ -37,7 +38,8 @@ def compute_log_probs(
     """Log-probs and entropies of every row of the global ``batch``, identical on every rank.
 
     All ranks must call this together with the same ``batch``. Each DP rank
-    computes the rows :func:`dp_shard` gives it. ``packing``: as in ``run_schedule``.
+    computes the rows :func:`dp_shard` gives it. ``temperature`` and
+    ``packing``: as in ``run_schedule``.
     """
     dp_group = parallel_state.get_data_parallel_group()
     rows = dp_shard(batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
@@ -50,7 +52,14 @@ def compute_log_probs(
         return current
 
     outputs = run_schedule(
-        models, micro_batches, loss_fn, vocab_size=vocab_size, forward_only=True, packing=packing, replay=replay
+        models,
+        micro_batches,
+        loss_fn,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        forward_only=True,
+        packing=packing,
+        replay=replay,
     )
     result_2BS = batch.input_ids.new_zeros((2, batch.num_sequences, batch.seq_length), dtype=torch.float32)
     if parallel_state.is_pipeline_last_stage():

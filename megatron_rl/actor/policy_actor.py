@@ -15,6 +15,7 @@ Requires :func:`megatron_rl.parallel.distributed.initialize_parallel` with
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -55,9 +56,18 @@ class PolicyActor:
         parallel, train, algorithm: the recipe's sections.
         norm_constant: C of ``seq-mean-token-sum-norm`` in tokens (the run's
             ``loss_norm_constant``); ignored by the other modes.
+        temperature: the rollout's sampling temperature T (``rollout.temperature``),
+            > 0. Every log-prob and entropy the actor computes (old, current in
+            the loss, reference) is of softmax(logits / T), the distribution the
+            engine sampled from and reports log-probs of.
         hf_weights: checkpoint directory to load, or None to keep the random init.
         keep_reference: keep the initial weights as the reference policy
             (default: when the recipe uses a KL loss).
+
+    Raises:
+        ValueError: ``temperature`` is not a finite number > 0 (greedy
+            decoding samples from no distribution whose log-probs could be trained on).
+        RuntimeError: the parallel state is not initialised.
     """
 
     def __init__(
@@ -68,9 +78,12 @@ class PolicyActor:
         algorithm: AlgorithmConfig,
         *,
         norm_constant: float,
+        temperature: float,
         hf_weights: str | Path | None = None,
         keep_reference: bool | None = None,
     ) -> None:
+        if not 0.0 < temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number > 0 to train on sampled rollouts; got {temperature}")
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("call initialize_parallel(parallel_sizes(parallel)) before building a PolicyActor")
         self.arch = parse_hf_config(hf_config)
@@ -102,7 +115,15 @@ class PolicyActor:
             fp8_recipe=self.config.fp8_recipe if self.config.fp8 else None,
         )
         self._context = StepContext(
-            self.models, self.optimizer, train, algorithm, self.arch.vocab_size, norm_constant, replay, packing
+            self.models,
+            self.optimizer,
+            train,
+            algorithm,
+            self.arch.vocab_size,
+            norm_constant,
+            temperature,
+            replay,
+            packing,
         )
         keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
         self._reference = ReferenceWeights(self.models) if keep else None
@@ -110,18 +131,19 @@ class PolicyActor:
         self._device = select_device()
 
     def compute_log_probs(self, batch: RolloutBatch) -> TokenLogProbs:
-        """The current policy's log-probs and entropies of ``batch``, [B, S] on every rank."""
+        """The current policy's log-probs and entropies of ``batch`` at the sampling temperature, [B, S] on every rank."""
         return compute_log_probs(
             self.models,
             self._prepare(batch),
             vocab_size=self.arch.vocab_size,
+            temperature=self._context.temperature,
             max_tokens_per_micro_batch=self._train.max_tokens_per_micro_batch,
             packing=self._context.packing,
             replay=self._context.replay,
         )
 
     def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The reference policy's log-probs of ``batch``, [B, S] on every rank.
+        """The reference policy's log-probs of ``batch`` at the sampling temperature, [B, S] on every rank.
 
         Raises:
             RuntimeError: the actor keeps no reference weights (``keep_reference``).

@@ -5,7 +5,9 @@
 parallel state dictates), forward-only or forward-backward. Per micro-batch it
 sets the routers' replay targets (when replaying) right before the model's
 forward, turns the last stage's vocab-parallel logits into [B, S] token
-log-probs and entropies, and hands them to ``loss_fn``.
+log-probs and entropies of softmax(logits / temperature), and hands them to
+``loss_fn``. This is the only path from logits to log-probs in the actor (old,
+current and reference log-probs, entropy), so all of them see the temperature.
 
 Two input layouts, chosen once by :func:`~megatron_rl.actor.packing.select_packing`:
 
@@ -82,13 +84,15 @@ def run_schedule(
     loss_fn: LossFn,
     *,
     vocab_size: int,
+    temperature: float,
     forward_only: bool,
     packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
 ) -> list[Any]:
     """Run the schedule; return what ``loss_fn`` produced per micro-batch (last pipeline stage; else ``[]``).
 
-    All micro-batches must share one ``[B, S]`` shape. ``packing``: pack with
+    All micro-batches must share one ``[B, S]`` shape. ``temperature``: the
+    rollout's sampling temperature (> 0). ``packing``: pack with
     this rule (GPU with Transformer Engine), or None for the padded layout.
     Forward-only runs collect ``loss_fn``'s return value as non-loss data;
     training runs follow Megatron's ``loss_func`` contract ``(loss,
@@ -105,9 +109,11 @@ def run_schedule(
 
         def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> Any:
             if item.layout is None:
-                current = token_log_probs(output, item.input_ids, vocab_size, tp_group)
+                current = token_log_probs(output, item.input_ids, vocab_size, tp_group, temperature=temperature)
             else:
-                current = packed_token_log_probs(output, item.input_ids, item.layout, vocab_size, tp_group)
+                current = packed_token_log_probs(
+                    output, item.input_ids, item.layout, vocab_size, tp_group, temperature=temperature
+                )
             return loss_fn(item.micro_batch, current)
 
         return logits, loss_func

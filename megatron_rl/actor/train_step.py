@@ -34,7 +34,7 @@ from megatron_rl.config.schema import AlgorithmConfig, TrainConfig
 
 @dataclass(frozen=True)
 class StepContext:
-    """What a training step needs besides the batch (``packing``: as in ``run_schedule``)."""
+    """What a training step needs besides the batch (``temperature``, ``packing``: as in ``run_schedule``)."""
 
     models: Sequence[torch.nn.Module]
     optimizer: OptimizerBundle
@@ -42,6 +42,7 @@ class StepContext:
     algorithm: AlgorithmConfig
     vocab_size: int
     norm_constant: float
+    temperature: float
     replay: RoutingReplay | None = None
     packing: PackingRule | None = None
 
@@ -89,6 +90,7 @@ def update_on_mini_batch(context: StepContext, mini_batch: RolloutBatch) -> dict
         micro_batches,
         loss_fn,
         vocab_size=context.vocab_size,
+        temperature=context.temperature,
         forward_only=False,
         packing=context.packing,
         replay=context.replay,

@@ -8,6 +8,7 @@ printed and the run goes on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,11 +217,16 @@ def _check_loss_terms(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findin
         yield _error("algorithm.dynamic_sampling.enable", "needs rollout.n_samples_per_prompt >= 2")
     if algo.routing_replay and not arch.is_moe:
         yield _error("algorithm.routing_replay", f"{arch.architecture} has no experts to replay")
-    if cfg.rollout.temperature != 1.0:
-        yield _warning(
+
+
+def _check_sampling_temperature(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    temperature = cfg.rollout.temperature
+    if not 0.0 < temperature < math.inf:
+        yield _error(
             "rollout.temperature",
-            f"{cfg.rollout.temperature} != 1: the trainer computes log-probs at temperature 1, so the policy ratio "
-            "is not that of the sampling policy and the rollout/train mismatch (and TIS) is off by the temperature",
+            f"{temperature}: training needs sampled rollouts and their log-probs, log_softmax(logits / temperature), "
+            "so the temperature must be a finite number > 0 (0 is greedy decoding); set rollout.temperature to "
+            "e.g. 1.0 (greedy is for validation only: train.val_temperature=0)",
         )
 
 
@@ -263,6 +269,7 @@ CHECKS: tuple[Check, ...] = (
     _check_sequence_lengths,
     _check_preset,
     _check_loss_terms,
+    _check_sampling_temperature,
     _check_precision,
     _check_sources,
 )

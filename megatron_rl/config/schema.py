@@ -127,7 +127,11 @@ class RolloutConfig(Section):
     )
     num_gpus: PositiveInt | None = Field(None, description="GPUs reserved for engines when disaggregated.")
     n_samples_per_prompt: PositiveInt = Field(8, description="Responses per prompt (the group size).")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    temperature: float = Field(
+        1.0,
+        description="Sampling temperature of the training rollouts, finite and > 0 (a recipe check): the trainer's "
+        "log-probs, entropy and KL are those of softmax(logits / temperature).",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
 

@@ -49,6 +49,7 @@ class TrainerWorker:
             cfg.train,
             cfg.algorithm,
             norm_constant=cfg.loss_norm_constant,
+            temperature=cfg.rollout.temperature,
             hf_weights=hf_dir,
         )
         clients = [HttpEngine(name, host, port) for name, host, port in engines]

@@ -3,12 +3,17 @@
 With tensor parallelism the output layer leaves each rank a contiguous slice
 of the vocabulary: rank r holds columns ``[r*Vl, (r+1)*Vl)`` of the padded
 vocabulary. :func:`vocab_parallel_logprobs_entropy` computes, without
-gathering the vocabulary,
+gathering the vocabulary, for the sampling distribution softmax(z) with
+z = logits / T (T the sampling temperature, 1 by default),
 
     logp[t]    = z[t, y_t] - logsumexp_v z[t, v]
     entropy[t] = logsumexp_v z[t, v] - sum_v softmax(z[t])_v * z[t, v]
 
-with three reductions over the group: MAX of the row maxima (a constant
+The temperature enters once, in the max shift: (logits - max) / T, divided
+in place on that shift (a tensor this function made), so the caller's logits
+are never written and no extra [..., Vl] copy is made.
+
+Three reductions over the group: MAX of the row maxima (a constant
 shift, no gradient), SUM of the exp-sums (and of the entropy numerators),
 SUM of the target logit (held by exactly one rank). Columns at or beyond
 ``vocab_size`` (TP padding) are excluded. The SUM reductions pass gradients
@@ -50,6 +55,7 @@ def vocab_parallel_logprobs_entropy(
     *,
     vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies from this rank's vocabulary slice.
 
@@ -60,6 +66,8 @@ def vocab_parallel_logprobs_entropy(
             ignored (None: no padding).
         group: the tensor-parallel group holding the slices; None means the
             logits hold the whole vocabulary (no communication).
+        temperature: T > 0; the values are those of softmax(logits / T), and
+            gradients flow through the division.
 
     Returns:
         ``(logprobs, entropy)``, both fp32 of shape ``targets.shape``.
@@ -77,6 +85,8 @@ def vocab_parallel_logprobs_entropy(
     if size > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - row_max.unsqueeze(-1)
+    if temperature != 1.0:
+        shifted.div_(temperature)  # our own tensor; the subtraction's backward saves nothing
     exp = shifted.exp()
     sum_exp = _sum_over(exp.sum(dim=-1), group, size)
     finite_shifted = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))

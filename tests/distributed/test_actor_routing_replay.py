@@ -41,6 +41,7 @@ def _replay_rank(rank, world_size, hf_dir, batch):
         train_config(max_tokens_per_micro_batch=BUDGET),
         algorithm_config(routing_replay=True),
         norm_constant=16,
+        temperature=1.0,
         hf_weights=hf_dir,
     )
     used = []

@@ -46,6 +46,7 @@ def _train_rank(rank, world_size, sizes, budget, hf_dir, batch):
             train_config(max_tokens_per_micro_batch=budget),
             algorithm_config(loss_agg_mode=mode),
             norm_constant=16,
+            temperature=1.0,
             hf_weights=hf_dir,
         )
         if mode == LOSS_AGG_MODES[0]:

@@ -51,6 +51,7 @@ def _training_rank(rank, world_size, hf_dir, batch):
         train_config(lr=0.1),
         algorithm,
         norm_constant=16,
+        temperature=1.0,
         hf_weights=hf_dir,
     )
     result = {"before": actor.compute_log_probs(batch).log_probs}

@@ -46,6 +46,7 @@ def _actor(sizes: ParallelSizes, hf_dir: Path, *, load_weights: bool) -> PolicyA
         train_config(steps=3, lr=0.05, warmup_steps=2, lr_schedule="cosine", adam_eps=1e-8),
         algorithm_config(),
         norm_constant=16,
+        temperature=1.0,
         hf_weights=hf_dir if load_weights else None,
     )
 

@@ -22,7 +22,7 @@ from megatron_rl.models.weight_transfer import export_hf_tensors, load_hf_weight
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 from tests.distributed_utils import run_distributed
-from tests.tiny_checkpoints import VOCAB, save_tiny_dense, save_tiny_moe
+from tests.tiny_checkpoints import VOCAB, checkpoint_named_grads, save_tiny_dense, save_tiny_moe
 
 RTOL = 1e-5
 LENGTHS = (8, 5, 3, 7)
@@ -83,17 +83,7 @@ def _transformers_grads(hf_dir: Path) -> dict[str, torch.Tensor]:
     logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     valid = mask[:, 1:].float()
     (-(logprobs * valid).sum() / valid.sum()).backward()
-    grads = {}
-    for name, param in model.named_parameters():
-        prefix = name.rsplit(".", 1)[0]
-        if name.endswith("mlp.experts.gate_up_proj"):  # in memory [E, 2I, H]; on disk per expert
-            for expert, (gate, up) in enumerate(g.chunk(2) for g in param.grad):
-                grads[f"{prefix}.{expert}.gate_proj.weight"], grads[f"{prefix}.{expert}.up_proj.weight"] = gate, up
-        elif name.endswith("mlp.experts.down_proj"):
-            grads |= {f"{prefix}.{expert}.down_proj.weight": g for expert, g in enumerate(param.grad)}
-        else:
-            grads[name] = param.grad
-    return grads
+    return checkpoint_named_grads(model)
 
 
 @pytest.mark.distributed

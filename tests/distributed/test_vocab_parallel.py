@@ -10,10 +10,13 @@ from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 from tests.distributed_utils import run_distributed
 
 VOCAB, PADDED, TOKENS = 13, 16, 7
+TEMPERATURES = [1.0, 0.7]
 
 
-def _reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logp_all = torch.log_softmax(logits, dim=-1)
+def _reference(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
@@ -30,22 +33,25 @@ def _loss(logp: torch.Tensor, entropy: torch.Tensor, w_logp: torch.Tensor, w_ent
     return (logp * w_logp).sum() + (entropy * w_ent).sum()
 
 
-def _sharded_rank(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sharded_rank(rank: int, world_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dist.init_process_group("gloo")
     logits, targets, w_logp, w_ent = _inputs()
     local = logits.chunk(world_size, dim=-1)[rank].clone().requires_grad_(True)
-    logp, entropy = vocab_parallel_logprobs_entropy(local, targets, vocab_size=VOCAB, group=dist.group.WORLD)
+    logp, entropy = vocab_parallel_logprobs_entropy(
+        local, targets, vocab_size=VOCAB, group=dist.group.WORLD, temperature=temperature
+    )
     _loss(logp, entropy, w_logp, w_ent).backward()
     dist.destroy_process_group()
     return logp.detach(), entropy.detach(), local.grad
 
 
-def test_unsharded_logprobs_entropy_and_grads_match_full_softmax_ignoring_padding():
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_unsharded_logprobs_entropy_and_grads_match_full_softmax_ignoring_padding(temperature):
     logits, targets, w_logp, w_ent = _inputs()
     ours_in = logits.clone().requires_grad_(True)
     ref_in = logits[..., :VOCAB].clone().requires_grad_(True)
-    logp, entropy = vocab_parallel_logprobs_entropy(ours_in, targets, vocab_size=VOCAB)
-    ref_logp, ref_entropy = _reference(ref_in, targets)
+    logp, entropy = vocab_parallel_logprobs_entropy(ours_in, targets, vocab_size=VOCAB, temperature=temperature)
+    ref_logp, ref_entropy = _reference(ref_in, targets, temperature)
     _loss(logp, entropy, w_logp, w_ent).backward()
     _loss(ref_logp, ref_entropy, w_logp, w_ent).backward()
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
@@ -72,15 +78,27 @@ def test_logprobs_and_entropy_are_finite_and_exact_for_any_logit_scale(vocab, pa
     torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-5, atol=1e-4)
 
 
+def test_temperature_leaves_the_callers_logits_untouched_in_every_dtype():
+    logits, targets, _, _ = _inputs()
+    for dtype in (torch.float32, torch.bfloat16):
+        given = logits.to(dtype).requires_grad_(True)
+        before, version = given.detach().clone(), given._version
+        logp, entropy = vocab_parallel_logprobs_entropy(given, targets, vocab_size=VOCAB, temperature=0.5)
+        (logp.sum() + entropy.sum()).backward()
+        assert given._version == version and torch.equal(given.detach(), before), dtype
+        ref_logp, _ = _reference(given.detach().float()[..., :VOCAB], targets, 0.5)
+        torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_tensor_parallel_logprobs_entropy_and_grads_match_full_softmax(world_size):
+@pytest.mark.parametrize("world_size, temperature", [(2, 1.0), (4, 1.0), (2, 0.7)])
+def test_tensor_parallel_logprobs_entropy_and_grads_match_full_softmax(world_size, temperature):
     logits, targets, w_logp, w_ent = _inputs()
     ref_in = logits[..., :VOCAB].clone().requires_grad_(True)
-    ref_logp, ref_entropy = _reference(ref_in, targets)
+    ref_logp, ref_entropy = _reference(ref_in, targets, temperature)
     _loss(ref_logp, ref_entropy, w_logp, w_ent).backward()
     ref_grad = torch.cat([ref_in.grad, torch.zeros(2, TOKENS, PADDED - VOCAB)], dim=-1)
-    results = run_distributed(_sharded_rank, world_size)
+    results = run_distributed(_sharded_rank, world_size, temperature)
     for rank, (logp, entropy, grad) in enumerate(results):
         torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
         torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-5)

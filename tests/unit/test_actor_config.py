@@ -1,12 +1,13 @@
-"""The actor's TransformerConfig overrides: precision, FP8 refusal, recompute, MoE losses, replay."""
+"""The actor's TransformerConfig overrides: precision, FP8 refusal, recompute, MoE losses, replay; its temperature."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron_rl.actor import PolicyActor
 from megatron_rl.actor.precision import FP8_RECIPE_FIELDS, actor_config_overrides, params_dtype
-from megatron_rl.config.schema import TrainConfig
+from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
 
 
 def _train(**fields) -> TrainConfig:
@@ -71,3 +72,9 @@ def test_routing_replay_sets_the_megatron_flag_and_refuses_dense_models_and_full
         _overrides(_train(), replay=True, moe=False)
     with pytest.raises(ValueError, match="recompute=full"):
         _overrides(_train(recompute="full"), replay=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf")])
+def test_actor_refuses_a_temperature_it_cannot_train_at(temperature):
+    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0 .* got"):
+        PolicyActor({}, ParallelConfig(), _train(), AlgorithmConfig(), norm_constant=1.0, temperature=temperature)

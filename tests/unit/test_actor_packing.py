@@ -271,14 +271,20 @@ def _pack_logits(logits_BSV: torch.Tensor, layout, fill: float) -> torch.Tensor:
 def test_unpacked_log_probs_equal_per_sequence_log_probs_exactly(qwen3_per_sequence_logits):
     lengths, ids_BS, logits_BSV, vocab = qwen3_per_sequence_logits
     valid_BS = ids_BS != 0
-    padded = token_log_probs(logits_BSV, ids_BS, vocab, None)
-    reference = torch.log_softmax(logits_BSV[:, :-1], dim=-1).gather(-1, ids_BS[:, 1:, None]).squeeze(-1)
+    temperature = 0.7
+    padded = token_log_probs(logits_BSV, ids_BS, vocab, None, temperature=temperature)
+    reference = torch.log_softmax(logits_BSV[:, :-1] / temperature, dim=-1).gather(-1, ids_BS[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(padded.log_probs[:, 1:][valid_BS[:, 1:]], reference[valid_BS[:, 1:]])
     for rule in (PackingRule(1, 1), PackingRule(4, 4), PackingRule(2, 32)):
         layout = plan_packing(lengths, ids_BS.shape[1], rule)
         # pad positions' logits are NaN: any read of them would poison the result
         packed = packed_token_log_probs(
-            _pack_logits(logits_BSV, layout, torch.nan), pack_tokens(ids_BS, layout), layout, vocab, None
+            _pack_logits(logits_BSV, layout, torch.nan),
+            pack_tokens(ids_BS, layout),
+            layout,
+            vocab,
+            None,
+            temperature=temperature,
         )
         expected_mask = valid_BS.clone()
         expected_mask[:, 0] = False
@@ -295,9 +301,12 @@ def test_packed_log_prob_gradients_reach_only_the_rows_own_positions(qwen3_per_s
     padded_BSV = torch.nan_to_num(logits_BSV, nan=3.0).requires_grad_()
     packed_1TV = _pack_logits(logits_BSV, layout, 3.0).requires_grad_()
     mask_BS = (ids_BS != 0).float()
-    (token_log_probs(padded_BSV, ids_BS, vocab, None).log_probs * weights_BS * mask_BS).sum().backward()
     (
-        packed_token_log_probs(packed_1TV, pack_tokens(ids_BS, layout), layout, vocab, None).log_probs * weights_BS
+        token_log_probs(padded_BSV, ids_BS, vocab, None, temperature=1.0).log_probs * weights_BS * mask_BS
+    ).sum().backward()
+    (
+        packed_token_log_probs(packed_1TV, pack_tokens(ids_BS, layout), layout, vocab, None, temperature=1.0).log_probs
+        * weights_BS
     ).sum().backward()
     grad_BSV = unpack_tokens(packed_1TV.grad, layout)
     torch.testing.assert_close(grad_BSV, padded_BSV.grad * (ids_BS != 0).unsqueeze(-1), rtol=0, atol=1e-7)

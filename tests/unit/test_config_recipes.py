@@ -280,6 +280,19 @@ def test_hf_field_megatron_cannot_honour_is_rejected_at_validation() -> None:
     assert problem.startswith("model.random_init: rope_scaling=") and "only plain RoPE" in problem
 
 
-def test_sampling_temperature_other_than_one_is_flagged() -> None:
-    _, warnings = load_recipe(TINY, ["rollout.temperature=0.7"])
-    assert any(str(w).startswith("rollout.temperature: 0.7 != 1: the trainer computes") for w in warnings), warnings
+def test_sampling_temperature_other_than_one_trains_without_warning() -> None:
+    cfg, warnings = load_recipe(TINY, ["rollout.temperature=0.7"])
+    assert cfg.rollout.temperature == 0.7
+    assert not [w for w in warnings if w.field == "rollout.temperature"], warnings
+
+
+@pytest.mark.parametrize("value, shown", [("0", "0.0"), ("-0.5", "-0.5"), (".inf", "inf")])
+def test_training_temperature_not_positive_is_rejected_with_the_fix(value: str, shown: str) -> None:
+    (problem,) = _problems(TINY, f"rollout.temperature={value}")
+    assert problem.startswith(f"rollout.temperature: {shown}: training needs sampled rollouts")
+    assert "must be a finite number > 0" in problem and "set rollout.temperature to e.g. 1.0" in problem
+
+
+def test_greedy_validation_temperature_is_allowed() -> None:
+    cfg, _ = load_recipe(TINY, ["train.val_temperature=0"])
+    assert cfg.train.val_temperature == 0.0
