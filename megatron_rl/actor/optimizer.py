@@ -65,13 +65,22 @@ class OptimizerBundle:
 def build_optimizer(
     models: Sequence[torch.nn.Module], train: TrainConfig, params_dtype: torch.dtype
 ) -> OptimizerBundle:
-    """Optimizer over the DDP-wrapped ``models`` and a schedule spanning the run's updates.
-
-    The run has ``train.steps * train.ppo_epochs * train.mini_batches_per_step`` updates.
-    """
+    """Optimizer over the DDP-wrapped ``models`` and its schedule (:func:`build_scheduler`)."""
     optimizer = get_megatron_optimizer(optimizer_config(train, params_dtype), list(models))
+    return OptimizerBundle(optimizer, build_scheduler(optimizer, train))
+
+
+def build_scheduler(
+    optimizer: MegatronOptimizer | torch.optim.Optimizer, train: TrainConfig
+) -> OptimizerParamScheduler:
+    """The LR / weight-decay schedule spanning the run's updates.
+
+    The run has ``train.steps * train.ppo_epochs * train.mini_batches_per_step`` updates. On
+    resume the recipe's schedule settings win over the checkpoint's (a run extended with more
+    ``train.steps`` decays over the new total) and the checkpoint supplies the update count.
+    """
     num_updates = train.steps * train.ppo_epochs * train.mini_batches_per_step
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if train.warmup_steps else train.lr,
         max_lr=train.lr,
@@ -83,8 +92,9 @@ def build_optimizer(
         end_wd=train.weight_decay,
         wd_incr_steps=max(num_updates, 1),
         wd_incr_style="constant",
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
-    return OptimizerBundle(optimizer, scheduler)
 
 
 def step_optimizer(bundle: OptimizerBundle) -> dict[str, float]:

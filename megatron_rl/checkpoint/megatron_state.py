@@ -132,20 +132,21 @@ def _param_groups_for(part: MegatronOptimizer, saved_groups: Sequence[dict], sou
     groups = []
     for group in part.optimizer.param_groups:
         identity = _group_identity(group)
-        matches = [_without_expert_flag(saved) for saved in saved_groups if _group_identity(saved) == identity]
+        matches = [saved for saved in saved_groups if _group_identity(saved) == identity]
         if not matches:
             raise ValueError(
                 f"{source}: no optimizer parameter group with {identity}; the checkpoint has "
                 f"{[_group_identity(saved) for saved in saved_groups]}. Resume with the optimizer settings "
                 "(lr, min_lr, per-parameter overrides) it was saved with"
             )
-        differing = sorted({key for match in matches for key in match if match.get(key) != matches[0].get(key)})
+        unflagged = [_without_expert_flag(match) for match in matches]
+        differing = sorted({key for match in unflagged for key in match if match.get(key) != unflagged[0].get(key)})
         if differing:
             raise ValueError(
                 f"{source}: the saved dense and expert optimizer groups with {identity} differ in {differing}, so "
                 "they cannot become one group at this layout; resume at the expert-parallel size it was saved with"
             )
-        groups.append(matches[0] | {_EXPERT_FLAG: group[_EXPERT_FLAG]})
+        groups.append(matches[0] | {_EXPERT_FLAG: group[_EXPERT_FLAG]})  # the saved key order stays
     return groups
 
 

@@ -5,7 +5,8 @@ process group is killed as soon as ``latest`` exists; the same command runs agai
 from it, and is killed while the step-4 checkpoint is being written (its staging directory
 holds Megatron's shard directory); ``latest`` must still name the step-2 checkpoint. The
 third start resumes from it and finishes. Asserted: identical per-step metrics (all but
-wall-clock ones) and bit-identical final Megatron checkpoint shards (model and optimizer).
+wall-clock ones) and a bit-identical final Megatron checkpoint: every tensor of model and optimizer
+equal bitwise, every other entry (optimizer groups, step counts) equal.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.tiny_runs import RUN, read_metrics, run_env, run_train, train_command
+import torch
+
+from tests.e2e.tiny_runs import RUN, megatron_contents, read_metrics, run_env, run_train, train_command
 
 OVERRIDES = ["train.steps=4", "train.prompts_per_step=4", "train.val_interval=2", "checkpoint.interval=2"]
 OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
@@ -49,11 +52,6 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
     return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
 
 
-def _shards(run_dir: Path) -> dict[str, bytes]:
-    megatron = run_dir / "checkpoints" / "step_000004" / "megatron"
-    return {p.name: p.read_bytes() for p in sorted(megatron.glob("*.distcp"))}
-
-
 @pytest.mark.slow
 def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -71,6 +69,9 @@ def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path) -> None
     assert [r["step"] for r in resumed_metrics] == [0, 1, 2, 3, 4]
     for expected, actual in zip(straight_metrics, resumed_metrics, strict=True):
         assert actual == expected, f"step {expected['step']} differs"
-    straight_shards = _shards(straight / RUN)
-    assert straight_shards and straight_shards == _shards(resumed / RUN)
+    final = [megatron_contents(run / RUN / "checkpoints" / "step_000004", tmp_path) for run in (straight, resumed)]
+    assert final[0].keys() == final[1].keys()
+    for key, expected in final[0].items():
+        actual = final[1][key]
+        assert torch.equal(actual, expected) if isinstance(expected, torch.Tensor) else actual == expected, key
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000004"]

@@ -41,12 +41,17 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-def full_tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every unsharded tensor of a checkpoint's ``megatron/`` directory (model and optimizer), by key.
+def megatron_contents(checkpoint: Path, scratch: Path) -> dict[str, object]:
+    """Everything in a checkpoint's ``megatron/`` directory, unsharded, by key: tensors and other state.
 
     Read with torch's DCP converter, so no process group is needed: the same keys at any layout.
     """
     target = scratch / f"{checkpoint.parent.parent.parent.name}-{checkpoint.name}.pt"
     dcp_to_torch_save(checkpoint / "megatron", target)
-    state = torch.load(target, weights_only=False)
-    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+    return torch.load(target, weights_only=False)
+
+
+def full_tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """The unsharded tensors of :func:`megatron_contents` (model weights and optimizer state)."""
+    contents = megatron_contents(checkpoint, scratch)
+    return {key: value for key, value in contents.items() if isinstance(value, torch.Tensor)}

@@ -1,0 +1,38 @@
+"""The LR schedule across a resume: the checkpoint gives the update count, the recipe the schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_rl.actor.optimizer import build_scheduler
+from megatron_rl.config.schema import TrainConfig
+
+
+def _scheduler(steps: int) -> tuple[torch.optim.Optimizer, object]:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    train = TrainConfig(steps=steps, lr=1.0, min_lr=0.0, lr_schedule="cosine", prompts_per_step=1)
+    return optimizer, build_scheduler(optimizer, train)
+
+
+def test_a_run_extended_on_resume_continues_its_count_and_decays_over_the_new_total() -> None:
+    _, saved = _scheduler(steps=10)
+    for _ in range(4):
+        saved.step(increment=1)
+    optimizer, resumed = _scheduler(steps=20)
+    resumed.load_state_dict(saved.state_dict())
+
+    assert resumed.num_steps == 4
+    expected = 0.5 * (1 + math.cos(math.pi * 4 / 20))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+
+
+def test_an_unchanged_recipe_resumes_to_the_same_learning_rate() -> None:
+    _, saved = _scheduler(steps=10)
+    for _ in range(4):
+        saved.step(increment=1)
+    optimizer, resumed = _scheduler(steps=10)
+    resumed.load_state_dict(saved.state_dict())
+    assert optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
