@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from tests.e2e.tiny_runs import RUN, megatron_contents, read_metrics, run_env, run_train, train_command
