@@ -5,7 +5,7 @@ anything expensive starts.
 """
 
 from megatron_rl.config.checks import Finding, check_recipe
-from megatron_rl.config.layout import TrainerLayout, trainer_layout
+from megatron_rl.config.layout import EngineLayout, TrainerLayout, engine_layout, trainer_layout
 from megatron_rl.config.loading import RecipeError, load_recipe, recipe_to_yaml, validate_recipe_tree
 from megatron_rl.config.model_source import ModelSourceError, read_architecture
 from megatron_rl.config.schema import (
@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointConfig",
     "ClusterConfig",
     "DataConfig",
+    "EngineLayout",
     "Finding",
     "LoggingConfig",
     "ModelConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "TrainerLayout",
     "WeightSyncConfig",
     "check_recipe",
+    "engine_layout",
     "load_recipe",
     "read_architecture",
     "recipe_to_yaml",
