@@ -143,13 +143,6 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
             "rollout.tp",
             f"each engine takes tp x dp = {engine_gpus} GPUs, which does not divide the {pool} rollout GPUs",
         )
-    trainer_gpus = trainer_layout(cfg.parallel, cluster, rollout).world_size
-    if rollout.placement == "disaggregated" and trainer_gpus > 0 and trainer_gpus % engine_gpus:
-        yield _error(
-            "rollout.num_gpus",
-            f"disaggregated engines take the GPUs after the trainer's {trainer_gpus}; that count must be a multiple "
-            f"of tp x dp = {engine_gpus} so that no engine spans two nodes; change rollout.num_gpus",
-        )
 
 
 def _check_batch_divisibility(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:

@@ -8,8 +8,8 @@ hand-over (:mod:`memory_handover`) moves memory between the phases: engines
 release theirs after generation and the actor reloads; after training the actor
 offloads its optimizer state, engines resume weights, the sync runs, the actor
 offloads its parameters and engines resume their KV cache before validation.
-A checkpoint reloads the actor the same way and re-syncs afterwards. Each move is
-timed as ``time/<move>_s``.
+A checkpoint reloads the actor the same way; the next step (or validation) re-syncs
+before generating. Each move is timed as ``time/<move>_s``.
 
 Checkpoints (under ``cfg.checkpoint_dir``) are written into a staging directory
 and committed by rename with ``latest`` written last: trainer state (step,
@@ -116,7 +116,8 @@ def train_one_step(run: RunResources, step: int) -> dict[str, float]:
         with timer("validate"):
             metrics |= validate(run)
     if should_checkpoint(cfg.checkpoint, cfg.train, step):
-        with timer("checkpoint"), run.hand_over.trainer_resident(step):
+        with timer("checkpoint"):
+            run.hand_over.to_training()  # the engines get the weights back at the next to_rollout
             save_checkpoint(run, step)
     step_seconds = time.perf_counter() - started
     tokens = float(batch.lengths.sum())

@@ -16,6 +16,10 @@ parameters cannot be read):
 3. to_rollout: the actor offloads its parameters; engines resume ``kv_cache``
    and ``cuda_graph``.
 
+A checkpoint needs the trainer's state: the driver calls ``to_training`` before it and
+nothing after, so no work runs between the checkpoint's commit and the step's metrics; the
+next ``to_rollout`` re-syncs the last version first (``time/weight_resync_s``).
+
 Peaks: during a sync the parameters are held twice (actor and engines), as in verl;
 at start-up (see :func:`release_engine_caches`) the actor's whole state and the
 engines' weights are held together, without KV cache. Each transition is idempotent
@@ -68,34 +72,19 @@ class HandOver:
     def __init__(self, engines: Sequence[RolloutEngine], trainers: TrainerGroup) -> None:
         self.engines = list(engines)
         self.trainers = trainers
+        self.version: int | None = None
 
     def to_training(self, timer: Timer = _untimed) -> None:
         """Make the trainer's state resident for log-probs, training or a checkpoint."""
 
-    def sync_weights(self, version: int, timer: Timer = _untimed) -> None:
-        """Deliver the trainer's weights to every engine as ``version``."""
-        with timer("weight_sync"):
+    def sync_weights(self, version: int, timer: Timer = _untimed, *, phase: str = "weight_sync") -> None:
+        """Deliver the trainer's weights to every engine as ``version`` (timed as ``phase``)."""
+        with timer(phase):
             self.trainers.call("sync_weights", version)
+        self.version = version
 
     def to_rollout(self, timer: Timer = _untimed) -> None:
         """Make the engines ready to generate with the last synced weights."""
-
-    def trainer_resident(self, version: int) -> AbstractContextManager[None]:
-        """A block with the trainer's state resident (e.g. a checkpoint); engines generate-ready after it."""
-        return _TrainerResident(self, version)
-
-
-class _TrainerResident(AbstractContextManager[None]):
-    def __init__(self, hand_over: HandOver, version: int) -> None:
-        self._hand_over, self._version = hand_over, version
-
-    def __enter__(self) -> None:
-        self._hand_over.to_training()
-
-    def __exit__(self, *exc_info: object) -> None:
-        if exc_info[0] is None:
-            self._hand_over.sync_weights(self._version)
-            self._hand_over.to_rollout()
 
 
 ActorState = Literal["all", "params", "none"]
@@ -141,7 +130,7 @@ class ColocatedHandOver(HandOver):
                 self.trainers.call("reload")
             self.actor = "all"
 
-    def sync_weights(self, version: int, timer: Timer = _untimed) -> None:
+    def sync_weights(self, version: int, timer: Timer = _untimed, *, phase: str = "weight_sync") -> None:
         if self.actor == "none":
             raise RuntimeError("the actor's parameters are offloaded; call to_training() before sync_weights()")
         if self.actor == "all":
@@ -151,12 +140,15 @@ class ColocatedHandOver(HandOver):
         if "weights" not in self.engine_tags:
             with timer("engines_resume_weights"):
                 self._engines("resume", ["weights"])
-        super().sync_weights(version, timer)
+        super().sync_weights(version, timer, phase=phase)
         self.engine_weights_current = True
 
     def to_rollout(self, timer: Timer = _untimed) -> None:
+        """Also re-syncs the last synced version when the engines released it since (after a checkpoint)."""
         if not self.engine_weights_current:
-            raise RuntimeError("the engines' weights were released since the last sync; call sync_weights() first")
+            if self.version is None:
+                raise RuntimeError("the engines released their weights and none were synced yet; call sync_weights()")
+            self.sync_weights(self.version, timer, phase="weight_resync")
         if self.actor != "none":
             with timer("actor_offload_params"):
                 self.trainers.call("offload")

@@ -18,7 +18,8 @@ positions in that order, so what shares a node is contiguous:
   tensor transport).
 
 Validation (:mod:`megatron_rl.config.checks`) guarantees that ``k`` divides the GPUs
-per node and the trainer's GPU count, so no engine's bundles span two nodes;
+per node and the engines' GPU count (hence the trainer's too), so no engine's bundles
+span two nodes;
 :func:`engine_gpu_ids` re-checks it on the bundles Ray actually gave.
 """
 
@@ -107,6 +108,6 @@ def engine_gpu_ids(slots: Sequence[RankSlot]) -> tuple[str, ...]:
     if len(nodes) > 1:
         raise ValueError(
             f"an engine's {len(slots)} bundles landed on nodes {nodes}; engines spanning nodes are not supported "
-            "(rollout.tp x rollout.dp must divide cluster.gpus_per_node and the trainer's GPU count)"
+            "(rollout.tp x rollout.dp must divide cluster.gpus_per_node)"
         )
     return tuple(gpu for slot in slots for gpu in slot.gpu_ids)
