@@ -181,6 +181,7 @@ def start_engines(
 ) -> EngineHosts:
     """One engine per ``plan.engine_positions`` entry, on the GPUs of its bundles, loading ``hf_dir``; healthy on return."""
     specs, host_bundles = [], []
+    routed_experts_shape = _routed_experts_shape(cfg, hf_dir)
     for index, positions in enumerate(plan.engine_positions):
         engine_slots = [slots[position] for position in positions]
         specs.append(
@@ -193,7 +194,7 @@ def start_engines(
                 seed=cfg.train.seed + index,
                 gpu_ids=engine_gpu_ids(engine_slots) if cfg.cluster.gpus_per_node else (),
                 routing_replay=cfg.algorithm.routing_replay,
-                routed_experts_shape=_routed_experts_shape(cfg, hf_dir),
+                routed_experts_shape=routed_experts_shape,
             )
         )
         host_bundles.append(engine_slots[0].bundle_index)
