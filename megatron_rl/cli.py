@@ -14,7 +14,15 @@ from megatron_rl.parallel.errors import RankFailedError
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import ParallelSizes
-from megatron_rl.config import RecipeError, RunConfig, load_recipe, read_architecture, recipe_to_yaml, trainer_layout
+from megatron_rl.config import (
+    RecipeError,
+    RunConfig,
+    engine_layout,
+    load_recipe,
+    read_architecture,
+    recipe_to_yaml,
+    trainer_layout,
+)
 
 
 def _layout_summary(cfg: RunConfig) -> str:
@@ -30,7 +38,8 @@ def _layout_summary(cfg: RunConfig) -> str:
             f"# step: {train.prompts_per_step} prompts x {rollout.n_samples_per_prompt} samples = {responses} responses"
             f", {train.mini_batches_per_step} mini-batch(es) x {train.ppo_epochs} epoch(s)"
             f", {per_rank} responses per rank per mini-batch",
-            f"# rollout: {rollout.engine} engines (tp {rollout.tp}, ep {rollout.ep}, dp {rollout.dp}), {rollout.placement}",
+            f"# rollout: {engine_layout(cfg.cluster, rollout).num_engines} {rollout.engine} engine(s) "
+            f"(tp {rollout.tp}, ep {rollout.ep}, dp {rollout.dp}), {rollout.placement}",
         ]
     )
 

@@ -10,6 +10,12 @@ tensor and view keeps pointing at the same storage, so Megatron's buffers,
 bucket views and optimizer shards stay valid, and the round trip is
 bit-identical. On CPU the same calls run (the "device" is host memory), which
 is what the tests pin.
+
+``offload(keep_params=True)`` frees only the gradient buffers and the
+optimizer's own storages (Adam moments, fp32 master copies), keeping the
+parameter buffers: weight sync can still read the parameters while the
+engines' weights come back. A later ``offload()`` frees the rest; ``reload``
+restores whatever was offloaded.
 """
 
 from __future__ import annotations
@@ -52,19 +58,24 @@ class StateOffloader:
 
     @property
     def offloaded(self) -> bool:
-        """Whether the state is currently in host memory."""
+        """Whether any state is currently in host memory."""
         return bool(self._saved)
 
-    def offload(self) -> None:
-        """Copy every state storage to host memory and free it on the device (no-op if already offloaded)."""
-        if self.offloaded:
-            return
+    def offload(self, *, keep_params: bool = False) -> None:
+        """Copy state storages to host memory and free them on the device; storages already offloaded are skipped.
+
+        ``keep_params``: keep the parameter buffers (and optimizer tensors sharing their storage) on the device.
+        """
+        params = _buffer_tensors(self._models, "param_data")
+        kept = {storage.data_ptr() for storage in _distinct_storages(params)} if keep_params else set()
         tensors = [
-            *_buffer_tensors(self._models, "param_data"),
+            *([] if keep_params else params),
             *_buffer_tensors(self._models, "grad_data"),
             *_optimizer_tensors(self._optimizer),
         ]
         for storage in _distinct_storages(tensors):
+            if storage.data_ptr() in kept:
+                continue
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
             host.untyped_storage().copy_(storage)
             storage.resize_(0)

@@ -177,9 +177,12 @@ class PolicyActor:
         """(Hugging Face name, full tensor) pairs of this rank's chunks; all ranks of a TP group iterate together."""
         return export_hf_weights(self.chunks, self.arch)
 
-    def offload(self) -> None:
-        """Move parameters, gradients and optimizer state to host memory (colocated rollout phase)."""
-        self._offloader.offload()
+    def offload(self, *, keep_params: bool = False) -> None:
+        """Move parameters, gradients and optimizer state to host memory (colocated rollout phase).
+
+        ``keep_params``: move only gradients and optimizer state (the parameters stay for a weight sync).
+        """
+        self._offloader.offload(keep_params=keep_params)
 
     def reload(self) -> None:
         """Bring the offloaded state back, bit-identical."""

@@ -5,7 +5,14 @@ anything expensive starts.
 """
 
 from megatron_rl.config.checks import Finding, check_recipe
-from megatron_rl.config.layout import TrainerLayout, describe_layout, layout_record, trainer_layout
+from megatron_rl.config.layout import (
+    EngineLayout,
+    TrainerLayout,
+    describe_layout,
+    engine_layout,
+    layout_record,
+    trainer_layout,
+)
 from megatron_rl.config.loading import RecipeError, load_recipe, recipe_to_yaml, validate_recipe_tree
 from megatron_rl.config.model_source import ModelSourceError, read_architecture
 from megatron_rl.config.schema import (
@@ -27,6 +34,7 @@ __all__ = [
     "CheckpointConfig",
     "ClusterConfig",
     "DataConfig",
+    "EngineLayout",
     "Finding",
     "LoggingConfig",
     "ModelConfig",
@@ -40,6 +48,7 @@ __all__ = [
     "WeightSyncConfig",
     "check_recipe",
     "describe_layout",
+    "engine_layout",
     "layout_record",
     "load_recipe",
     "read_architecture",

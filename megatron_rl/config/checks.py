@@ -121,6 +121,23 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
     if cluster.gpus_per_node == 0:
         return
     engine_gpus = rollout.tp * rollout.dp
+    if engine_gpus > cluster.gpus_per_node:
+        yield _error(
+            "rollout.tp",
+            f"each engine takes rollout.tp ({rollout.tp}) x rollout.dp ({rollout.dp}) = {engine_gpus} GPUs, more than "
+            f"cluster.gpus_per_node ({cluster.gpus_per_node}): engines spanning nodes are not supported; lower "
+            f"rollout.tp or rollout.dp so that their product is at most {cluster.gpus_per_node} (more engines, "
+            "not larger ones)",
+        )
+        return
+    if cluster.gpus_per_node % engine_gpus:
+        yield _error(
+            "rollout.tp",
+            f"rollout.tp ({rollout.tp}) x rollout.dp ({rollout.dp}) = {engine_gpus} GPUs per engine does not divide "
+            f"cluster.gpus_per_node ({cluster.gpus_per_node}), so some engine would span two nodes; pick tp x dp "
+            f"dividing {cluster.gpus_per_node}",
+        )
+        return
     pool = rollout.num_gpus if rollout.placement == "disaggregated" else cluster.nodes * cluster.gpus_per_node
     if pool and pool % engine_gpus:
         yield _error(

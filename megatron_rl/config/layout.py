@@ -1,4 +1,4 @@
-"""The trainer's rank layout derived from a recipe: world size and data-parallel sizes."""
+"""Layouts derived from a recipe: the trainer's ranks and data-parallel sizes, the rollout engines' count and size."""
 
 from __future__ import annotations
 
@@ -40,6 +40,30 @@ def trainer_layout(parallel: ParallelConfig, cluster: ClusterConfig, rollout: Ro
     dp = world // model_parallel if world > 0 and world % model_parallel == 0 else 0
     expert_dp = world // expert_parallel if world > 0 and world % expert_parallel == 0 else 0
     return TrainerLayout(world_size=world, dp=dp, expert_dp=expert_dp)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Rollout engines of a run: how many, and the GPUs each takes (0 on CPU recipes).
+
+    GPU recipes: each engine takes ``rollout.tp * rollout.dp`` GPUs; the engines share
+    all GPUs of the job when colocated and take ``rollout.num_gpus`` of them when
+    disaggregated. CPU recipes run ``cluster.cpu_engines`` reference engines.
+    ``num_engines`` is 0 when the GPUs do not divide; :mod:`megatron_rl.config.checks` reports that.
+    """
+
+    num_engines: int
+    gpus_per_engine: int
+
+
+def engine_layout(cluster: ClusterConfig, rollout: RolloutConfig) -> EngineLayout:
+    """The :class:`EngineLayout` of a recipe's sections."""
+    if cluster.gpus_per_node == 0:
+        return EngineLayout(num_engines=cluster.cpu_engines, gpus_per_engine=0)
+    per_engine = rollout.tp * rollout.dp
+    total = cluster.nodes * cluster.gpus_per_node
+    pool = (rollout.num_gpus or 0) if rollout.placement == "disaggregated" else total
+    return EngineLayout(num_engines=pool // per_engine if pool % per_engine == 0 else 0, gpus_per_engine=per_engine)
 
 
 def layout_record(parallel: ParallelConfig, cluster: ClusterConfig, rollout: RolloutConfig) -> dict[str, int]:

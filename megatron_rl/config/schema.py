@@ -253,6 +253,9 @@ class ClusterConfig(Section):
     nodes: PositiveInt = Field(1, description="Nodes in the allocation.")
     gpus_per_node: int = Field(8, ge=0, description="GPUs per node; 0 runs on CPU.")
     cpu_trainer_ranks: PositiveInt = Field(1, description="Trainer ranks when gpus_per_node is 0.")
+    cpu_engines: PositiveInt = Field(
+        1, description="Rollout engines (reference engine processes) when gpus_per_node is 0."
+    )
 
 
 class LoggingConfig(Section):

@@ -2,10 +2,16 @@
 
 Per step: generate (score, shape, filter) -> old (and reference) log-probs ->
 advantages -> train -> weight sync -> periodic validation -> metrics -> periodic
-checkpoint. The reference engine runs beside the trainer ranks and holds the weights
-of the last sync, so generation always uses the current policy. A step's metrics are
-written before its checkpoint, so a run killed after the commit has them all; the
-checkpoint's own wall time is in the next step's record (``time/checkpoint_s``).
+checkpoint. The engines hold the weights of the last sync, so generation always
+uses the current policy. A step's metrics are written before its checkpoint, so a
+run killed after the commit has them all; the checkpoint's own wall time is in the
+next step's record (``time/checkpoint_s``). With colocated engines the run's
+hand-over (:mod:`memory_handover`) moves memory between the phases: engines
+release theirs after generation and the actor reloads; after training the actor
+offloads its optimizer state, engines resume weights, the sync runs, the actor
+offloads its parameters and engines resume their KV cache before validation.
+A checkpoint reloads the actor the same way; the next step (or validation) re-syncs
+before generating. Each move is timed as ``time/<move>_s``.
 
 Checkpoints (under ``cfg.checkpoint_dir``) are written into a staging directory
 and committed by rename with ``latest`` written last: trainer state (step,
@@ -100,6 +106,7 @@ def train(cfg: RunConfig) -> Path:
             checkpoint_seconds = {}
             if should_checkpoint(cfg.checkpoint, cfg.train, step):
                 started = time.perf_counter()
+                run.hand_over.to_training()  # the engines get the weights back at the next to_rollout
                 save_checkpoint(run, step)
                 checkpoint_seconds = {"time/checkpoint_s": time.perf_counter() - started}
     finally:
@@ -110,8 +117,10 @@ def train(cfg: RunConfig) -> Path:
 def train_one_step(run: RunResources, step: int) -> dict[str, float]:
     """Generate, train, sync weights, and validate when due; the step's metrics."""
     cfg, timer, started = run.cfg, PhaseTimer(), time.perf_counter()
+    run.hand_over.to_rollout(timer)
     with timer("generate"):
         rollout = run.rollout.generate_step()
+    run.hand_over.to_training(timer)
     advantages = group_advantages(rollout.groups, norm_by_std=cfg.algorithm.norm_adv_by_std)
     batch = assemble_actor_batch(rollout.groups, advantages, pad_token_id=run.data.tokenizer.pad_token_id or 0)
     with timer("old_log_probs"):
@@ -121,8 +130,8 @@ def train_one_step(run: RunResources, step: int) -> dict[str, float]:
             batch = batch.replace(ref_log_probs=run.trainers.call("compute_ref_log_probs", batch)[0])
     with timer("train"):
         actor_metrics = run.trainers.call("train_step", batch)[0]
-    with timer("weight_sync"):
-        run.trainers.call("sync_weights", step)
+    run.hand_over.sync_weights(step, timer)
+    run.hand_over.to_rollout(timer)
     metrics = rollout.metrics | rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
     metrics |= {f"actor/{name}": value for name, value in actor_metrics.items()}
     if should_validate(cfg.train, step):
@@ -136,10 +145,11 @@ def train_one_step(run: RunResources, step: int) -> dict[str, float]:
 def validate(run: RunResources) -> dict[str, float]:
     """Rewards of the validation set under the current weights (``val/reward_mean``, ``val/accuracy``, ...).
 
-    Empty when the recipe has no validation data.
+    Empty when the recipe has no validation data. Engines are made ready to generate first.
     """
     if run.validation is None:
         return {}
+    run.hand_over.to_rollout()
     groups = run.validation.generate_step().groups
     return rollout_metrics(groups, max_response_length=run.cfg.rollout.max_response_length, prefix="val")
 

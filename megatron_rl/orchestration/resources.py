@@ -5,13 +5,20 @@ all of them down (engines and Ray included) even when a block in between failed.
 The initial weights are one Hugging Face checkpoint both sides load, so trainer and
 engines start identical: ``model.path``, or for ``model.random_init`` a checkpoint
 written once into ``<run_dir>/initial_hf`` (seeded by ``train.seed``).
+
+Placement (:mod:`run_placement`): one placement group holds every trainer rank and
+engine. Engines are hosted by Ray actors on their bundles (:mod:`engine_host`), on
+GPU recipes SGLang (or the reference engine), on CPU recipes ``cluster.cpu_engines``
+reference engines; the driver and the trainer ranks reach them over HTTP. Colocated
+runs start with the engines holding their initial weights but no KV cache, and the
+actor resident; :class:`~megatron_rl.orchestration.memory_handover.ColocatedHandOver`
+moves memory from there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,19 +28,19 @@ import transformers
 from ray.util.placement_group import PlacementGroup
 
 import megatron_rl
-from megatron_rl.config import RunConfig, trainer_layout
+from megatron_rl.config import RunConfig
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
-from megatron_rl.orchestration.placement import create_rank_slots
+from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts, EngineSpec
+from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
+from megatron_rl.orchestration.placement import RankSlot, create_rank_slots
+from megatron_rl.orchestration.run_placement import RunPlacementPlan, engine_gpu_ids, plan_run_placement
 from megatron_rl.orchestration.trainer_worker import TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
-from megatron_rl.rollout import ReferenceEngine, RolloutEngine
+from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.manager import RolloutManager
-
-CPU_RANK_NUM_CPUS = 0.5
-"""Ray CPUs reserved per CPU trainer rank (a scheduling token: the ranks share the machine's cores)."""
 
 
 @dataclass
@@ -43,9 +50,11 @@ class RunResources:
     cfg: RunConfig
     data: PreparedData
     hf_dir: Path
+    placement: PlacementGroup | None = None
+    engine_hosts: EngineHosts | None = None
     engines: list[RolloutEngine] = field(default_factory=list)
     trainers: RankWorkerGroup | None = None
-    placement: PlacementGroup | None = None
+    hand_over: HandOver | None = None
     rollout: RolloutManager | None = None
     validation: RolloutManager | None = None
     logger: MetricLogger | None = None
@@ -54,7 +63,7 @@ class RunResources:
         """Stop sinks, managers, trainer ranks, engines and Ray (local Ray stops; a cluster is left)."""
         closers = [part.close for part in (self.logger, self.rollout, self.validation) if part is not None]
         closers += [self._close_trainers] if self.trainers is not None else []
-        closers += [engine.shutdown for engine in self.engines]
+        closers += [self.engine_hosts.close] if self.engine_hosts is not None else []
         if self.placement is not None:
             closers.append(lambda: ray.util.remove_placement_group(self.placement))
         closers.append(ray.shutdown)
@@ -74,8 +83,6 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
     ``resume_step`` is the step the run continues after (-1 for a fresh run); metric records
     logged after it are dropped. The caller must :meth:`~RunResources.close` the result.
     """
-    if cfg.rollout.engine != "reference":
-        raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: the driver launches only the reference engine so far")
     data = prepare_data(
         cfg.data,
         tokenizer_path=cfg.model.tokenizer or cfg.model.path,
@@ -86,8 +93,19 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
     run = RunResources(cfg, data, initial_weights(cfg, data.tokenizer))
     try:
         start_ray(cfg)
-        run.engines = start_reference_engines(cfg, run.hf_dir)
-        run.placement, run.trainers = start_trainers(cfg, run.hf_dir, run.engines)
+        plan = plan_run_placement(cfg)
+        bundle = plan.bundle
+        run.placement, slots = create_rank_slots(
+            plan.num_bundles, num_gpus=bundle.num_gpus, num_cpus=bundle.num_cpus, name=cfg.name
+        )
+        run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan)
+        run.engines = list(run.engine_hosts.clients)
+        colocated = cfg.rollout.placement == "colocated"
+        if colocated:
+            release_engine_caches(run.engines)
+        trainer_slots = [slots[position] for position in plan.trainer_positions]
+        run.trainers = start_trainers(cfg, run.hf_dir, run.placement, trainer_slots, plan, run.engine_hosts.addresses)
+        run.hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
         run.rollout = build_rollout_manager(cfg, data, run.engines)
         run.validation = build_validation_manager(cfg, data, run.engines)
         run.logger = build_metric_logger(
@@ -151,65 +169,57 @@ def start_ray(cfg: RunConfig) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _routed_experts_shape(cfg: RunConfig, hf_dir: Path) -> tuple[int, int] | None:
+    if not cfg.algorithm.routing_replay:
+        return None
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    return config.num_hidden_layers, config.num_experts_per_tok
 
 
-def start_reference_engines(cfg: RunConfig, hf_dir: Path) -> list[RolloutEngine]:
-    """One reference engine process on this machine, loading ``hf_dir``; healthy on return."""
-    routed_experts_shape = None
-    if cfg.algorithm.routing_replay:
-        config = transformers.AutoConfig.from_pretrained(hf_dir)
-        routed_experts_shape = (config.num_hidden_layers, config.num_experts_per_tok)
-    engine = ReferenceEngine(
-        "ref0",
-        hf_dir,
-        _free_port(),
-        log_dir=cfg.log_dir,
-        seed=cfg.train.seed,
-        max_concurrent_requests=cfg.rollout.max_concurrent_requests,
-        request_timeout_s=cfg.rollout.request_timeout_s,
-        routed_experts_shape=routed_experts_shape,
-    )
-    engine.start()
-    try:
-        engine.wait_healthy(cfg.rollout.startup_timeout_s)
-    except BaseException:
-        engine.shutdown()
-        raise
-    return [engine]
+def start_engines(
+    cfg: RunConfig, hf_dir: Path, placement: PlacementGroup, slots: list[RankSlot], plan: RunPlacementPlan
+) -> EngineHosts:
+    """One engine per ``plan.engine_positions`` entry, on the GPUs of its bundles, loading ``hf_dir``; healthy on return."""
+    specs, host_bundles = [], []
+    routed_experts_shape = _routed_experts_shape(cfg, hf_dir)
+    for index, positions in enumerate(plan.engine_positions):
+        engine_slots = [slots[position] for position in positions]
+        specs.append(
+            EngineSpec(
+                name=f"{cfg.rollout.engine}{index}",
+                kind=cfg.rollout.engine,
+                model_path=str(hf_dir.resolve()),
+                log_dir=str(Path(cfg.log_dir).resolve()),
+                rollout=cfg.rollout,
+                seed=cfg.train.seed + index,
+                gpu_ids=engine_gpu_ids(engine_slots) if cfg.cluster.gpus_per_node else (),
+                routing_replay=cfg.algorithm.routing_replay,
+                routed_experts_shape=routed_experts_shape,
+            )
+        )
+        host_bundles.append(engine_slots[0].bundle_index)
+    return EngineHosts(specs, placement, host_bundles, plan.engine_host)
 
 
 def start_trainers(
-    cfg: RunConfig, hf_dir: Path, engines: list[RolloutEngine]
-) -> tuple[PlacementGroup, RankWorkerGroup]:
-    """One Ray actor per trainer rank (a GPU each, or a fraction of a CPU on CPU recipes), actors built."""
-    world = trainer_layout(cfg.parallel, cfg.cluster, cfg.rollout).world_size
+    cfg: RunConfig,
+    hf_dir: Path,
+    placement: PlacementGroup,
+    slots: list[RankSlot],
+    plan: RunPlacementPlan,
+    engines: list[EngineAddress],
+) -> RankWorkerGroup:
+    """One Ray actor per trainer rank on ``slots`` (with the plan's share of each bundle), actors built."""
     on_cpu = cfg.cluster.gpus_per_node == 0
-    num_gpus, num_cpus = (0.0, CPU_RANK_NUM_CPUS) if on_cpu else (1.0, 1.0)
-    placement, slots = create_rank_slots(world, num_gpus=num_gpus, num_cpus=num_cpus, name=f"{cfg.name}-trainer")
-    addresses = [(e.name, *_host_port(e)) for e in engines]
-    try:
-        group = RankWorkerGroup(
-            TrainerWorker,
-            placement,
-            slots,
-            num_gpus=num_gpus,
-            num_cpus=num_cpus,
-            args=(cfg, str(hf_dir), addresses),
-            env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
-        )
-    except BaseException:
-        ray.util.remove_placement_group(placement)
-        raise
-    return placement, group
-
-
-def _host_port(engine: RolloutEngine) -> tuple[str, int]:
-    host, port = engine.base_url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
+    return RankWorkerGroup(
+        TrainerWorker,
+        placement,
+        slots,
+        num_gpus=plan.trainer.num_gpus,
+        num_cpus=plan.trainer.num_cpus,
+        args=(cfg, str(hf_dir), engines),
+        env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
+    )
 
 
 def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine]) -> RolloutManager:

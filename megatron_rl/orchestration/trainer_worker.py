@@ -21,15 +21,13 @@ from megatron_rl.checkpoint.megatron_state import load_megatron_state, save_mega
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.models.hf_export import write_hf_model_dir
+from megatron_rl.orchestration.engine_host import EngineAddress
 from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
 from megatron_rl.rollout import HttpEngine
 from megatron_rl.weight_sync.syncer import WeightSyncer, build_syncer
 
 _TRACKER_STATES = "megatron_rng_tracker"
 """Key of Megatron's model-parallel generator states among a rank's saved generator states."""
-
-EngineAddress = tuple[str, str, int]
-"""(name, host, port) of a running rollout engine."""
 
 
 class TrainerWorker:
@@ -53,7 +51,10 @@ class TrainerWorker:
             hf_weights=hf_dir,
         )
         clients = [HttpEngine(name, host, port) for name, host, port in engines]
-        self._syncer: WeightSyncer = build_syncer(cfg.weight_sync, cfg.rollout.placement, clients)
+        tp_ranks = cfg.rollout.tp if cfg.rollout.engine == "sglang" else 1  # the reference engine is one process
+        self._syncer: WeightSyncer = build_syncer(
+            cfg.weight_sync, cfg.rollout.placement, clients, engine_world_sizes=[tp_ranks] * len(clients)
+        )
         self._rank = dist.get_rank()
         self._hf_dir = hf_dir
 
@@ -71,6 +72,17 @@ class TrainerWorker:
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on ``batch``; the actor's metrics (the same on every rank)."""
         return self.actor.train_step(batch)
+
+    def offload(self, keep_params: bool = False) -> None:
+        """Move this rank's actor state to host memory while colocated engines use the device (bit-exact).
+
+        ``keep_params``: only gradients and optimizer state; the parameters stay for a weight sync.
+        """
+        self.actor.offload(keep_params=keep_params)
+
+    def reload(self) -> None:
+        """Bring back what :meth:`offload` moved, bit for bit."""
+        self.actor.reload()
 
     def sync_weights(self, version: int) -> float:
         """Deliver the current weights to every engine as ``version``; seconds it took on this rank."""

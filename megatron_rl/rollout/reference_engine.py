@@ -32,7 +32,8 @@ def build_reference_command(
 class ReferenceEngine(HttpEngine):
     """A reference server process on ``host:port`` (see :mod:`megatron_rl.rollout.reference_server`).
 
-    ``routed_experts_shape`` = (num_hidden_layers, num_experts_per_tok) decodes routing in results.
+    ``routed_experts_shape`` = (num_hidden_layers, num_experts_per_tok) decodes routing in results;
+    ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class ReferenceEngine(HttpEngine):
         max_concurrent_requests: int = 64,
         request_timeout_s: float = 600.0,
         routed_experts_shape: tuple[int, int] | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         command = build_reference_command(
             model_path, port, host=host, load_format=load_format, dtype=dtype, device=device, seed=seed
@@ -58,7 +60,7 @@ class ReferenceEngine(HttpEngine):
             name,
             host,
             port,
-            process=ServerProcess(command, Path(log_dir) / f"{name}.log"),
+            process=ServerProcess(command, Path(log_dir) / f"{name}.log", die_with_parent=die_with_parent),
             max_concurrent_requests=max_concurrent_requests,
             request_timeout_s=request_timeout_s,
             routed_experts_shape=routed_experts_shape,

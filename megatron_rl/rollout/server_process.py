@@ -2,27 +2,49 @@
 
 The process runs in its own session (so :meth:`ServerProcess.stop` can end
 its whole process tree, e.g. SGLang's scheduler children) with stdout and
-stderr appended to a log file; errors quote the log's tail.
+stderr appended to a log file; errors quote the log's tail. With
+``die_with_parent`` (Linux) the kernel sends it SIGKILL when the thread that
+started it ends, e.g. when its Ray actor is killed, so an engine never outlives
+its host (SGLang's own children follow their parent the same way).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 LOG_TAIL_CHARS = 2000
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _kill_when_parent_dies() -> None:
+    """In the child before exec: ask the kernel for SIGKILL when the parent (thread) ends."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class ServerProcess:
     """A server subprocess: ``start()``, ``exit_code`` (None while running), ``log_tail()``, ``stop()``."""
 
-    def __init__(self, command: Sequence[str], log_path: str | Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        log_path: str | Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        die_with_parent: bool = False,
+    ) -> None:
+        if die_with_parent and _LIBC is None:
+            raise RuntimeError(f"die_with_parent needs Linux (prctl PR_SET_PDEATHSIG); this is {sys.platform}")
         self.command = list(command)
         self.log_path = Path(log_path)
         self.env = dict(env) if env is not None else None
+        self.die_with_parent = die_with_parent
         self._process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -38,6 +60,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env} if self.env is not None else None,
                 start_new_session=True,
+                preexec_fn=_kill_when_parent_dies if self.die_with_parent else None,
             )
 
     @property

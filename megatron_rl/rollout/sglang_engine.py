@@ -97,7 +97,10 @@ def build_sglang_command(
 
 
 class SGLangEngine(HttpEngine):
-    """An SGLang server process driven over its HTTP API (see :class:`HttpEngine`)."""
+    """An SGLang server process driven over its HTTP API (see :class:`HttpEngine`).
+
+    ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
+    """
 
     def __init__(
         self,
@@ -110,13 +113,14 @@ class SGLangEngine(HttpEngine):
         routing_replay: bool = False,
         routed_experts_shape: tuple[int, int] | None = None,
         seed: int = 0,
+        die_with_parent: bool = False,
     ) -> None:
         command = build_sglang_command(config, placement, model_path, routing_replay=routing_replay, seed=seed)
         super().__init__(
             name,
             placement.host,
             placement.port,
-            process=ServerProcess(command, Path(log_dir) / f"{name}.log"),
+            process=ServerProcess(command, Path(log_dir) / f"{name}.log", die_with_parent=die_with_parent),
             max_concurrent_requests=config.max_concurrent_requests,
             request_timeout_s=config.request_timeout_s,
             routed_experts_shape=routed_experts_shape if routing_replay else None,

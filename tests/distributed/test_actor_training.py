@@ -63,6 +63,18 @@ def _training_rank(rank, world_size, hf_dir, batch):
     result["step2"] = actor.train_step(batch)
 
     saved = _state_tensors(actor)
+    param_bytes = sum(p.untyped_storage().nbytes() for m in actor.models for p in m.parameters())
+    actor.offload(keep_params=True)  # the weight-sync stage: gradients and optimizer state only
+    result["params_kept"] = param_bytes == sum(
+        p.untyped_storage().nbytes() for m in actor.models for p in m.parameters()
+    )
+    result["moments_left"] = sum(
+        v.untyped_storage().nbytes()
+        for optimizer in actor.optimizer.optimizer.chained_optimizers
+        for values in optimizer.optimizer.state.values()
+        for v in values.values()
+        if isinstance(v, torch.Tensor)
+    )
     actor.offload()
     result["freed_bytes_left"] = sum(p.untyped_storage().nbytes() for m in actor.models for p in m.parameters())
     actor.reload()
@@ -136,6 +148,7 @@ def test_kl_to_reference_uses_the_initial_weights(training_run):
 def test_offload_reload_round_trip_is_bit_identical(training_run):
     _, _, ranks = training_run
     for rank in ranks:
+        assert rank["params_kept"] and rank["moments_left"] == 0
         assert rank["freed_bytes_left"] == 0
         assert rank["identical_after_reload"]
         assert torch.isfinite(torch.tensor(rank["step3"]["loss"]))

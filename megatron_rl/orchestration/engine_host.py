@@ -1,0 +1,250 @@
+"""Rollout engines hosted by Ray actors, one actor per engine, on the node whose GPUs the engine uses.
+
+An :class:`EngineHost` actor sits on the first placement-group bundle of its
+engine. :meth:`EngineHost.start` picks free ports on its own node, builds the
+engine from an :class:`EngineSpec` (SGLang, or our reference server), starts it,
+waits until it is healthy and returns its address; the driver then talks to it
+over HTTP (:class:`~megatron_rl.rollout.HttpEngine`). The server process is
+started with ``die_with_parent``: when the actor dies (killed, node lost, driver
+gone) the kernel kills the engine, so it never outlives its host.
+
+GPUs: the host actor is started with Ray's ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``,
+so it (and the engine it launches) sees the node's devices, not just the
+fraction of one GPU Ray gave the actor. The engine's GPU ids are the ones Ray
+assigned to its bundles (in the namespace of the node's own ``CUDA_VISIBLE_DEVICES``,
+as ``ray.get_gpu_ids()`` reports them); SGLang's ``--base-gpu-id`` indexes the
+visible devices, so :func:`first_visible_index` maps the ids to that index
+(slime maps the same way) and checks that they are consecutive there, since
+SGLang takes ``base_gpu_id .. base_gpu_id + tp*dp - 1``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megatron_rl.orchestration.run_placement import ActorResources
+from megatron_rl.rollout import EngineStartupError, HttpEngine, ReferenceEngine, SGLangEngine, SGLangPlacement
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import RolloutConfig
+
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+SHUTDOWN_TIMEOUT_S = 30.0
+
+EngineAddress = tuple[str, str, int]
+"""(name, host, port) of a running rollout engine."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one host launches: the engine's kind, model, GPUs and start-up limits.
+
+    ``gpu_ids``: the GPU ids Ray assigned to the engine's bundles, in order (empty on CPU).
+    ``routed_experts_shape``: (num_layers, top_k) when routing replay is on, else None.
+    """
+
+    name: str
+    kind: Literal["sglang", "reference"]
+    model_path: str
+    log_dir: str
+    rollout: RolloutConfig
+    seed: int
+    gpu_ids: tuple[str, ...] = ()
+    routing_replay: bool = False
+    routed_experts_shape: tuple[int, int] | None = None
+
+
+def first_visible_index(gpu_ids: Sequence[str], visible_devices: str | None) -> int:
+    """Index of ``gpu_ids[0]`` among the visible devices, the ids consecutive there (SGLang's ``base_gpu_id``).
+
+    ``visible_devices``: the process's ``CUDA_VISIBLE_DEVICES`` (None or empty: every device, ids are indices).
+    Raises ValueError for no ids, an id that is not visible, or ids that are not consecutive.
+    """
+    if not gpu_ids:
+        raise ValueError("an engine on GPUs needs at least one GPU id")
+    visible = [d.strip() for d in visible_devices.split(",") if d.strip()] if visible_devices else None
+    ids = [str(gpu).strip() for gpu in gpu_ids]
+    if visible is None:
+        if not all(gpu.isdigit() for gpu in ids):
+            raise ValueError(f"GPU ids {ids} are not device indices and CUDA_VISIBLE_DEVICES is unset")
+        indices = [int(gpu) for gpu in ids]
+    else:
+        missing = [gpu for gpu in ids if gpu not in visible]
+        if missing:
+            raise ValueError(f"GPU ids {missing} are not in CUDA_VISIBLE_DEVICES={visible_devices!r}")
+        indices = [visible.index(gpu) for gpu in ids]
+    if indices != list(range(indices[0], indices[0] + len(indices))):
+        raise ValueError(
+            f"the engine's GPUs {ids} sit at visible indices {indices}; SGLang needs consecutive devices "
+            "(base_gpu_id .. base_gpu_id + tp*dp - 1)"
+        )
+    return indices[0]
+
+
+def sglang_placement(
+    gpu_ids: Sequence[str], visible_devices: str | None, *, host: str, port: int, nccl_port: int
+) -> SGLangPlacement:
+    """The :class:`SGLangPlacement` of an engine on ``gpu_ids`` of one node, serving on ``host:port``."""
+    return SGLangPlacement(
+        base_gpu_id=first_visible_index(gpu_ids, visible_devices), port=port, nccl_port=nccl_port, host=host
+    )
+
+
+def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visible_devices: str | None) -> HttpEngine:
+    """The engine ``spec`` names, bound to ``host:port``, not started; its server dies with the caller's thread."""
+    if spec.kind == "sglang":
+        placement = sglang_placement(spec.gpu_ids, visible_devices, host=host, port=port, nccl_port=nccl_port)
+        return SGLangEngine(
+            spec.name,
+            spec.rollout,
+            placement,
+            spec.model_path,
+            log_dir=spec.log_dir,
+            routing_replay=spec.routing_replay,
+            routed_experts_shape=spec.routed_experts_shape,
+            seed=spec.seed,
+            die_with_parent=True,
+        )
+    device = f"cuda:{first_visible_index(spec.gpu_ids, visible_devices)}" if spec.gpu_ids else "cpu"
+    return ReferenceEngine(
+        spec.name,
+        spec.model_path,
+        port,
+        log_dir=spec.log_dir,
+        host=host,
+        device=device,
+        seed=spec.seed,
+        max_concurrent_requests=spec.rollout.max_concurrent_requests,
+        request_timeout_s=spec.rollout.request_timeout_s,
+        routed_experts_shape=spec.routed_experts_shape,
+        die_with_parent=True,
+    )
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on this node at the time of the call."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class EngineHost:
+    """Runs one engine on this node (a Ray actor: see :class:`EngineHosts`)."""
+
+    def __init__(self) -> None:
+        self._engine: HttpEngine | None = None
+
+    def start(self, spec: EngineSpec) -> EngineAddress:
+        """Launch ``spec``'s engine on this node and wait until it is healthy; its (name, host, port).
+
+        Raises EngineStartupError (exit code and log tail) when it exits or is not healthy within
+        ``rollout.startup_timeout_s``; the process is stopped then.
+        """
+        host = ray.util.get_node_ip_address()
+        port, nccl_port = free_ports(2)
+        engine = build_engine(
+            spec, host=host, port=port, nccl_port=nccl_port, visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
+        self._engine = engine
+        engine.start()
+        try:
+            engine.wait_healthy(spec.rollout.startup_timeout_s)
+        except BaseException:
+            engine.shutdown()
+            raise
+        return spec.name, host, port
+
+    def pid(self) -> int | None:
+        """Process id of the engine server (None before start)."""
+        return None if self._engine is None or self._engine.process is None else self._engine.process.pid
+
+    def shutdown(self) -> None:
+        """Stop the engine process (SIGTERM, then SIGKILL); safe to call twice."""
+        if self._engine is not None:
+            self._engine.shutdown()
+
+
+RemoteEngineHost = ray.remote(EngineHost)
+
+
+class EngineHosts:
+    """One :class:`EngineHost` actor per spec, each on the first of its bundles, engines healthy on return.
+
+    ``clients`` are HTTP clients of the engines in spec order. Start-up failures raise
+    EngineStartupError naming the engine (after stopping every host); :meth:`close` stops them all.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[EngineSpec],
+        placement: PlacementGroup,
+        bundle_indices: Sequence[int],
+        resources: ActorResources,
+    ) -> None:
+        if len(specs) != len(bundle_indices):
+            raise ValueError(f"{len(specs)} engine specs for {len(bundle_indices)} bundles")
+        self._specs = list(specs)
+        self._hosts = [
+            RemoteEngineHost.options(
+                num_gpus=resources.num_gpus,
+                num_cpus=resources.num_cpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, index),
+                runtime_env={"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}},
+            ).remote()
+            for index in bundle_indices
+        ]
+        try:
+            self.addresses: list[EngineAddress] = self._gather(
+                [h.start.remote(s) for h, s in zip(self._hosts, specs, strict=True)]
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.clients = [
+            HttpEngine(
+                name,
+                host,
+                port,
+                max_concurrent_requests=spec.rollout.max_concurrent_requests,
+                request_timeout_s=spec.rollout.request_timeout_s,
+                routed_experts_shape=spec.routed_experts_shape,
+            )
+            for (name, host, port), spec in zip(self.addresses, specs, strict=True)
+        ]
+
+    def _gather(self, refs: list[ray.ObjectRef]) -> list[EngineAddress]:
+        addresses = []
+        for spec, ref in zip(self._specs, refs, strict=True):
+            try:
+                addresses.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as error:
+                cause = error.cause if isinstance(error.cause, Exception) else error
+                raise EngineStartupError(f"engine {spec.name} failed to start: {cause}") from error
+            except ray.exceptions.RayActorError as error:
+                raise EngineStartupError(f"the host actor of engine {spec.name} died: {error}") from error
+        return addresses
+
+    def pids(self) -> list[int | None]:
+        """Process ids of the engine servers, in spec order."""
+        return ray.get([host.pid.remote() for host in self._hosts])
+
+    def close(self) -> None:
+        """Stop every engine, then end its host actor (an engine whose stop fails dies with its actor)."""
+        stops = [host.shutdown.remote() for host in self._hosts]
+        ray.wait(stops, num_returns=len(stops), timeout=SHUTDOWN_TIMEOUT_S)
+        for host in self._hosts:
+            ray.kill(host)
+        self._hosts = []

@@ -1,0 +1,113 @@
+"""Where a run's trainer ranks and rollout engines go: one placement group, a plan over its bundles.
+
+:func:`plan_run_placement` is pure (recipe in, plan out); :func:`reserve_run_placement`
+reserves the bundles on Ray and resolves the plan's positions to bundles.
+
+Bundles are identical and, once reserved, sorted by (node IP, GPU ids) (see
+:func:`~megatron_rl.orchestration.placement.create_rank_slots`); the plan names
+positions in that order, so what shares a node is contiguous:
+
+- GPU, colocated: one ``{GPU: 1, CPU: 1}`` bundle per GPU of the job. Trainer rank
+  ``r`` takes a share of bundle ``r``; engine ``e`` uses the GPUs of bundles
+  ``e*k .. e*k+k-1`` (``k = rollout.tp * rollout.dp``) and its host actor takes a
+  smaller share of the first of them (slime shares bundles the same way).
+- GPU, disaggregated: the same bundles; the trainer ranks take the first
+  ``world_size`` whole, the engines group the rest ``k`` at a time.
+- CPU: one ``{CPU: 0.5}`` bundle per trainer rank, then one per engine (there is
+  no device to share; ``colocated`` still selects the memory hand-over and the
+  tensor transport).
+
+Validation (:mod:`megatron_rl.config.checks`) guarantees that ``k`` divides the GPUs
+per node and the engines' GPU count (hence the trainer's too), so no engine's bundles
+span two nodes;
+:func:`engine_gpu_ids` re-checks it on the bundles Ray actually gave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_rl.config import RunConfig, engine_layout, trainer_layout
+from megatron_rl.orchestration.placement import RankSlot
+
+CPU_BUNDLE_CPUS = 0.5
+"""Ray CPUs per bundle on CPU recipes (a scheduling token: the processes share the machine's cores)."""
+COLOCATED_TRAINER_SHARE = 0.5
+"""Share of a colocated bundle's GPU and CPU a trainer rank's actor takes."""
+ENGINE_HOST_SHARE = 0.25
+"""Share of its first bundle's GPU and CPU an engine host actor takes (GPU recipes)."""
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    """The Ray resources one actor asks of its bundle."""
+
+    num_gpus: float
+    num_cpus: float
+
+
+@dataclass(frozen=True)
+class RunPlacementPlan:
+    """Bundles to reserve and, as positions in their sorted order, where each trainer rank and engine goes."""
+
+    num_bundles: int
+    bundle: ActorResources
+    trainer_positions: tuple[int, ...]
+    engine_positions: tuple[tuple[int, ...], ...]
+    trainer: ActorResources
+    engine_host: ActorResources
+
+
+def plan_run_placement(cfg: RunConfig) -> RunPlacementPlan:
+    """The placement of ``cfg``'s trainer ranks and engines (see the module docstring).
+
+    Raises ValueError when the recipe's engine layout does not divide its GPUs (``validate`` reports it first).
+    """
+    world = trainer_layout(cfg.parallel, cfg.cluster, cfg.rollout).world_size
+    engines = engine_layout(cfg.cluster, cfg.rollout)
+    if engines.num_engines == 0:
+        raise ValueError(
+            f"rollout.tp x rollout.dp = {engines.gpus_per_engine} GPUs per engine does not divide the rollout GPUs; "
+            "run `megatron-rl validate` on the recipe"
+        )
+    if cfg.cluster.gpus_per_node == 0:
+        cpu = ActorResources(num_gpus=0.0, num_cpus=CPU_BUNDLE_CPUS)
+        return RunPlacementPlan(
+            num_bundles=world + engines.num_engines,
+            bundle=cpu,
+            trainer_positions=tuple(range(world)),
+            engine_positions=tuple((world + e,) for e in range(engines.num_engines)),
+            trainer=cpu,
+            engine_host=cpu,
+        )
+    total = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    colocated = cfg.rollout.placement == "colocated"
+    first_engine_gpu = 0 if colocated else world
+    size = engines.gpus_per_engine
+    share = COLOCATED_TRAINER_SHARE if colocated else 1.0
+    return RunPlacementPlan(
+        num_bundles=total,
+        bundle=ActorResources(num_gpus=1.0, num_cpus=1.0),
+        trainer_positions=tuple(range(world)),
+        engine_positions=tuple(
+            tuple(range(first_engine_gpu + e * size, first_engine_gpu + (e + 1) * size))
+            for e in range(engines.num_engines)
+        ),
+        trainer=ActorResources(num_gpus=share, num_cpus=share),
+        engine_host=ActorResources(num_gpus=ENGINE_HOST_SHARE, num_cpus=ENGINE_HOST_SHARE),
+    )
+
+
+def engine_gpu_ids(slots: Sequence[RankSlot]) -> tuple[str, ...]:
+    """The GPU ids Ray assigned to one engine's bundles, in bundle order; all on one node.
+
+    Raises ValueError when the bundles lie on several nodes (the engine cannot span them).
+    """
+    nodes = sorted({slot.node_ip for slot in slots})
+    if len(nodes) > 1:
+        raise ValueError(
+            f"an engine's {len(slots)} bundles landed on nodes {nodes}; engines spanning nodes are not supported "
+            "(rollout.tp x rollout.dp must divide cluster.gpus_per_node)"
+        )
+    return tuple(gpu for slot in slots for gpu in slot.gpu_ids)

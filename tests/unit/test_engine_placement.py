@@ -1,0 +1,131 @@
+"""Where engines go and what a host would launch, without Ray or SGLang: bundle plans, GPU ids, commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import RecipeError, load_recipe
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.orchestration.engine_host import EngineSpec, build_engine, first_visible_index
+from megatron_rl.orchestration.placement import RankSlot
+from megatron_rl.orchestration.run_placement import ActorResources, engine_gpu_ids, plan_run_placement
+from megatron_rl.rollout import ReferenceEngine, SGLangEngine
+from tests.hf_configs import QWEN3_30B_A3B
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+@pytest.fixture
+def qwen3_30b(tmp_path: Path) -> list[str]:
+    ckpt = tmp_path / "Qwen3-30B-A3B"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.touch(), val.touch()
+    return [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
+
+
+def _load(overrides: list[str], *more: str):
+    return load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", [*overrides, *more])[0]
+
+
+def test_colocated_engines_share_every_trainer_bundle(qwen3_30b: list[str]) -> None:
+    plan = plan_run_placement(_load(qwen3_30b))  # 4 nodes x 8 GPUs, engines tp 4
+    assert plan.num_bundles == 32 and plan.bundle == ActorResources(num_gpus=1.0, num_cpus=1.0)
+    assert plan.trainer_positions == tuple(range(32))
+    assert plan.engine_positions == tuple(tuple(range(4 * e, 4 * e + 4)) for e in range(8))
+    share = plan.trainer.num_gpus + plan.engine_host.num_gpus
+    assert 0 < share <= 1 and plan.trainer.num_cpus + plan.engine_host.num_cpus <= 1
+
+
+def test_disaggregated_engines_take_the_bundles_after_the_trainer(qwen3_30b: list[str]) -> None:
+    cfg = _load(qwen3_30b, "rollout.placement=disaggregated", "rollout.num_gpus=16")
+    plan = plan_run_placement(cfg)
+    assert plan.trainer_positions == tuple(range(16)) and plan.trainer == ActorResources(1.0, 1.0)
+    assert plan.engine_positions == tuple(tuple(range(16 + 4 * e, 20 + 4 * e)) for e in range(4))
+
+
+def test_cpu_recipe_gives_each_rank_and_engine_a_bundle() -> None:
+    cfg, _ = load_recipe(RECIPES / "tiny_moe_cpu_dapo.yaml", ["cluster.cpu_engines=2"])
+    plan = plan_run_placement(cfg)
+    assert plan.num_bundles == 4 and plan.bundle.num_gpus == 0
+    assert plan.trainer_positions == (0, 1) and plan.engine_positions == ((2,), (3,))
+
+
+def test_engine_spanning_nodes_is_refused_at_validate_time(qwen3_30b: list[str]) -> None:
+    with pytest.raises(RecipeError) as info:
+        _load(qwen3_30b, "rollout.tp=8", "rollout.dp=2")
+    assert any(
+        p.startswith(
+            "rollout.tp: each engine takes rollout.tp (8) x rollout.dp (2) = 16 GPUs, more than "
+            "cluster.gpus_per_node (8): engines spanning nodes are not supported"
+        )
+        for p in info.value.problems
+    )
+    with pytest.raises(RecipeError) as info:
+        _load(qwen3_30b, "rollout.tp=2", "rollout.dp=3")
+    assert any("6 GPUs per engine does not divide cluster.gpus_per_node (8)" in p for p in info.value.problems)
+
+
+def test_engine_bundles_on_two_nodes_are_refused() -> None:
+    slots = [RankSlot(0, "10.0.0.1", ("7",)), RankSlot(1, "10.0.0.2", ("0",))]
+    with pytest.raises(ValueError, match="spanning nodes are not supported"):
+        engine_gpu_ids(slots)
+    assert engine_gpu_ids([RankSlot(3, "10.0.0.1", ("2",)), RankSlot(4, "10.0.0.1", ("3",))]) == ("2", "3")
+
+
+@pytest.mark.parametrize(
+    ("gpu_ids", "visible", "index"),
+    [(("4", "5"), None, 4), (("4", "5"), "", 4), (("5", "6"), "4,5,6,7", 1), (("GPU-a",), "GPU-b,GPU-a", 1)],
+)
+def test_base_gpu_id_indexes_the_visible_devices(gpu_ids, visible, index) -> None:
+    assert first_visible_index(gpu_ids, visible) == index
+
+
+@pytest.mark.parametrize(
+    ("gpu_ids", "visible", "message"),
+    [
+        (("3",), "4,5", r"\['3'\] are not in CUDA_VISIBLE_DEVICES"),
+        (("4", "6"), "4,5,6", "consecutive"),
+        ((), None, "at least one"),
+    ],
+)
+def test_unusable_gpu_ids_are_named(gpu_ids, visible, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        first_visible_index(gpu_ids, visible)
+
+
+def _spec(kind: str, gpu_ids: tuple[str, ...], **rollout) -> EngineSpec:
+    config = RolloutConfig(engine=kind, **rollout)
+    return EngineSpec("e1", kind, "/models/qwen", "/logs", config, seed=7, gpu_ids=gpu_ids, routing_replay=True)
+
+
+def test_sglang_host_command_for_its_bundles() -> None:
+    spec = _spec("sglang", ("2", "3"), tp=2, ep=2, placement="colocated", mem_fraction=0.6)
+    engine = build_engine(spec, host="10.0.0.5", port=30001, nccl_port=30002, visible_devices="0,1,2,3,4,5,6,7")
+    assert isinstance(engine, SGLangEngine) and engine.base_url == "http://10.0.0.5:30001"
+    command = engine.process.command
+    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    assert flags["--base-gpu-id"] == "2" and flags["--port"] == "30001" and flags["--nccl-port"] == "30002"
+    assert flags["--host"] == "10.0.0.5" and flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.6"
+    assert {"--enable-memory-saver", "--disable-prefill-cuda-graph", "--enable-return-routed-experts"} <= set(command)
+    assert "--dist-init-addr" not in command and engine.process.die_with_parent
+
+    disaggregated = build_engine(
+        _spec("sglang", ("6",), placement="disaggregated"), host="h", port=1, nccl_port=2, visible_devices="4,5,6,7"
+    )
+    assert "--enable-memory-saver" not in disaggregated.process.command
+    assert disaggregated.process.command[disaggregated.process.command.index("--base-gpu-id") + 1] == "2"
+
+
+def test_reference_host_runs_on_cpu_or_its_first_gpu() -> None:
+    on_cpu = build_engine(_spec("reference", ()), host="h", port=5, nccl_port=6, visible_devices=None)
+    on_gpu = build_engine(_spec("reference", ("5",)), host="h", port=5, nccl_port=6, visible_devices="4,5")
+    assert isinstance(on_cpu, ReferenceEngine) and on_cpu.process.die_with_parent
+    for engine, device in ((on_cpu, "cpu"), (on_gpu, "cuda:1")):
+        command = engine.process.command
+        assert command[command.index("--device") + 1] == device and command[command.index("--host") + 1] == "h"
