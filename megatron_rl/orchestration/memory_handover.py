@@ -17,8 +17,8 @@ parameters cannot be read):
    and ``cuda_graph``.
 
 A checkpoint needs the trainer's state: the driver calls ``to_training`` before it and
-nothing after, so no work runs between the checkpoint's commit and the step's metrics; the
-next ``to_rollout`` re-syncs the last version first (``time/weight_resync_s``).
+nothing after; the next ``to_rollout`` re-syncs the last version first
+(``time/weight_resync_s``).
 
 Peaks: during a sync the parameters are held twice (actor and engines), as in verl;
 at start-up (see :func:`release_engine_caches`) the actor's whole state and the
