@@ -17,10 +17,15 @@ def _scheduler(steps: int) -> tuple[torch.optim.Optimizer, object]:
     return optimizer, build_scheduler(optimizer, train)
 
 
-def test_a_run_extended_on_resume_continues_its_count_and_decays_over_the_new_total() -> None:
-    _, saved = _scheduler(steps=10)
+def _saved_after_four_updates(steps: int) -> object:
+    _, scheduler = _scheduler(steps)
     for _ in range(4):
-        saved.step(increment=1)
+        scheduler.step(increment=1)
+    return scheduler
+
+
+def test_a_run_extended_on_resume_continues_its_count_and_decays_over_the_new_total() -> None:
+    saved = _saved_after_four_updates(steps=10)
     optimizer, resumed = _scheduler(steps=20)
     resumed.load_state_dict(saved.state_dict())
 
@@ -30,9 +35,7 @@ def test_a_run_extended_on_resume_continues_its_count_and_decays_over_the_new_to
 
 
 def test_an_unchanged_recipe_resumes_to_the_same_learning_rate() -> None:
-    _, saved = _scheduler(steps=10)
-    for _ in range(4):
-        saved.step(increment=1)
+    saved = _saved_after_four_updates(steps=10)
     optimizer, resumed = _scheduler(steps=10)
     resumed.load_state_dict(saved.state_dict())
     assert optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]

@@ -1,0 +1,91 @@
+"""DAPO vs Dr.GRPO vs GRPO on the tiny synthetic task, over several seeds: runs them and prints the report tables.
+
+Each (recipe, seed) is one ``megatron-rl train recipes/tiny_moe_cpu_<algorithm>.yaml
+train.seed=<seed> name=<algorithm>-seed<seed>`` run in ``runs/`` (a finished run is read, not
+rerun), so any single number in the report can be reproduced with that one command. Prints
+markdown: greedy validation reward by step (mean and min..max over seeds) and the training
+samples' length-bias diagnostics at the last step and the groups dynamic sampling dropped
+over the run (means over seeds).
+
+    python scripts/compare_algorithms.py --seeds 1234 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ALGORITHMS = {"DAPO": "dapo", "Dr.GRPO": "drgrpo", "GRPO": "grpo"}
+DIAGNOSTICS = {
+    "train accuracy": "train/accuracy",
+    "mean length": "train/response_length_mean",
+    "correct mean length": "train/length_correct_mean",
+    "wrong mean length": "train/length_wrong_mean",
+    "wrong / correct ratio": "train/length_wrong_over_correct",
+    "length-score correlation": "train/length_score_corr",
+}
+
+
+def run_name(algorithm: str, seed: int) -> str:
+    """The run's ``name`` (and directory under ``runs/``)."""
+    return f"{algorithm}-seed{seed}"
+
+
+def metrics(algorithm: str, seed: int) -> list[dict[str, float]]:
+    """The run's metric records; trains it first unless ``runs/<name>`` already finished."""
+    run_dir = ROOT / "runs" / run_name(algorithm, seed)
+    path = run_dir / "logs" / "metrics.jsonl"
+    recipe = ROOT / "recipes" / f"tiny_moe_cpu_{algorithm}.yaml"
+    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(recipe)]
+    command += [f"train.seed={seed}", f"name={run_name(algorithm, seed)}", "logging.sinks=[jsonl]"]
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)  # resumes or returns at once when done
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def spread(values: list[float]) -> str:
+    """``mean (min..max)`` with two decimals; a lone value alone."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ({min(values):.2f}..{max(values):.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
+    args = parser.parse_args()
+    records = {label: [metrics(algo, seed) for seed in args.seeds] for label, algo in ALGORITHMS.items()}
+
+    val_steps = sorted({r["step"] for runs in records.values() for r in runs[0] if "val/reward_mean" in r})
+    print(f"Greedy validation reward, mean (min..max) over seeds {args.seeds}:\n")
+    print("| step | " + " | ".join(ALGORITHMS) + " |")
+    print("| --- |" + " --- |" * len(ALGORITHMS))
+    for step in val_steps:
+        cells = []
+        for runs in records.values():
+            values = [r["val/reward_mean"] for run in runs for r in run if r["step"] == step and "val/reward_mean" in r]
+            cells.append(spread(values))
+        print(f"| {step} | " + " | ".join(cells) + " |")
+
+    print("\nTraining samples at the last step, mean over seeds:\n")
+    print("| | " + " | ".join(ALGORITHMS) + " |")
+    print("| --- |" + " --- |" * len(ALGORITHMS))
+    for label, key in DIAGNOSTICS.items():
+        cells = []
+        for runs in records.values():
+            values = [run[-1][key] for run in runs if run[-1].get(key) is not None]
+            cells.append(f"{statistics.mean(values):.2f}" if values else "n/a")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    dropped = [
+        statistics.mean(sum(r.get("rollout/groups_dropped", 0) for r in run) for run in runs)
+        for runs in records.values()
+    ]
+    print("| groups dropped, all steps | " + " | ".join(f"{value:.1f}" for value in dropped) + " |")
+
+
+if __name__ == "__main__":
+    main()
