@@ -4,7 +4,9 @@ An :class:`EngineHost` actor sits on the first placement-group bundle of its
 engine. :meth:`EngineHost.start` picks free ports on its own node, builds the
 engine from an :class:`EngineSpec` (SGLang, or our reference server), starts it,
 waits until it is healthy and returns its address; the driver then talks to it
-over HTTP (:class:`~megatron_rl.rollout.HttpEngine`). The server process is
+over HTTP (:class:`~megatron_rl.rollout.HttpEngine`); when the engine process dies, those
+clients' errors carry its exit code and log tail, which the host reads on the engine's
+node (:meth:`EngineHost.process_report`). The server process is
 started with ``die_with_parent``: when the actor dies (killed, node lost, driver
 gone) the kernel kills the engine, so it never outlives its host.
 
@@ -20,6 +22,7 @@ SGLang takes ``base_gpu_id .. base_gpu_id + tp*dp - 1``.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Sequence
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 SHUTDOWN_TIMEOUT_S = 30.0
+HOST_REPORT_TIMEOUT_S = 10.0
+"""Seconds a host actor has to report on its engine process, beyond the settle time asked for."""
 
 EngineAddress = tuple[str, str, int]
 """(name, host, port) of a running rollout engine."""
@@ -167,6 +172,10 @@ class EngineHost:
             raise
         return spec.name, host, port
 
+    def process_report(self, settle_s: float = 0.0) -> str:
+        """The engine's exit code and log tail once its process has ended (read on this node), else ''."""
+        return "" if self._engine is None else self._engine.process_report(settle_s)
+
     def pid(self) -> int | None:
         """Process id of the engine server (None before start)."""
         return None if self._engine is None or self._engine.process is None else self._engine.process.pid
@@ -180,11 +189,24 @@ class EngineHost:
 RemoteEngineHost = ray.remote(EngineHost)
 
 
+def host_process_report(host: ray.actor.ActorHandle, name: str, settle_s: float) -> str:
+    """``host``'s :meth:`EngineHost.process_report` for engine ``name``, or why the host cannot give it."""
+    timeout_s = settle_s + HOST_REPORT_TIMEOUT_S
+    try:
+        return ray.get(host.process_report.remote(settle_s), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        return f"; the host actor of engine {name} gave no process report within {timeout_s:.0f} s"
+    except ray.exceptions.RayActorError as error:
+        return f"; the host actor of engine {name} is gone, and its log with it unless its node is up: {error}"
+
+
 class EngineHosts:
     """One :class:`EngineHost` actor per spec, each on the first of its bundles, engines healthy on return.
 
-    ``clients`` are HTTP clients of the engines in spec order. Start-up failures raise
-    EngineStartupError naming the engine (after stopping every host); :meth:`close` stops them all.
+    ``clients`` are HTTP clients of the engines in spec order; when an engine's process has
+    died, their errors carry its exit code and log tail, read by its host on the engine's node.
+    Start-up failures raise EngineStartupError naming the engine (after stopping every host);
+    :meth:`close` stops them all.
     """
 
     def __init__(
@@ -218,11 +240,12 @@ class EngineHosts:
                 name,
                 host,
                 port,
+                remote_process_report=functools.partial(host_process_report, actor, name),
                 max_concurrent_requests=spec.rollout.max_concurrent_requests,
                 request_timeout_s=spec.rollout.request_timeout_s,
                 routed_experts_shape=spec.routed_experts_shape,
             )
-            for (name, host, port), spec in zip(self.addresses, specs, strict=True)
+            for (name, host, port), spec, actor in zip(self.addresses, specs, self._hosts, strict=True)
         ]
 
     def _gather(self, refs: list[ray.ObjectRef]) -> list[EngineAddress]:

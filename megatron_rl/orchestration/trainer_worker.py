@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import ray
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
@@ -37,6 +38,9 @@ class TrainerWorker:
         cfg: the run's recipe.
         hf_dir: Hugging Face checkpoint the actor starts from (config.json + safetensors).
         engines: addresses of the rollout engines weight sync delivers to.
+
+    Weight sync over broadcast groups hosts each sending rank's group on that rank's node IP
+    (Ray's address of the node), so engines on other nodes can join it.
     """
 
     def __init__(self, cfg: RunConfig, hf_dir: str, engines: Sequence[EngineAddress]) -> None:
@@ -53,7 +57,11 @@ class TrainerWorker:
         clients = [HttpEngine(name, host, port) for name, host, port in engines]
         tp_ranks = cfg.rollout.tp if cfg.rollout.engine == "sglang" else 1  # the reference engine is one process
         self._syncer: WeightSyncer = build_syncer(
-            cfg.weight_sync, cfg.rollout.placement, clients, engine_world_sizes=[tp_ranks] * len(clients)
+            cfg.weight_sync,
+            cfg.rollout.placement,
+            clients,
+            engine_world_sizes=[tp_ranks] * len(clients),
+            master_address=ray.util.get_node_ip_address(),
         )
         self._rank = dist.get_rank()
         self._hf_dir = hf_dir

@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_rl.rollout.engine import (
@@ -52,6 +52,8 @@ class HttpEngine(RolloutEngine):
     """An engine at ``http://host:port``, optionally launched and supervised from ``process``.
 
     ``routed_experts_shape`` = (num_layers, top_k) decodes routing replay buffers in results.
+    ``remote_process_report``: for an engine whose process runs elsewhere (e.g. under a Ray
+    actor on another node), a function giving :meth:`process_report` there, called with ``settle_s``.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class HttpEngine(RolloutEngine):
         port: int,
         *,
         process: ServerProcess | None = None,
+        remote_process_report: Callable[[float], str] | None = None,
         max_concurrent_requests: int = 256,
         request_timeout_s: float = 3600.0,
         routed_experts_shape: tuple[int, int] | None = None,
@@ -68,18 +71,22 @@ class HttpEngine(RolloutEngine):
         self.name = name
         self.base_url = f"http://{host}:{port}"
         self.process = process
+        self.remote_process_report = remote_process_report
         self.request_timeout_s = request_timeout_s
         self.routed_experts_shape = routed_experts_shape
         self._slots = threading.BoundedSemaphore(max_concurrent_requests)
         self._lock = threading.Lock()
         self._samples_in_flight: dict[str, int] = {}
 
-    def _describe_process(self, settle_s: float = 0.0) -> str:
-        """Exit code and log tail of a dead engine process ('' while it runs).
+    def process_report(self, settle_s: float = 0.0) -> str:
+        """``'; engine process exited with code N; log tail:\n...'`` once the engine process has ended, else ''.
 
+        '' also when the process is unknown (attached without ``process`` or ``remote_process_report``).
         ``settle_s``: after a dropped connection the process may still be exiting; wait that long for it.
         """
-        exit_code = None if self.process is None else self.process.wait_for_exit(settle_s)
+        if self.process is None:
+            return "" if self.remote_process_report is None else self.remote_process_report(settle_s)
+        exit_code = self.process.wait_for_exit(settle_s)
         if exit_code is None:
             return ""
         return f"; engine process exited with code {exit_code}; log tail:\n{self.process.log_tail()}"
@@ -103,7 +110,7 @@ class HttpEngine(RolloutEngine):
             ) from error
         except TimeoutError as error:
             raise EngineTimeoutError(
-                f"engine {self.name}: {endpoint} got no answer within {timeout:.0f} s ({url}){self._describe_process()}"
+                f"engine {self.name}: {endpoint} got no answer within {timeout:.0f} s ({url}){self.process_report()}"
             ) from error
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError) as error:
             reason = getattr(error, "reason", error)
@@ -113,7 +120,7 @@ class HttpEngine(RolloutEngine):
                 ) from error
             raise EngineUnavailableError(
                 f"engine {self.name}: {endpoint} failed at {url}: {reason!r}"
-                f"{self._describe_process(settle_s=CONNECTION_LOSS_SETTLE_S)}"
+                f"{self.process_report(settle_s=CONNECTION_LOSS_SETTLE_S)}"
             ) from error
         return json.loads(raw) if raw.strip() else None
 
@@ -127,7 +134,7 @@ class HttpEngine(RolloutEngine):
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             if self.process is not None and self.process.exit_code is not None:
-                raise EngineStartupError(f"engine {self.name} exited before becoming healthy{self._describe_process()}")
+                raise EngineStartupError(f"engine {self.name} exited before becoming healthy{self.process_report()}")
             try:
                 self.request("/health", timeout_s=max(1.0, min(5.0, deadline - time.monotonic())))
                 return
@@ -136,7 +143,7 @@ class HttpEngine(RolloutEngine):
             time.sleep(HEALTH_POLL_S)
         raise EngineStartupError(
             f"engine {self.name} not healthy at {self.base_url} after {timeout_s:.0f} s (last error: {last_error})"
-            f"{self._describe_process()}"
+            f"{self.process_report()}"
         )
 
     def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> list[GenerateResult]:

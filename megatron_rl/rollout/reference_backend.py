@@ -14,6 +14,7 @@ bookkeeping only (the cache is per request).
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from megatron_rl.rollout.reference_generator import GenerationAborted, RouterRec
 from megatron_rl.rollout.reference_weights import load_named_tensors, resolve_weight
 from megatron_rl.rollout.tensor_serialization import deserialize_named_tensors
 from megatron_rl.rollout.weight_group import broadcast_from_trainer, create_weight_group
+
+logger = logging.getLogger(__name__)
 
 
 class EngineStateError(RuntimeError):
@@ -178,9 +181,18 @@ class ReferenceBackend:
         self._load(deserialize_named_tensors(payloads[0]), version)
 
     def init_group(self, request: InitWeightsUpdateGroupRequest) -> None:
-        """Join the trainer's broadcast group as rank ``rank_offset``."""
+        """Join the trainer's broadcast group as rank ``rank_offset``; logs the group's address and this rank."""
         if request.group_name in self._groups:
             raise EngineStateError(f"weight update group {request.group_name!r} already exists; destroy it first")
+        logger.info(
+            "joining weight update group %r at %s:%d as rank %d of %d (%s)",
+            request.group_name,
+            request.master_address,
+            request.master_port,
+            request.rank_offset,
+            request.world_size,
+            request.backend,
+        )
         self._groups[request.group_name] = create_weight_group(
             request.master_address,
             request.master_port,

@@ -18,7 +18,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-LOG_TAIL_CHARS = 2000
+LOG_TAIL_LINES = 40
+LOG_TAIL_MAX_CHARS = 8000
+"""A log tail is the last ``LOG_TAIL_LINES`` lines, cut to its last ``LOG_TAIL_MAX_CHARS`` characters."""
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
@@ -82,12 +84,14 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
-        """The last ``chars`` characters of the log ('' when none yet)."""
+    def log_tail(self, lines: int = LOG_TAIL_LINES, max_chars: int = LOG_TAIL_MAX_CHARS) -> str:
+        """The log's last ``lines`` lines, at most its last ``max_chars`` characters ('' when no log yet)."""
         if not self.log_path.exists():
             return ""
-        data = self.log_path.read_bytes()[-chars:]
-        return data.decode("utf-8", errors="replace")
+        with self.log_path.open("rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 4 * max_chars))
+            text = log.read().decode("utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])[-max_chars:]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the process group, then SIGKILL after ``timeout_s``; a no-op when not running."""

@@ -88,13 +88,15 @@ def build_transport(
     engines: Sequence[RolloutEngine],
     *,
     engine_world_sizes: Sequence[int] | None = None,
-    master_address: str = "127.0.0.1",
+    master_address: str | None = None,
     disk_dir: str | Path | None = None,
     hf_config_dir: str | Path | None = None,
 ) -> WeightTransport:
     """The transport ``config.transport`` names (``auto``: tensor when colocated, distributed otherwise).
 
-    Raises ValueError for ``disk`` without ``disk_dir`` and ``hf_config_dir``.
+    ``master_address``: this rank's node IP as the engines' nodes reach it (the distributed
+    transport hosts its broadcast group there). Raises ValueError for ``distributed`` without
+    ``master_address`` and for ``disk`` without ``disk_dir`` and ``hf_config_dir``.
     """
     kind = config.transport
     if kind == "auto":
@@ -102,6 +104,11 @@ def build_transport(
     if kind == "tensor":
         return TensorTransport(engines, engine_world_sizes)
     if kind == "distributed":
+        if master_address is None:
+            raise ValueError(
+                "weight_sync.transport=distributed needs master_address: the sending rank's node IP, "
+                "reachable from every engine's node"
+            )
         return DistributedTransport(engines, engine_world_sizes, master_address=master_address)
     if disk_dir is None or hf_config_dir is None:
         raise ValueError("weight_sync.transport=disk needs disk_dir (shared by trainer and engines) and hf_config_dir")

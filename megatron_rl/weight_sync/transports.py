@@ -7,8 +7,9 @@ default process group when the transport needs it (disk). Each sending rank
 talks to the engines directly; nothing is funnelled through one rank.
 
 - :class:`TensorTransport` (colocated): ``/update_weights_from_tensor`` with
-  IPC handles: CUDA tensors as they are, CPU tensors packed into one reused
-  shared-memory buffer per rank (one copy, the model's storage untouched).
+  IPC handles: CUDA tensors as they are (their device named by UUID), CPU tensors
+  packed into one reused shared-memory buffer per rank (one copy, the model's
+  storage untouched).
 - :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
   broadcast group with every engine rank (engine ``i`` at rank offset
   1 + sum of the previous engines' sizes); per bucket it posts
@@ -83,8 +84,10 @@ class WeightTransport(abc.ABC):
 class TensorTransport(WeightTransport):
     """Colocated engines: IPC handles through ``/update_weights_from_tensor``.
 
-    ``engine_tp_sizes[i]`` payloads go to engine ``i`` (one per TP rank, the same
-    handles: every rank of a node can open them).
+    ``engine_tp_sizes[i]`` payloads go to engine ``i``, one serialization per TP rank
+    (the same memory; each rank opens its own payload, so each releases the reference
+    its serialization took, as SGLang's own client does). CUDA tensors name their
+    device by UUID, so an engine numbering the node's GPUs differently opens the right one.
     """
 
     def __init__(self, engines: Sequence[RolloutEngine], engine_tp_sizes: Sequence[int] | None = None) -> None:
@@ -109,12 +112,11 @@ class TensorTransport(WeightTransport):
         return shared
 
     def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
-        payload = serialize_named_tensors(self._shareable(bucket))
+        shared = self._shareable(bucket)
 
         def update(index: int, engine: RolloutEngine) -> None:
-            request = UpdateWeightsFromTensorRequest(
-                [payload] * self.engine_tp_sizes[index], flush_cache=False, weight_version=version
-            )
+            payloads = [serialize_named_tensors(shared) for _ in range(self.engine_tp_sizes[index])]
+            request = UpdateWeightsFromTensorRequest(payloads, flush_cache=False, weight_version=version)
             engine.update_weights_from_tensor(request)
 
         _on_every_engine(self.engines, update)
@@ -124,7 +126,11 @@ class TensorTransport(WeightTransport):
 
 
 class DistributedTransport(WeightTransport):
-    """Disaggregated engines: a broadcast group per sending rank (see the module docstring)."""
+    """Disaggregated engines: a broadcast group per sending rank (see the module docstring).
+
+    ``master_address``: the address engines reach this rank's node by; the group's store is
+    hosted there (the default 127.0.0.1 serves engines on this node only).
+    """
 
     def __init__(
         self,

@@ -56,6 +56,14 @@ def test_engine_that_exits_at_start_reports_its_log(tmp_path):
         engine.wait_healthy(120)
 
 
+def test_log_tail_is_the_last_lines_within_the_character_limit(tmp_path):
+    process = ServerProcess([sys.executable, "-c", "for i in range(100): print(f'line {i}')"], tmp_path / "lines.log")
+    process.start()
+    assert process.wait_for_exit(30) == 0
+    assert process.log_tail().splitlines() == [f"line {i}" for i in range(60, 100)]
+    assert process.log_tail(lines=2, max_chars=9) == "8\nline 99"
+
+
 def test_engine_that_never_listens_times_out(tmp_path):
     process = ServerProcess([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "silent.log")
     engine = HttpEngine("silent", "127.0.0.1", free_port(), process=process)

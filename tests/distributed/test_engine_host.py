@@ -8,6 +8,7 @@ trainer ranks; the trainer stand-in delivers weights with the engine's own disk 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,7 +22,14 @@ from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, release_engine_caches
 from megatron_rl.orchestration.placement import create_rank_slots
 from megatron_rl.orchestration.run_placement import ActorResources
-from megatron_rl.rollout import EngineRequestError, EngineStartupError, GenerateRequest, HttpEngine, SamplingParams
+from megatron_rl.rollout import (
+    EngineRequestError,
+    EngineStartupError,
+    EngineUnavailableError,
+    GenerateRequest,
+    HttpEngine,
+    SamplingParams,
+)
 from megatron_rl.rollout.protocol import UpdateWeightsFromDiskRequest
 from tests.tiny_checkpoints import save_tiny_moe
 
@@ -145,8 +153,22 @@ def test_hosted_engine_generates_and_dies_with_its_actor(bundles: PlacementGroup
         hosts.close()
 
 
+def test_engine_that_dies_is_reported_to_the_driver_with_its_log_tail(bundles: PlacementGroup, tmp_path: Path) -> None:
+    model = save_tiny_moe(tmp_path / "moe")
+    hosts = EngineHosts([_spec("ref1", model, tmp_path)], bundles, [0], HOST)
+    try:
+        (client,) = hosts.clients
+        (pid,) = hosts.pids()
+        os.kill(pid, signal.SIGKILL)
+        log_tail = r"exited with code -9; log tail:\n.*reference-engine INFO serving .* on http://"
+        with pytest.raises(EngineUnavailableError, match=rf"(?s)engine ref1: /generate failed at .*{log_tail}"):
+            client.generate(REQUEST)
+    finally:
+        hosts.close()
+
+
 def test_engine_that_cannot_start_is_a_clear_error(bundles: PlacementGroup, tmp_path: Path) -> None:
     started = time.monotonic()
-    with pytest.raises(EngineStartupError, match="(?s)engine bad0 failed to start.*no-such-model: no config.json"):
+    with pytest.raises(EngineStartupError, match="(?s)engine bad0 failed to start.*log tail:.*no config.json"):
         EngineHosts([_spec("bad0", tmp_path / "no-such-model", tmp_path, startup_timeout_s=60)], bundles, [1], HOST)
     assert time.monotonic() - started < 60

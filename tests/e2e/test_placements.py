@@ -3,18 +3,22 @@
 Both runs train two steps with validation and a checkpoint at the end; they run at the same
 time. Asserted: the colocated run records every hand-over phase of every step; the
 disaggregated run records none; and both runs log the same metrics (all but wall-clock ones),
-so releasing, offloading, reloading and resuming changes nothing the run learns.
+so releasing, offloading, reloading and resuming changes nothing the run learns. The
+disaggregated engines' logs show the broadcast groups they joined hosted at the node's IP
+(the address engines on other nodes would reach), not 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import ray
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["train.steps=2", "train.prompts_per_step=4", "train.val_interval=2", "checkpoint.interval=0"]
@@ -50,6 +54,11 @@ def _records(cwd: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+def _weight_group_addresses(cwd: Path, engine: str) -> list[str]:
+    log = (cwd / "runs" / "tiny-moe-cpu-dapo" / "logs" / f"{engine}.log").read_text()
+    return re.findall(r"joining weight update group '\w+' at ([\d.]+):\d+", log)
+
+
 def _learned(records: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
 
@@ -70,3 +79,6 @@ def test_colocated_hand_over_learns_exactly_as_disaggregated_engines(tmp_path: P
         assert set(record) & HAND_OVER_PHASES == {"time/weight_sync_s"}
     assert _learned(colocated_records) == _learned(disaggregated_records)
     assert colocated_records[2]["actor/mismatch_abs_max"] < 1e-3  # engines generate with the synced weights
+    for engine in ("reference0", "reference1"):
+        addresses = _weight_group_addresses(tmp_path / "disaggregated", engine)
+        assert addresses and set(addresses) == {ray.util.get_node_ip_address()}, addresses

@@ -12,15 +12,20 @@ request types built from our bodies exactly as its FastAPI layer does
 (pydantic over the msgspec structs), ``GenerateReqInput`` normalised, its
 ``sampling_params`` verified, the ``/generate`` JSON contract, our response
 JSON decoded by its ``GenerateResponse``, our command line parsed by its
-``ServerArgs`` parser, and the field sets above compared with its structs.
+``ServerArgs`` parser, the field sets above compared with its structs, and our
+tensor payloads read by its ``MultiprocessingSerializer`` (CPU tensors exactly;
+a CUDA tensor's device UUID where its patched ``rebuild_cuda_tensor`` looks).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
+from torch.multiprocessing import reductions
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.protocol import (
@@ -41,6 +46,8 @@ from megatron_rl.rollout.protocol import (
 from megatron_rl.rollout.reference_backend import ReferenceBackend
 from megatron_rl.rollout.reference_generator import SampleOutput
 from megatron_rl.rollout.sglang_engine import SGLangPlacement, build_sglang_command
+from megatron_rl.rollout.tensor_serialization import rebuild_args_with_uuid, serialize_named_tensors
+from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
 
 SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
     # our class: (io_struct class, its fields, required fields)
@@ -193,3 +200,38 @@ def test_command_parses_into_sglangs_server_args():
     assert (args.tp_size, args.ep_size, args.dp_size, args.base_gpu_id, args.port) == (4, 4, 1, 4, 30000)
     assert args.enable_memory_saver and args.skip_tokenizer_init and args.enable_return_routed_experts
     assert args.quantization == "fp8" and args.mem_fraction_static == 0.6
+
+
+@pytest.fixture
+def sglang_torch_reductions() -> Iterator[None]:
+    """Torch's reductions patched by SGLang, as in its workers; torch's own restored afterwards."""
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    originals = reductions.reduce_tensor, reductions.rebuild_cuda_tensor
+    monkey_patch_torch_reductions()
+    try:
+        yield
+    finally:
+        reductions.reduce_tensor, reductions.rebuild_cuda_tensor = originals
+        del reductions._reduce_tensor_original, reductions._rebuild_cuda_tensor_original
+        reductions.init_reductions()
+
+
+@needs_sglang
+def test_sglang_deserializes_our_cpu_payload_exactly():
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    tensors = [("a", torch.randn(3, 4)), ("b", torch.arange(6, dtype=torch.bfloat16))]
+    restored = MultiprocessingSerializer.deserialize(serialize_named_tensors(tensors))
+    assert [name for name, _ in restored] == ["a", "b"]
+    assert all(torch.equal(copy, original) for (_, copy), (_, original) in zip(restored, tensors, strict=True))
+
+
+@needs_sglang
+def test_sglang_reads_the_device_uuid_of_our_cuda_payload(sglang_torch_reductions):
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    uuid = "8f1c0d2e-0000-4000-8000-00000000000a"
+    payload = cuda_payload("w", rebuild_args_with_uuid(cuda_rebuild_args(0), uuid_of=lambda index: uuid))
+    with pytest.raises(Exception, match=f"^Invalid device_uuid={uuid}$"):  # no such GPU here: it looked the UUID up
+        MultiprocessingSerializer.deserialize(payload)

@@ -1,4 +1,5 @@
-"""IPC tensor payloads: round trip through shared memory, and the allow-list unpickler refusing anything else."""
+"""IPC tensor payloads: round trip through shared memory, the allow-list unpickler refusing anything else,
+and CUDA devices named by UUID (the rebuild arguments transformed both ways, with injected device UUIDs)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ import pickle
 
 import pytest
 import torch
+from torch.multiprocessing import reductions
 
 from megatron_rl.rollout.tensor_serialization import (
+    REBUILD_DEVICE_ARG,
     UnsafePayloadError,
     deserialize_named_tensors,
+    rebuild_args_with_index,
+    rebuild_args_with_uuid,
     serialize_named_tensors,
+    with_device_uuid,
 )
 from megatron_rl.weight_sync.buckets import iter_buckets
+from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
 
 
 def test_named_tensors_round_trip_bit_exact():
@@ -46,3 +53,44 @@ def test_buckets_respect_the_size_and_keep_order():
     assert [[name for name, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
     with pytest.raises(ValueError, match="bucket_bytes must be >= 1"):
         list(iter_buckets(tensors, 0))
+
+
+UUIDS = ("8f1c0d2e-0000-4000-8000-00000000000a", "8f1c0d2e-0000-4000-8000-00000000000b")
+
+
+def test_device_index_becomes_the_uuid_and_back():
+    args = cuda_rebuild_args(1)
+    with_uuid = rebuild_args_with_uuid(args, uuid_of=lambda index: UUIDS[index])
+    assert with_uuid[REBUILD_DEVICE_ARG] == UUIDS[1]
+    assert with_uuid[:REBUILD_DEVICE_ARG] == args[:REBUILD_DEVICE_ARG]
+    assert with_uuid[REBUILD_DEVICE_ARG + 1 :] == args[REBUILD_DEVICE_ARG + 1 :]
+    assert rebuild_args_with_index(with_uuid, UUIDS) == args
+    assert rebuild_args_with_index(with_uuid, UUIDS[::-1])[REBUILD_DEVICE_ARG] == 0  # the receiver's numbering
+
+
+def test_int_devices_and_uuids_pass_unchanged():
+    assert rebuild_args_with_index(cuda_rebuild_args(3), UUIDS) == cuda_rebuild_args(3)
+    assert rebuild_args_with_uuid(cuda_rebuild_args(UUIDS[0]), uuid_of=lambda index: "other") == cuda_rebuild_args(
+        UUIDS[0]
+    )
+
+
+def test_unknown_uuid_names_it_and_the_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    unknown = "8f1c0d2e-0000-4000-8000-0000000000ff"
+    with pytest.raises(ValueError, match=rf"(?s){unknown}.*0: {UUIDS[0]}, 1: {UUIDS[1]}.*CUDA_VISIBLE_DEVICES='2,3'"):
+        rebuild_args_with_index(cuda_rebuild_args(unknown), UUIDS)
+    with pytest.raises(UnsafePayloadError, match="index or a UUID string, got float"):
+        rebuild_args_with_index(cuda_rebuild_args(1.0), UUIDS)
+
+
+def test_only_cuda_reductions_get_a_uuid():
+    cpu = reductions.reduce_tensor(torch.ones(2))
+    assert with_device_uuid(cpu, uuid_of=lambda index: UUIDS[index]) == cpu
+    rebuild, args = with_device_uuid((reductions.rebuild_cuda_tensor, cuda_rebuild_args(0)), lambda i: UUIDS[i])
+    assert rebuild is reductions.rebuild_cuda_tensor and args == cuda_rebuild_args(UUIDS[0])
+
+
+def test_a_uuid_this_process_does_not_see_is_a_clear_error_on_receipt():
+    with pytest.raises(ValueError, match=rf"device {UUIDS[0]}, which this process does not see"):
+        deserialize_named_tensors(cuda_payload("w", cuda_rebuild_args(UUIDS[0])))
