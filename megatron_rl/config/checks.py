@@ -276,6 +276,11 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
         yield _error("checkpoint.resume", f"{resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
 
 
+def _check_logging(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    if "wandb" in cfg.logging.sinks and cfg.logging.wandb_project is None:
+        yield _error("logging.wandb_project", "required when logging.sinks includes 'wandb'")
+
+
 CHECKS: tuple[Check, ...] = (
     _check_attention_vs_tp,
     _check_expert_layout,
@@ -289,6 +294,7 @@ CHECKS: tuple[Check, ...] = (
     _check_sampling_temperature,
     _check_precision,
     _check_sources,
+    _check_logging,
 )
 
 

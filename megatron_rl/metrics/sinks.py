@@ -3,21 +3,25 @@
 Every sink receives ``(step, metrics)`` with flat slash-separated names
 (``val/reward_mean``, ``train/response_length_mean``) and float values; NaN marks a
 statistic that is undefined this step (e.g. the mean length of correct responses when
-none was correct). Sinks that persist (JSONL, TensorBoard) are resume-aware: opened with
-``resume_step=k`` they drop what a killed run wrote after step ``k``, so a resumed run's
-records are exactly those of an uninterrupted one.
+none was correct). Sinks that persist (JSONL, TensorBoard, W&B) are resume-aware: opened
+with ``resume_step=k`` they drop what a killed run wrote after step ``k``, so a resumed run's
+records are exactly those of an uninterrupted one (W&B: where its server can rewind a run).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 Metrics = Mapping[str, float]
+
+logger = logging.getLogger(__name__)
 
 
 class MetricSink(Protocol):
@@ -93,21 +97,80 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """Weights & Biases run ``project/run_name``, resumed under the same id after a restart."""
+    """Weights & Biases run named ``run_name`` in ``project``, files under ``<dir>/wandb``.
+
+    A fresh run (``resume_step=0``) starts a W&B run with a new id, kept in
+    ``<dir>/wandb_run_id`` (replacing an older one). A resumed run continues the kept id and
+    rewinds its history to ``resume_step`` (W&B's ``resume_from``), so W&B ends, like the
+    JSONL and TensorBoard sinks, with the records of an uninterrupted run; with no kept id it
+    starts a new W&B run. Where the server refuses the rewind
+    (a W&B preview feature), the run is continued instead (``resume="allow"``): W&B then
+    keeps what the killed run logged after ``resume_step`` and ignores the resumed run's
+    steps up to the last one it has. Online or offline follows ``WANDB_MODE``; non-finite
+    values are logged as they are (W&B stores NaN and +-inf).
+    """
+
+    RUN_ID_FILE = "wandb_run_id"
 
     def __init__(self, directory: str | Path, *, project: str | None, run_name: str, resume_step: int = 0) -> None:
+        if project is None:
+            raise ValueError("logging.wandb_project: required when logging.sinks includes 'wandb'")
         try:
             import wandb
         except ImportError as exc:
             raise ValueError("logging.sinks: 'wandb' needs the wandb package (pip install wandb)") from exc
-        if project is None:
-            raise ValueError("logging.wandb_project: required when logging.sinks includes 'wandb'")
-        self._run = wandb.init(
-            project=project, name=run_name, id=run_name, dir=str(directory), resume="allow" if resume_step > 0 else None
-        )
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        id_file = directory / self.RUN_ID_FILE
+        init = functools.partial(wandb.init, project=project, name=run_name, dir=str(directory))
+        previous_id = _read_run_id(id_file) if resume_step > 0 else None
+        if previous_id is None:
+            self._run = init(id=_new_run_id(id_file))
+        else:
+            self._run = _resume_run(init, previous_id, resume_step)
 
     def log(self, step: int, metrics: Metrics) -> None:
-        self._run.log(dict(metrics), step=step)
+        self._run.log({name: float(value) for name, value in metrics.items()}, step=step)
 
     def close(self) -> None:
-        self._run.finish()
+        """Finish the run and wait until W&B has written (and, online, sent) all of it.
+
+        ``run.finish`` alone may return before W&B's service has flushed the run's
+        transaction log; ``wandb.teardown`` stops that service once every run is done.
+        """
+        import wandb
+
+        try:
+            self._run.finish()
+        finally:
+            wandb.teardown()
+
+
+def _read_run_id(path: Path) -> str | None:
+    """The W&B run id stored in ``path``, or None when there is none."""
+    try:
+        return path.read_text(encoding="utf-8").strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _new_run_id(path: Path) -> str:
+    """A new random W&B run id, written to ``path`` (atomically) before it is returned."""
+    from wandb.sdk.lib.runid import generate_id
+
+    run_id = generate_id()
+    staging = path.with_suffix(".tmp")
+    staging.write_text(run_id + "\n", encoding="utf-8")
+    os.replace(staging, path)
+    return run_id
+
+
+def _resume_run(init: Callable[..., Any], run_id: str, resume_step: int) -> Any:
+    """Run ``run_id`` rewound to ``resume_step``; continued as it is where the server refuses the rewind."""
+    from wandb.errors import Error
+
+    try:
+        return init(id=run_id, resume_from=f"{run_id}?_step={resume_step}")
+    except Error as exc:
+        logger.warning("W&B refused to rewind run %s to step %d (%s); continuing it as it is", run_id, resume_step, exc)
+        return init(id=run_id, resume="allow")

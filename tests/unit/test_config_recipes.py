@@ -242,6 +242,12 @@ def test_missing_data_file_is_named(qwen3_30b_overrides: list[str]) -> None:
     assert "data.val_files: no such file: 'nowhere.parquet'" in problems
 
 
+def test_wandb_sink_without_a_project_is_rejected() -> None:
+    assert _problems(TINY, "logging.sinks=[jsonl,wandb]") == [
+        "logging.wandb_project: required when logging.sinks includes 'wandb'"
+    ]
+
+
 def test_kl_coefficient_without_kl_loss_is_a_warning() -> None:
     _, warnings = load_recipe(TINY, ["algorithm.kl_coef=0.1"])
     assert [str(w) for w in warnings] == ["algorithm.kl_coef: ignored because use_kl_loss is false"]

@@ -1,4 +1,4 @@
-"""Metric sinks: JSONL records, resume truncation, TensorBoard scalars, console lines, the logger."""
+"""Metric sinks: JSONL records, resume truncation, TensorBoard scalars, W&B offline runs, console lines, the logger."""
 
 from __future__ import annotations
 
@@ -8,12 +8,21 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_rl.config import LoggingConfig
-from megatron_rl.metrics import ConsoleSink, JsonlSink, TensorBoardSink, build_metric_logger, format_step_line
+from megatron_rl.metrics import (
+    ConsoleSink,
+    JsonlSink,
+    TensorBoardSink,
+    WandbSink,
+    build_metric_logger,
+    format_step_line,
+)
+from tests import wandb_transaction_log
 
 
 def _records(path: Path) -> list[dict]:
@@ -91,3 +100,104 @@ def test_wandb_sink_without_the_package_names_the_fix(tmp_path: Path, monkeypatc
         build_metric_logger(
             LoggingConfig(sinks=["wandb"], wandb_project="p"), log_dir=tmp_path, run_name="r", total_steps=1
         )
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """W&B offline inside ``tmp_path``: no credentials, no home files, a server address that refuses connections."""
+    for name in ("WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    monkeypatch.setenv("NETRC", str(home / "netrc"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-default"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(home / "wandb-cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(home / "wandb-data"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.setenv("WANDB__DISABLE_STATS", "true")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    return logs
+
+
+def _wandb_logs(log_dir: Path) -> list[Path]:
+    """The transaction logs of the offline runs under ``log_dir``, in the order the runs started."""
+    logs = (log_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    return sorted(logs, key=lambda log: wandb_transaction_log.run_record(log).start_time.ToNanoseconds())
+
+
+def _log_steps(sink: WandbSink, steps: dict[int, dict[str, float]]) -> None:
+    for step, metrics in steps.items():
+        sink.log(step, metrics)
+    sink.close()
+
+
+def test_wandb_offline_run_records_each_step_with_non_finite_values(offline_wandb: Path) -> None:
+    steps = {
+        1: {"train/reward_mean": 0.5, "train/length_correct_mean": math.nan},
+        2: {"train/reward_mean": np.float32(0.75), "actor/grad_norm": math.inf},
+        3: {"train/reward_mean": -math.inf},
+    }
+    _log_steps(WandbSink(offline_wandb, project="p", run_name="tiny"), steps)
+    (log,) = _wandb_logs(offline_wandb)
+    run = wandb_transaction_log.run_record(log)
+    assert (run.project, run.display_name) == ("p", "tiny")
+    assert run.run_id == (offline_wandb / WandbSink.RUN_ID_FILE).read_text().strip()
+    np.testing.assert_equal(
+        wandb_transaction_log.history(log), [(k, {n: float(v) for n, v in m.items()}) for k, m in steps.items()]
+    )
+
+
+def test_wandb_resume_rewinds_the_same_run_to_the_resume_step(offline_wandb: Path) -> None:
+    _log_steps(WandbSink(offline_wandb, project="p", run_name="r"), {step: {"x": float(step)} for step in (1, 2, 3)})
+    run_id = (offline_wandb / WandbSink.RUN_ID_FILE).read_text().strip()
+    _log_steps(WandbSink(offline_wandb, project="p", run_name="r", resume_step=1), {2: {"x": 20.0}, 3: {"x": 30.0}})
+    first, resumed = _wandb_logs(offline_wandb)
+    assert wandb_transaction_log.history(first) == [(1, {"x": 1.0}), (2, {"x": 2.0}), (3, {"x": 3.0})]
+    run = wandb_transaction_log.run_record(resumed)
+    assert run.run_id == run_id
+    assert (run.branch_point.run, run.branch_point.metric, run.branch_point.value) == (run_id, "_step", 1.0)
+    assert wandb_transaction_log.history(resumed) == [(2, {"x": 20.0}), (3, {"x": 30.0})]
+
+
+def test_wandb_fresh_run_in_the_same_directory_gets_a_new_id(offline_wandb: Path) -> None:
+    _log_steps(WandbSink(offline_wandb, project="p", run_name="r"), {1: {"x": 1.0}})
+    _log_steps(WandbSink(offline_wandb, project="p", run_name="r"), {1: {"x": 2.0}})
+    first, second = (wandb_transaction_log.run_record(log) for log in _wandb_logs(offline_wandb))
+    assert first.run_id != second.run_id
+    assert (offline_wandb / WandbSink.RUN_ID_FILE).read_text().strip() == second.run_id
+
+
+def test_wandb_resume_continues_the_run_where_the_rewind_is_refused(
+    offline_wandb: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import wandb
+    from wandb.errors import CommError
+
+    _log_steps(WandbSink(offline_wandb, project="p", run_name="r"), {1: {"x": 1.0}})
+    real_init = wandb.init
+
+    def init_refusing_rewind(**kwargs: object) -> wandb.Run:
+        if "resume_from" in kwargs:
+            raise CommError("failed to rewind run: run not found")
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", init_refusing_rewind)
+    _log_steps(WandbSink(offline_wandb, project="p", run_name="r", resume_step=1), {2: {"x": 2.0}})
+    first, resumed = _wandb_logs(offline_wandb)
+    run = wandb_transaction_log.run_record(resumed)
+    assert run.run_id == wandb_transaction_log.run_record(first).run_id
+    assert run.resume and not run.HasField("branch_point")
+    assert wandb_transaction_log.history(resumed) == [(2, {"x": 2.0})]
+
+
+def test_wandb_sink_without_a_project_names_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"logging.wandb_project: required when logging.sinks includes 'wandb'"):
+        build_metric_logger(LoggingConfig(sinks=["wandb"]), log_dir=tmp_path, run_name="r", total_steps=1)
