@@ -99,6 +99,25 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Exit 0 when the layout fits the GPUs, 1 when it does not or the recipe is invalid."""
+    from megatron_rl.config.memory_plan import plan_memory
+    from megatron_rl.config.plan_report import render_plan
+    from megatron_rl.orchestration.run_placement import plan_run_placement
+
+    try:
+        cfg, _ = load_recipe(args.recipe, args.overrides)
+        arch = read_architecture(cfg.model.path, cfg.model.random_init)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    plan = plan_memory(cfg, arch, args.gpu_memory_gib)
+    placement = plan_run_placement(cfg)
+    print(f"# megatron-rl plan {args.recipe} {' '.join(args.overrides)}".rstrip())
+    print(render_plan(cfg, arch, plan, placement.trainer_positions, placement.engine_positions))
+    return 1 if plan.problems else 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_rl.orchestration.driver import train
 
@@ -217,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("recipe", help="recipe YAML file")
     prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.synthetic.task=max")
     prepare.set_defaults(handler=_cmd_prepare)
+
+    plan = commands.add_parser(
+        "plan", help="parameters and memory per GPU of a recipe's layout, engines' KV cache and placement (no GPU)"
+    )
+    plan.add_argument("recipe", help="recipe YAML file")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.ep=4")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
+    plan.set_defaults(handler=_cmd_plan)
 
     train = commands.add_parser(
         "train", help="run a recipe's RL job (resumes from the latest checkpoint of its run directory)"

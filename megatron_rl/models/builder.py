@@ -23,8 +23,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_rl.models.hf_config import QwenArchitecture, parse_hf_config
-from megatron_rl.models.megatron_config import build_transformer_config, padded_vocab_size
+from megatron_rl.models.hf_config import QwenArchitecture, padded_vocab_size, parse_hf_config
+from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.norm import RMSNorm
 from megatron_rl.parallel.distributed import ParallelSizes
 

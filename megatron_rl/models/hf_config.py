@@ -63,6 +63,12 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Rows of Megatron's embedding: the smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size``."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
 _DTYPES = ("float32", "float16", "bfloat16")
 
 

@@ -10,7 +10,7 @@ where Hugging Face semantics meet Megatron's:
 - the router runs in fp32 (``moe_router_dtype="fp32"``), like Hugging Face;
 - ``mlp_only_layers`` / ``decoder_sparse_step`` -> ``moe_layer_freq`` as a list.
 
-Vocabulary padding (:func:`padded_vocab_size`) follows Megatron-LM's rule: the
+Vocabulary padding (:func:`~megatron_rl.models.hf_config.padded_vocab_size`, torch-free) follows Megatron-LM's rule: the
 embedding rows are padded to a multiple of ``make_vocab_size_divisible_by * tp``.
 """
 
@@ -25,12 +25,6 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_rl.models.hf_config import QwenArchitecture
 from megatron_rl.parallel.distributed import ParallelSizes
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size``."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def check_layout(arch: QwenArchitecture, sizes: ParallelSizes) -> None:

@@ -1,6 +1,7 @@
 """Where a run's trainer ranks and rollout engines go: one placement group, a plan over its bundles.
 
-:func:`plan_run_placement` is pure (recipe in, plan out); :func:`reserve_run_placement`
+:func:`plan_run_placement` is pure (recipe in, plan out; this module imports no Ray, so
+``megatron-rl plan`` uses it); :func:`reserve_run_placement`
 reserves the bundles on Ray and resolves the plan's positions to bundles.
 
 Bundles are identical and, once reserved, sorted by (node IP, GPU ids) (see
@@ -27,9 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_rl.config import RunConfig, engine_layout, trainer_layout
-from megatron_rl.orchestration.placement import RankSlot
+
+if TYPE_CHECKING:
+    from megatron_rl.orchestration.placement import RankSlot
 
 CPU_BUNDLE_CPUS = 0.5
 """Ray CPUs per bundle on CPU recipes (a scheduling token: the processes share the machine's cores)."""

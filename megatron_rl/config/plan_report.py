@@ -1,0 +1,188 @@
+"""The text report of ``megatron-rl plan``: parameters, memory per GPU, engines, placement, verdict.
+
+Pure formatting of a :class:`~megatron_rl.config.memory_plan.MemoryPlan`; sizes in GiB (2^30 bytes),
+estimates marked ``~``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megatron_rl.config.layout import trainer_layout
+from megatron_rl.config.memory_plan import GIB, Amount, EnginePlan, MemoryPlan, StagePlan, stage_layers
+from megatron_rl.config.param_count import model_params
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.models.hf_config import QwenArchitecture, padded_vocab_size
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def _billions(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 10**8 else f"{count:,}"
+
+
+def _spans(values: Sequence[int]) -> str:
+    """``0-3,6`` for [0, 1, 2, 3, 6]."""
+    parts: list[str] = []
+    start = previous = None
+    for value in [*values, None]:
+        if start is not None and value == previous + 1:
+            previous = value
+            continue
+        if start is not None:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+        start = previous = value
+    return ",".join(parts) or "-"
+
+
+def model_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:
+    """Model and layout lines."""
+    total = model_params(arch)
+    moe_layers = sum(arch.moe_layer_pattern)
+    par, train = cfg.parallel, cfg.train
+    layout = trainer_layout(par, cfg.cluster, cfg.rollout)
+    padded = padded_vocab_size(arch.vocab_size, par.tp)
+    return [
+        f"model: {arch.architecture}, {_billions(total.total)} parameters (dense {_billions(total.dense)}, "
+        f"expert {_billions(total.expert)}), {arch.num_layers} layers ({moe_layers} MoE), "
+        f"vocab {arch.vocab_size} padded to {padded} at tp {par.tp}, tied embeddings {arch.tie_word_embeddings}",
+        f"trainer: {layout.world_size} ranks = tp {par.tp} x pp {par.pp} x vpp {par.vpp or 1} x cp {par.cp} x "
+        f"dp {layout.dp}; experts etp {par.expert_tp} x ep {par.ep} x edp {layout.expert_dp}; "
+        f"{train.precision}, recompute {train.recompute}, {train.max_tokens_per_micro_batch} tokens per micro-batch",
+    ]
+
+
+def parameter_section(cfg: RunConfig, arch: QwenArchitecture, stages: Sequence[StagePlan]) -> list[str]:
+    """Exact parameter counts per rank of each pipeline stage, and the largest."""
+    lines = ["", "parameters per rank (exact; every TP/EP rank of a stage holds the same count)"]
+    lines.append(f"  {'stage':<6}{'layers':<18}{'dense':>16}{'expert':>16}{'total':>16}")
+    for stage in stages:
+        layers = _spans(sorted(stage_layers(arch, cfg.parallel, stage.pp_rank)))
+        p = stage.params
+        lines.append(f"  {stage.pp_rank:<6}{layers:<18}{p.dense:>16,}{p.expert:>16,}{p.total:>16,}")
+    largest = max(stages, key=lambda s: s.params.total)
+    lines.append(f"  max over ranks: {largest.params.total:,} (stage {largest.pp_rank})")
+    return lines
+
+
+def _amount_rows(stages: Sequence[StagePlan]) -> list[tuple[str, bool, list[Amount | None]]]:
+    labels: dict[str, bool] = {}
+    for stage in reversed(stages):  # the last stage has every row (the log-prob working set too)
+        for amount in (*stage.state, *stage.working):
+            labels.setdefault(amount.label, amount.exact)
+    rows = []
+    for label, exact in labels.items():
+        cells = [next((a for a in (*s.state, *s.working) if a.label == label), None) for s in stages]
+        rows.append((label, exact, cells))
+    return rows
+
+
+def trainer_memory_section(plan: MemoryPlan) -> list[str]:
+    """Peak training memory per GPU, one column per pipeline stage (GiB; ``~`` marks estimates)."""
+    header = "".join(f"{'stage ' + str(s.pp_rank):>12}" for s in plan.stages)
+    lines = ["", "trainer memory per GPU at the training peak (GiB; ~ estimate)", f"  {'':<58}{header}"]
+    for label, exact, cells in _amount_rows(plan.stages):
+        mark = " " if exact else "~"
+        values = "".join(f"{_gib(c.nbytes) if c else '-':>12}" for c in cells)
+        lines.append(f"  {mark} {label:<56}{values}")
+    totals = "".join(f"{_gib(s.total):>12}" for s in plan.stages)
+    lines.append(f"  {'  total of ' + _gib(plan.gpu_bytes) + ' GiB':<58}{totals}")
+    return lines
+
+
+def engine_section(cfg: RunConfig, arch: QwenArchitecture, engine: EnginePlan, gpu_bytes: float) -> list[str]:
+    """Engine weights, KV cache and how much of one generation batch it holds."""
+    rollout = cfg.rollout
+    dtype = "fp8 GEMM weights" if rollout.quantization == "fp8" else "bf16 weights"
+    kv_heads = engine.kv_bytes_per_token // (2 * arch.num_layers * arch.head_dim * 2)
+    fit = engine.tokens_fit / engine.tokens_needed if engine.tokens_needed else 0.0
+    return [
+        "",
+        f"engines: {engine.num_engines} x {rollout.engine} tp {rollout.tp} ep {rollout.ep} dp {rollout.dp} "
+        f"({engine.gpus} GPUs each), {rollout.placement}, {dtype}",
+        f"    weights per GPU                 {_gib(engine.weight_bytes):>10} GiB",
+        f"    KV cache per GPU                {_gib(engine.kv_pool_bytes):>10} GiB "
+        f"= {rollout.mem_fraction} x {_gib(gpu_bytes)} GiB - weights",
+        f"    KV bytes per token per GPU      {engine.kv_bytes_per_token:>10,} "
+        f"= 2 (K,V) x {arch.num_layers} layers x {kv_heads} KV head(s) x {arch.head_dim} x 2 B",
+        f"    KV tokens per engine            {engine.tokens_fit:>10,} "
+        f"({engine.tokens_fit // engine.sequence_tokens} sequences of {engine.sequence_tokens:,} tokens)",
+        f"    one generation batch per engine {engine.tokens_needed:>10,} tokens at full length "
+        f"-> the KV cache holds {fit:.0%}",
+    ]
+
+
+def _peak_lines(title: str, amounts: Sequence[Amount]) -> list[str]:
+    lines = [f"  {title}: {_gib(sum(a.nbytes for a in amounts))} GiB"]
+    lines += [f"    {' ' if a.exact else '~'} {a.label:<54}{_gib(a.nbytes):>10}" for a in amounts]
+    return lines
+
+
+def colocated_section(plan: MemoryPlan) -> list[str]:
+    """The other per-GPU peaks of a colocated run: weight sync and rollout."""
+    if not plan.sync_peak and not plan.rollout_peak:
+        return []
+    lines = ["", "other peaks per GPU (GiB; trainer offloaded to host during rollout)"]
+    if plan.sync_peak:
+        lines += _peak_lines("weight sync (trainer parameters stay on the GPU)", plan.sync_peak)
+    return lines + _peak_lines("rollout", plan.rollout_peak)
+
+
+def placement_section(
+    cfg: RunConfig, trainer_positions: Sequence[int], engine_positions: Sequence[Sequence[int]]
+) -> list[str]:
+    """One line per node: its GPUs' trainer ranks and engines (positions = node x gpus_per_node + GPU)."""
+    per_node = cfg.cluster.gpus_per_node
+    par = cfg.parallel
+    lines = [
+        "",
+        f"placement ({cfg.cluster.nodes} nodes x {per_node} GPUs; Megatron rank order tp-cp-ep-dp-pp: "
+        f"TP groups are {par.tp} consecutive ranks, expert groups {par.expert_tp * par.ep})",
+    ]
+    for node in range(cfg.cluster.nodes):
+        ranks = [r for r, pos in enumerate(trainer_positions) if pos // per_node == node]
+        gpus = [trainer_positions[r] % per_node for r in ranks]
+        engines = [
+            f"{e} (GPUs {_spans([p % per_node for p in positions])})"
+            for e, positions in enumerate(engine_positions)
+            if positions[0] // per_node == node
+        ]
+        trainer = f"trainer ranks {_spans(ranks)} on GPUs {_spans(gpus)}" if ranks else "no trainer ranks"
+        lines.append(f"  node {node}: {trainer}; engines {', '.join(engines) or '-'}")
+    return lines
+
+
+def verdict_section(plan: MemoryPlan) -> list[str]:
+    """Notes, then FITS or every problem with its knob."""
+    lines = [""] + [f"note: {note}" for note in plan.notes]
+    if plan.host_bytes_per_node:
+        lines.append(
+            f"note: host memory per node for offloaded trainer state / reference weights: "
+            f"{_gib(plan.host_bytes_per_node)} GiB (pinned)"
+        )
+    if not plan.problems:
+        return [*lines, f"FITS: every peak is within {_gib(plan.gpu_bytes)} GiB per GPU"]
+    lines.append("DOES NOT FIT:")
+    for problem in plan.problems:
+        lines += [f"  - {problem.what}", f"    knob: {problem.knob}"]
+    return lines
+
+
+def render_plan(
+    cfg: RunConfig,
+    arch: QwenArchitecture,
+    plan: MemoryPlan,
+    trainer_positions: Sequence[int],
+    engine_positions: Sequence[Sequence[int]],
+) -> str:
+    """The whole report as text (no trailing newline)."""
+    lines = [*model_section(cfg, arch), *parameter_section(cfg, arch, plan.stages)]
+    if plan.engine is None:
+        state = ", ".join(f"{a.label} {a.nbytes / 2**20:.2f}" for a in max(plan.stages, key=lambda s: s.total).state)
+        return "\n".join([*lines, "", f"CPU recipe, no GPU memory to check; trainer state per rank (MiB): {state}"])
+    lines += trainer_memory_section(plan) + engine_section(cfg, arch, plan.engine, plan.gpu_bytes)
+    lines += colocated_section(plan)
+    lines += placement_section(cfg, trainer_positions, engine_positions) + verdict_section(plan)
+    return "\n".join(lines)

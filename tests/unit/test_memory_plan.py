@@ -1,0 +1,155 @@
+"""`megatron-rl plan`: byte arithmetic with hand-computed numbers, KV cache, the 30B recipe's report and exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import main
+from megatron_rl.config import load_recipe
+from megatron_rl.config.memory_plan import (
+    GIB,
+    engine_plan,
+    layer_activation_elements,
+    micro_batches_in_flight,
+    optimizer_state_bytes,
+    plan_memory,
+    state_amounts,
+)
+from megatron_rl.config.param_count import ParamCount, engine_gpu_weights, model_params, stage_params
+from megatron_rl.config.schema import ParallelConfig, RolloutConfig, TrainConfig
+from megatron_rl.models.hf_config import parse_hf_config
+from tests.hf_configs import QWEN3_30B_A3B
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_30b_a3b_dapo.yaml"
+ARCH_30B = parse_hf_config(QWEN3_30B_A3B)
+TINY_MOE = parse_hf_config(
+    {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+    }
+)
+
+
+def _train(**fields) -> TrainConfig:
+    return TrainConfig(steps=1, prompts_per_step=1, **fields)
+
+
+@pytest.fixture
+def overrides(tmp_path: Path) -> list[str]:
+    ckpt = tmp_path / "Qwen3-30B-A3B"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.touch(), val.touch()
+    return [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
+
+
+def test_state_bytes_by_hand() -> None:
+    params = ParamCount(dense=1001, expert=800)
+    bf16 = [a.nbytes for a in state_amounts(params, _train(precision="bf16"), dp=4, expert_dp=2)]
+    assert bf16 == [1801 * 2, 1801 * 4, (251 + 400) * 12]  # bf16 params, fp32 grads, fp32 main + m + v
+    fp32 = [a.nbytes for a in state_amounts(params, _train(precision="fp32"), dp=4, expert_dp=2)]
+    assert fp32 == [1801 * 4, 1801 * 4, (251 + 400) * 8]  # fp32 params are the main copy: m + v only
+    assert optimizer_state_bytes(params, _train(precision="fp8", fp8_recipe="delayed"), 1, 1) == 1801 * 12
+
+
+def test_30b_counts_per_rank_by_hand() -> None:
+    counts = stage_params(ARCH_30B, ParallelConfig(tp=4, ep=8, etp=1, sequence_parallel=True), 0)
+    vocab = 2 * 152064 // 4 * 2048  # padded to 128 x 4, split over TP, embedding + output layer
+    layer = 5120 * 2048 // 4 + 2048 * 4096 // 4 + 2048 + 2 * 128 + 2048 + 128 * 2048  # qkv, proj, norms, router
+    assert counts == ParamCount(dense=vocab + 48 * layer + 2048, expert=48 * 16 * 3 * 768 * 2048)
+    assert model_params(ARCH_30B).expert == 48 * 128 * 3 * 768 * 2048
+    assert round(model_params(ARCH_30B).total / 1e9, 2) == 30.53
+
+
+def test_activation_elements_by_hand() -> None:
+    attention = 3 * 32 + 3 * (4 + 2) * 16  # norm and QKV inputs; q/k-norm inputs, flash-attention q, k, v, out
+    assert layer_activation_elements(TINY_MOE, 1, ParallelConfig()) == attention + 32 + 3 * 48
+    moe = 2 * 32 + 2 * 4 + 2 * (2 * 32 + 3 * 16)  # router; 2 routed copies: expert in/out, SwiGLU
+    assert layer_activation_elements(TINY_MOE, 0, ParallelConfig()) == attention + moe
+    assert layer_activation_elements(TINY_MOE, 0, ParallelConfig(tp=2, etp=1)) == (attention + moe) / 2
+
+
+def test_micro_batches_in_flight() -> None:
+    assert [micro_batches_in_flight(ParallelConfig(pp=4), p) for p in range(4)] == [4, 3, 2, 1]
+    assert micro_batches_in_flight(ParallelConfig(pp=2, vpp=2), 0) == (2 + 2 + 1) / 2  # 2(pp-1) + (vpp-1)pp + 1
+    assert micro_batches_in_flight(ParallelConfig(pp=2, vpp=2), 0) == 2 * (1 + 1 / 4)  # Korthikanti's p(1 + (p-1)/pm)
+
+
+@pytest.mark.parametrize("tp, heads_per_gpu", [(2, 2), (4, 1), (8, 1)])  # 4 KV heads; replicated beyond tp 4
+def test_kv_cache_arithmetic(overrides: list[str], tp: int, heads_per_gpu: int) -> None:
+    cfg = load_recipe(RECIPE, [*overrides, f"rollout.tp={tp}", "rollout.ep=2"])[0]
+    engine = engine_plan(ARCH_30B, cfg, 80 * GIB)
+    assert engine.kv_bytes_per_token == 2 * 48 * heads_per_gpu * 128 * 2
+    assert engine.kv_pool_bytes == 0.7 * 80 * GIB - engine.weight_bytes
+    assert engine.tokens_fit == int(engine.kv_pool_bytes // engine.kv_bytes_per_token)
+    assert engine.tokens_needed == 512 // (32 // tp) * 16 * (2048 + 20480)
+
+
+def test_engine_weights_30b_by_hand() -> None:
+    weights = engine_gpu_weights(ARCH_30B, RolloutConfig(tp=4, ep=4))
+    per_layer_gemm = 2 * 8 * 128 * 2048 + 2 * 1 * 128 * 2048 + 128 * 3 * 768 * 2048 // 4
+    assert weights.gemm == 48 * per_layer_gemm
+    assert weights.other == 48 * (2 * 2048 + 2 * 128 + 128 * 2048) + 2 * 151936 * 2048 // 4 + 2048
+    assert weights.nbytes(None) == 2 * (weights.gemm + weights.other)
+    assert weights.nbytes("fp8") == weights.gemm + 2 * weights.other
+
+
+def test_plan_30b_recipe_fits_and_prints_totals(overrides: list[str], capsys) -> None:
+    assert main(["plan", str(RECIPE), *overrides]) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "30.53B parameters",
+        "4,018,878,464",  # largest rank: 394,999,808 dense + 3,623,878,656 expert
+        "parameters (bf16)                                               7.49",
+        "gradients (fp32 main grads)                                    14.97",
+        "optimizer (Adam, /dp 8, experts /edp 4)                        10.68",
+        "weights per GPU                      14.24 GiB",
+        "KV bytes per token per GPU          24,576",
+        "node 3: trainer ranks 24-31 on GPUs 0-7; engines 6 (GPUs 0-3), 7 (GPUs 4-7)",
+        "FITS",
+    ):
+        assert line in out, line
+    cfg = load_recipe(RECIPE, overrides)[0]
+    total = plan_memory(cfg, ARCH_30B, 80.0).stages[0].total / GIB
+    assert 55 < total < 70, total  # 33.1 GiB exact state + ~28 GiB estimated working memory
+
+
+def test_plan_names_the_knob_when_the_trainer_does_not_fit(overrides: list[str], capsys) -> None:
+    assert main(["plan", str(RECIPE), *overrides, "parallel.ep=2"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "trainer stage 0: 122.0 GiB > 80 GiB GPU" in out
+    assert "raise parallel.ep" in out
+
+
+@pytest.mark.parametrize(
+    "override, what, knob",
+    [
+        ("rollout.mem_fraction=0.15", "less than one 22528-token sequence", "raise rollout.mem_fraction"),
+        ("rollout.mem_fraction=0.95", "rollout: 82.0 GiB > 80 GiB GPU", "lower rollout.mem_fraction"),
+    ],
+)
+def test_plan_names_the_engine_knob(overrides: list[str], capsys, override: str, what: str, knob: str) -> None:
+    assert main(["plan", str(RECIPE), *overrides, override]) == 1
+    out = capsys.readouterr().out
+    assert what in out and knob in out
+
+
+def test_plan_gpu_memory_option(overrides: list[str], capsys) -> None:
+    assert main(["plan", str(RECIPE), *overrides, "--gpu-memory-gib", "40"]) == 1
+    assert "> 40 GiB GPU" in capsys.readouterr().out
