@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,6 @@ import pytest
 from megatron_rl.cli import main
 from megatron_rl.config import RecipeError, load_recipe, recipe_to_yaml
 from megatron_rl.config.loading import apply_overrides, parse_yaml, read_recipe_tree, validate_recipe_tree
-from tests.hf_configs import QWEN3_30B_A3B
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TINY = RECIPES / "tiny_moe_cpu_dapo.yaml"
@@ -20,18 +18,6 @@ def _problems(recipe: Path, *overrides: str) -> list[str]:
     with pytest.raises(RecipeError) as info:
         load_recipe(recipe, overrides)
     return info.value.problems
-
-
-@pytest.fixture
-def qwen3_30b_overrides(tmp_path: Path) -> list[str]:
-    """Overrides pointing the 30B recipes at a config-only checkpoint and empty data files."""
-    ckpt = tmp_path / "Qwen3-30B-A3B"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
-    train.touch()
-    val.touch()
-    return [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
 
 
 @pytest.mark.parametrize("recipe", ["tiny_moe_cpu_dapo", "tiny_moe_cpu_drgrpo", "tiny_moe_cpu_grpo"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,27 +12,16 @@ from megatron_rl.orchestration.engine_host import EngineSpec, build_engine, firs
 from megatron_rl.orchestration.placement import RankSlot
 from megatron_rl.orchestration.run_placement import ActorResources, engine_gpu_ids, plan_run_placement
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
-from tests.hf_configs import QWEN3_30B_A3B
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-
-
-@pytest.fixture
-def qwen3_30b(tmp_path: Path) -> list[str]:
-    ckpt = tmp_path / "Qwen3-30B-A3B"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
-    train.touch(), val.touch()
-    return [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
 
 
 def _load(overrides: list[str], *more: str):
     return load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", [*overrides, *more])[0]
 
 
-def test_colocated_engines_share_every_trainer_bundle(qwen3_30b: list[str]) -> None:
-    plan = plan_run_placement(_load(qwen3_30b))  # 4 nodes x 8 GPUs, engines tp 4
+def test_colocated_engines_share_every_trainer_bundle(qwen3_30b_overrides: list[str]) -> None:
+    plan = plan_run_placement(_load(qwen3_30b_overrides))  # 4 nodes x 8 GPUs, engines tp 4
     assert plan.num_bundles == 32 and plan.bundle == ActorResources(num_gpus=1.0, num_cpus=1.0)
     assert plan.trainer_positions == tuple(range(32))
     assert plan.engine_positions == tuple(tuple(range(4 * e, 4 * e + 4)) for e in range(8))
@@ -41,8 +29,8 @@ def test_colocated_engines_share_every_trainer_bundle(qwen3_30b: list[str]) -> N
     assert 0 < share <= 1 and plan.trainer.num_cpus + plan.engine_host.num_cpus <= 1
 
 
-def test_disaggregated_engines_take_the_bundles_after_the_trainer(qwen3_30b: list[str]) -> None:
-    cfg = _load(qwen3_30b, "rollout.placement=disaggregated", "rollout.num_gpus=16")
+def test_disaggregated_engines_take_the_bundles_after_the_trainer(qwen3_30b_overrides: list[str]) -> None:
+    cfg = _load(qwen3_30b_overrides, "rollout.placement=disaggregated", "rollout.num_gpus=16")
     plan = plan_run_placement(cfg)
     assert plan.trainer_positions == tuple(range(16)) and plan.trainer == ActorResources(1.0, 1.0)
     assert plan.engine_positions == tuple(tuple(range(16 + 4 * e, 20 + 4 * e)) for e in range(4))
@@ -55,9 +43,9 @@ def test_cpu_recipe_gives_each_rank_and_engine_a_bundle() -> None:
     assert plan.trainer_positions == (0, 1) and plan.engine_positions == ((2,), (3,))
 
 
-def test_engine_spanning_nodes_is_refused_at_validate_time(qwen3_30b: list[str]) -> None:
+def test_engine_spanning_nodes_is_refused_at_validate_time(qwen3_30b_overrides: list[str]) -> None:
     with pytest.raises(RecipeError) as info:
-        _load(qwen3_30b, "rollout.tp=8", "rollout.dp=2")
+        _load(qwen3_30b_overrides, "rollout.tp=8", "rollout.dp=2")
     assert any(
         p.startswith(
             "rollout.tp: each engine takes rollout.tp (8) x rollout.dp (2) = 16 GPUs, more than "
@@ -66,7 +54,7 @@ def test_engine_spanning_nodes_is_refused_at_validate_time(qwen3_30b: list[str])
         for p in info.value.problems
     )
     with pytest.raises(RecipeError) as info:
-        _load(qwen3_30b, "rollout.tp=2", "rollout.dp=3")
+        _load(qwen3_30b_overrides, "rollout.tp=2", "rollout.dp=3")
     assert any("6 GPUs per engine does not divide cluster.gpus_per_node (8)" in p for p in info.value.problems)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -49,16 +48,6 @@ def _train(**fields) -> TrainConfig:
     return TrainConfig(steps=1, prompts_per_step=1, **fields)
 
 
-@pytest.fixture
-def overrides(tmp_path: Path) -> list[str]:
-    ckpt = tmp_path / "Qwen3-30B-A3B"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
-    train.touch(), val.touch()
-    return [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
-
-
 def test_state_bytes_by_hand() -> None:
     params = ParamCount(dense=1001, expert=800)
     bf16 = [a.nbytes for a in state_amounts(params, _train(precision="bf16"), dp=4, expert_dp=2)]
@@ -92,8 +81,8 @@ def test_micro_batches_in_flight() -> None:
 
 
 @pytest.mark.parametrize("tp, heads_per_gpu", [(2, 2), (4, 1), (8, 1)])  # 4 KV heads; replicated beyond tp 4
-def test_kv_cache_arithmetic(overrides: list[str], tp: int, heads_per_gpu: int) -> None:
-    cfg = load_recipe(RECIPE, [*overrides, f"rollout.tp={tp}", "rollout.ep=2"])[0]
+def test_kv_cache_arithmetic(qwen3_30b_overrides: list[str], tp: int, heads_per_gpu: int) -> None:
+    cfg = load_recipe(RECIPE, [*qwen3_30b_overrides, f"rollout.tp={tp}", "rollout.ep=2"])[0]
     engine = engine_plan(ARCH_30B, cfg, 80 * GIB)
     assert engine.kv_bytes_per_token == 2 * 48 * heads_per_gpu * 128 * 2
     assert engine.kv_pool_bytes == 0.7 * 80 * GIB - engine.weight_bytes
@@ -110,8 +99,8 @@ def test_engine_weights_30b_by_hand() -> None:
     assert weights.nbytes("fp8") == weights.gemm + 2 * weights.other
 
 
-def test_plan_30b_recipe_fits_and_prints_totals(overrides: list[str], capsys) -> None:
-    assert main(["plan", str(RECIPE), *overrides]) == 0
+def test_plan_30b_recipe_fits_and_prints_totals(qwen3_30b_overrides: list[str], capsys) -> None:
+    assert main(["plan", str(RECIPE), *qwen3_30b_overrides]) == 0
     out = capsys.readouterr().out
     for line in (
         "30.53B parameters",
@@ -125,13 +114,13 @@ def test_plan_30b_recipe_fits_and_prints_totals(overrides: list[str], capsys) ->
         "FITS",
     ):
         assert line in out, line
-    cfg = load_recipe(RECIPE, overrides)[0]
+    cfg = load_recipe(RECIPE, qwen3_30b_overrides)[0]
     total = plan_memory(cfg, ARCH_30B, 80.0).stages[0].total / GIB
     assert 55 < total < 70, total  # 33.1 GiB exact state + ~28 GiB estimated working memory
 
 
-def test_plan_names_the_knob_when_the_trainer_does_not_fit(overrides: list[str], capsys) -> None:
-    assert main(["plan", str(RECIPE), *overrides, "parallel.ep=2"]) == 1
+def test_plan_names_the_knob_when_the_trainer_does_not_fit(qwen3_30b_overrides: list[str], capsys) -> None:
+    assert main(["plan", str(RECIPE), *qwen3_30b_overrides, "parallel.ep=2"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "trainer stage 0: 122.0 GiB > 80 GiB GPU" in out
     assert "raise parallel.ep" in out
@@ -144,12 +133,14 @@ def test_plan_names_the_knob_when_the_trainer_does_not_fit(overrides: list[str],
         ("rollout.mem_fraction=0.95", "rollout: 82.0 GiB > 80 GiB GPU", "lower rollout.mem_fraction"),
     ],
 )
-def test_plan_names_the_engine_knob(overrides: list[str], capsys, override: str, what: str, knob: str) -> None:
-    assert main(["plan", str(RECIPE), *overrides, override]) == 1
+def test_plan_names_the_engine_knob(
+    qwen3_30b_overrides: list[str], capsys, override: str, what: str, knob: str
+) -> None:
+    assert main(["plan", str(RECIPE), *qwen3_30b_overrides, override]) == 1
     out = capsys.readouterr().out
     assert what in out and knob in out
 
 
-def test_plan_gpu_memory_option(overrides: list[str], capsys) -> None:
-    assert main(["plan", str(RECIPE), *overrides, "--gpu-memory-gib", "40"]) == 1
+def test_plan_gpu_memory_option(qwen3_30b_overrides: list[str], capsys) -> None:
+    assert main(["plan", str(RECIPE), *qwen3_30b_overrides, "--gpu-memory-gib", "40"]) == 1
     assert "> 40 GiB GPU" in capsys.readouterr().out
