@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from megatron_rl.actor import RolloutBatch
+from megatron_rl.actor import PolicyActor, RolloutBatch
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
+from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.parallel.distributed import ParallelSizes
 from tests.tiny_checkpoints import VOCAB
 
@@ -105,3 +106,30 @@ def train_config(**fields) -> TrainConfig:
 def algorithm_config(**fields) -> AlgorithmConfig:
     """DAPO-like clipping (0.2 / 0.28), token-mean by default."""
     return AlgorithmConfig(**({"clip_low": 0.2, "clip_high": 0.28} | fields))
+
+
+def tiny_actor(
+    hf_dir: Path,
+    sizes: ParallelSizes,
+    *,
+    train: TrainConfig | None = None,
+    algorithm: AlgorithmConfig | None = None,
+    temperature: float = 1.0,
+    load_weights: bool = True,
+    keep_reference: bool | None = None,
+) -> PolicyActor:
+    """This rank's PolicyActor of the checkpoint ``hf_dir`` at ``sizes`` (C = 16 tokens); needs initialize_parallel.
+
+    ``train`` / ``algorithm`` default to :func:`train_config` / :func:`algorithm_config`;
+    ``load_weights=False`` keeps Megatron's random init.
+    """
+    return PolicyActor(
+        load_hf_config(hf_dir),
+        parallel_config(sizes),
+        train or train_config(),
+        algorithm or algorithm_config(),
+        norm_constant=16,
+        temperature=temperature,
+        hf_weights=hf_dir if load_weights else None,
+        keep_reference=keep_reference,
+    )

@@ -14,11 +14,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megatron_rl.actor import PolicyActor
 from megatron_rl.data.micro_batching import token_budget_micro_batches
-from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-from tests.actor_setup import algorithm_config, fixed_batch, parallel_config, save_tiny_moe_2layer, train_config
+from tests.actor_setup import algorithm_config, fixed_batch, save_tiny_moe_2layer, tiny_actor, train_config
 from tests.distributed_utils import run_distributed
 
 SIZES = ParallelSizes(tp=2, pp=2)
@@ -35,14 +33,11 @@ def _given_experts(batch) -> torch.Tensor:
 
 def _replay_rank(rank, world_size, hf_dir, batch):
     initialize_parallel(SIZES)
-    actor = PolicyActor(
-        load_hf_config(hf_dir),
-        parallel_config(SIZES),
-        train_config(max_tokens_per_micro_batch=BUDGET),
-        algorithm_config(routing_replay=True),
-        norm_constant=16,
-        temperature=1.0,
-        hf_weights=hf_dir,
+    actor = tiny_actor(
+        hf_dir,
+        SIZES,
+        train=train_config(max_tokens_per_micro_batch=BUDGET),
+        algorithm=algorithm_config(routing_replay=True),
     )
     used = []
     for chunk in actor.chunks:

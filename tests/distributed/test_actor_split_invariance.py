@@ -12,15 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.actor import PolicyActor
 from megatron_rl.algorithms import LOSS_AGG_MODES
-from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
     algorithm_config,
     batch_with_old_log_probs,
-    parallel_config,
     save_tiny_moe_2layer,
+    tiny_actor,
     train_config,
     transformers_log_probs,
 )
@@ -40,14 +38,11 @@ def _train_rank(rank, world_size, sizes, budget, hf_dir, batch):
     initialize_parallel(sizes)
     results = {}
     for mode in LOSS_AGG_MODES:
-        actor = PolicyActor(
-            load_hf_config(hf_dir),
-            parallel_config(sizes),
-            train_config(max_tokens_per_micro_batch=budget),
-            algorithm_config(loss_agg_mode=mode),
-            norm_constant=16,
-            temperature=1.0,
-            hf_weights=hf_dir,
+        actor = tiny_actor(
+            hf_dir,
+            sizes,
+            train=train_config(max_tokens_per_micro_batch=budget),
+            algorithm=algorithm_config(loss_agg_mode=mode),
         )
         if mode == LOSS_AGG_MODES[0]:
             results["before"] = actor.compute_log_probs(batch)

@@ -24,8 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.actor import PolicyActor, RolloutBatch
-from megatron_rl.models.hf_config import load_hf_config
+from megatron_rl.actor import RolloutBatch
 from megatron_rl.models.weight_transfer import export_hf_tensors
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.rollout import GenerateRequest, SamplingParams
@@ -34,9 +33,8 @@ from megatron_rl.rollout.reference_server import load_model
 from tests.actor_setup import (
     algorithm_config,
     batch_with_old_log_probs,
-    parallel_config,
     save_tiny_moe_2layer,
-    train_config,
+    tiny_actor,
     transformers_log_probs,
 )
 from tests.distributed_utils import run_distributed
@@ -79,14 +77,11 @@ def _engine_samples(hf_dir: Path) -> RolloutBatch:
 
 def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
     initialize_parallel(sizes)
-    actor = PolicyActor(
-        load_hf_config(hf_dir),
-        parallel_config(sizes),
-        train_config(),
-        algorithm_config(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=ENTROPY_COEF),
-        norm_constant=16,
+    actor = tiny_actor(
+        hf_dir,
+        sizes,
+        algorithm=algorithm_config(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=ENTROPY_COEF),
         temperature=TEMPERATURE,
-        hf_weights=hf_dir,
         keep_reference=True,
     )
     result = {

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from megatron_rl.actor import PolicyActor
-from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
     algorithm_config,
     batch_with_old_log_probs,
-    parallel_config,
     save_tiny_moe_2layer,
+    tiny_actor,
     train_config,
     transformers_log_probs,
 )
@@ -45,15 +44,7 @@ def _training_rank(rank, world_size, hf_dir, batch):
     algorithm = algorithm_config(
         clip_low=CLIP_LOW, clip_high=CLIP_HIGH, use_kl_loss=True, kl_coef=0.5, entropy_coef=0.01
     )
-    actor = PolicyActor(
-        load_hf_config(hf_dir),
-        parallel_config(sizes),
-        train_config(lr=0.1),
-        algorithm,
-        norm_constant=16,
-        temperature=1.0,
-        hf_weights=hf_dir,
-    )
+    actor = tiny_actor(hf_dir, sizes, train=train_config(lr=0.1), algorithm=algorithm)
     result = {"before": actor.compute_log_probs(batch).log_probs}
     batch = batch.replace(ref_log_probs=actor.compute_ref_log_probs(batch))
     result["step1"] = actor.train_step(batch)

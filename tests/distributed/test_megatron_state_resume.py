@@ -12,13 +12,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_rl.actor import PolicyActor
 from megatron_rl.checkpoint.megatron_state import MEGATRON_DIR, load_megatron_state, save_megatron_state
-from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
-    algorithm_config,
     batch_with_old_log_probs,
-    parallel_config,
     save_tiny_moe_2layer,
+    tiny_actor,
     train_config,
 )
 from tests.distributed_utils import run_distributed
@@ -40,15 +38,8 @@ class _Run:
 
 def _actor(sizes: ParallelSizes, hf_dir: Path, *, load_weights: bool) -> PolicyActor:
     initialize_parallel(sizes)
-    return PolicyActor(
-        load_hf_config(hf_dir),
-        parallel_config(sizes),
-        train_config(steps=3, lr=0.05, warmup_steps=2, lr_schedule="cosine", adam_eps=1e-8),
-        algorithm_config(),
-        norm_constant=16,
-        temperature=1.0,
-        hf_weights=hf_dir if load_weights else None,
-    )
+    train = train_config(steps=3, lr=0.05, warmup_steps=2, lr_schedule="cosine", adam_eps=1e-8)
+    return tiny_actor(hf_dir, sizes, train=train, load_weights=load_weights)
 
 
 def _weights(actor: PolicyActor) -> dict[str, torch.Tensor]:
