@@ -21,7 +21,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout import ReferenceEngine
-from megatron_rl.weight_sync import TensorTransport, WeightSyncer
+from megatron_rl.weight_sync.syncer import WeightSyncer
+from megatron_rl.weight_sync.transports import TensorTransport
 
 CONFIG = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,

@@ -101,9 +101,9 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Exit 0 when the layout fits the GPUs, 1 when it does not or the recipe is invalid."""
-    from megatron_rl.config.memory_plan import plan_memory
-    from megatron_rl.config.plan_report import render_plan
-    from megatron_rl.orchestration.run_placement import plan_run_placement
+    from megatron_rl.plan.memory import plan_memory
+    from megatron_rl.plan.placement import plan_run_placement
+    from megatron_rl.plan.report import render_plan
 
     try:
         cfg, _ = load_recipe(args.recipe, args.overrides)
@@ -150,36 +150,23 @@ def _silence_library_warnings() -> None:
 
 
 def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
-    from megatron_rl.models.cli_commands import convert_hf_to_mcore
+    from megatron_rl.checkpoint.convert import convert_hf_to_mcore
 
     convert_hf_to_mcore(args.hf, args.out, _parallel_sizes(args))
     return 0
 
 
-def _model_checkpoint(ckpt: Path) -> tuple[Path, Path | None]:
-    """(weights dir, HF metadata dir or None for the default) of ``--ckpt``: hf-to-mcore output, a run
-    checkpoint (``step_*`` with ``megatron/`` and ``hf_metadata/``), or a run's checkpoint root (its ``latest``)."""
-    from megatron_rl.checkpoint import LATEST_FILE, latest_checkpoint
-    from megatron_rl.checkpoint.megatron_state import MEGATRON_DIR
-    from megatron_rl.models.cli_commands import HF_METADATA
-
-    if (ckpt / LATEST_FILE).is_file():
-        ckpt = latest_checkpoint(ckpt)
-    if (ckpt / MEGATRON_DIR).is_dir():
-        return ckpt / MEGATRON_DIR, ckpt / HF_METADATA
-    return ckpt, None
-
-
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
-    from megatron_rl.models.cli_commands import convert_mcore_to_hf
+    from megatron_rl.checkpoint.convert import convert_mcore_to_hf
+    from megatron_rl.checkpoint.layout import model_weight_dirs
 
-    weights, metadata = _model_checkpoint(args.ckpt)
+    weights, metadata = model_weight_dirs(args.ckpt)
     convert_mcore_to_hf(weights, args.out, _parallel_sizes(args), metadata_dir=metadata)
     return 0
 
 
 def _cmd_check_parity(args: argparse.Namespace) -> int:
-    from megatron_rl.models.cli_commands import check_parity
+    from megatron_rl.models.parity import check_parity
 
     return 0 if check_parity(args.hf, _parallel_sizes(args), tolerance=args.tolerance) else 1
 

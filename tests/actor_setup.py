@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from megatron_rl.actor import PolicyActor, RolloutBatch
+from megatron_rl.actor import ActorBatch, PolicyActor
+from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
-from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.parallel.distributed import ParallelSizes
 from tests.tiny_checkpoints import VOCAB
 
@@ -55,7 +55,7 @@ def save_tiny_moe_2layer(path: Path) -> Path:
     return path
 
 
-def fixed_batch() -> RolloutBatch:
+def fixed_batch() -> ActorBatch:
     """The fixed batch without log-probs (see the module docstring)."""
     generator = torch.Generator().manual_seed(0)
     positions = torch.arange(SEQ_LENGTH)
@@ -64,11 +64,11 @@ def fixed_batch() -> RolloutBatch:
     response_mask = valid & (positions >= torch.tensor(PROMPT_LENGTHS).unsqueeze(1))
     input_ids = torch.randint(1, VOCAB, (len(LENGTHS), SEQ_LENGTH), generator=generator).masked_fill(~valid, 0)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.8, -0.8])
-    return RolloutBatch(input_ids=input_ids, lengths=lengths, response_mask=response_mask, advantages=advantages)
+    return ActorBatch(input_ids=input_ids, lengths=lengths, response_mask=response_mask, advantages=advantages)
 
 
 def transformers_log_probs(
-    hf_dir: Path, batch: RolloutBatch, temperature: float = 1.0
+    hf_dir: Path, batch: ActorBatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropy) [B, S] of ``batch`` under softmax(logits / temperature) of the checkpoint.
 
@@ -84,7 +84,7 @@ def transformers_log_probs(
     return torch.cat([zeros, log_probs], 1), torch.cat([zeros, entropy], 1)
 
 
-def batch_with_old_log_probs(hf_dir: Path, temperature: float = 1.0) -> RolloutBatch:
+def batch_with_old_log_probs(hf_dir: Path, temperature: float = 1.0) -> ActorBatch:
     """The fixed batch with old log-probs = transformers' log-probs (at ``temperature``) + N(0, 0.2) noise on responses."""
     batch = fixed_batch()
     log_probs, _ = transformers_log_probs(hf_dir, batch, temperature)

@@ -21,7 +21,7 @@ _PER_TOKEN_FIELDS = ("old_log_probs", "rollout_log_probs", "ref_log_probs")
 
 
 @dataclass(frozen=True)
-class RolloutBatch:
+class ActorBatch:
     """Token ids, masks and per-token values of B sequences.
 
     Attributes:
@@ -85,20 +85,20 @@ class RolloutBatch:
         positions = torch.arange(self.seq_length, device=self.input_ids.device)
         return (positions < self.lengths.unsqueeze(-1)) & ~self.response_mask
 
-    def replace(self, **fields: torch.Tensor | None) -> RolloutBatch:
+    def replace(self, **fields: torch.Tensor | None) -> ActorBatch:
         """A copy with ``fields`` replaced (validated again)."""
         return dataclasses.replace(self, **fields)
 
-    def to(self, device: torch.device | str) -> RolloutBatch:
+    def to(self, device: torch.device | str) -> ActorBatch:
         """The batch with every tensor on ``device``."""
-        return RolloutBatch(**{name: None if value is None else value.to(device) for name, value in self._fields()})
+        return ActorBatch(**{name: None if value is None else value.to(device) for name, value in self._fields()})
 
-    def select(self, indices: Sequence[int]) -> RolloutBatch:
+    def select(self, indices: Sequence[int]) -> ActorBatch:
         """The rows ``indices``, in that order."""
         index = torch.as_tensor(list(indices), dtype=torch.long, device=self.input_ids.device)
-        return RolloutBatch(**{name: None if value is None else value[index] for name, value in self._fields()})
+        return ActorBatch(**{name: None if value is None else value[index] for name, value in self._fields()})
 
-    def padded(self, num_sequences: int, seq_length: int) -> RolloutBatch:
+    def padded(self, num_sequences: int, seq_length: int) -> ActorBatch:
         """Right-pad to ``[num_sequences, seq_length]``.
 
         Added rows have length 0 and no response token, so they add nothing to
@@ -112,7 +112,7 @@ class RolloutBatch:
             raise ValueError(
                 f"cannot pad a [{self.num_sequences}, {self.seq_length}] batch to [{num_sequences}, {seq_length}]"
             )
-        return RolloutBatch(**{name: _pad(name, value, num_sequences, seq_length) for name, value in self._fields()})
+        return ActorBatch(**{name: _pad(name, value, num_sequences, seq_length) for name, value in self._fields()})
 
     def _fields(self) -> list[tuple[str, torch.Tensor | None]]:
         return [(field.name, getattr(self, field.name)) for field in dataclasses.fields(self)]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.token_logprobs import TokenLogProbs
 from megatron_rl.algorithms import (
     aggregate_loss,
@@ -43,7 +43,7 @@ class StepCounts:
     num_seqs: torch.Tensor
 
 
-def count_step(micro_batches: Sequence[RolloutBatch], dp_group: dist.ProcessGroup | None) -> StepCounts:
+def count_step(micro_batches: Sequence[ActorBatch], dp_group: dist.ProcessGroup | None) -> StepCounts:
     """Sum ``count_tokens_and_seqs`` over ``micro_batches`` and all-reduce (SUM) over ``dp_group``."""
     counts = torch.zeros(2, dtype=torch.int64, device=micro_batches[0].input_ids.device)
     for micro_batch in micro_batches:
@@ -62,7 +62,7 @@ def _policy_options(algorithm: AlgorithmConfig) -> dict[str, float | None]:
 
 def _aggregate(
     values_BS: torch.Tensor,
-    micro_batch: RolloutBatch,
+    micro_batch: ActorBatch,
     algorithm: AlgorithmConfig,
     counts: StepCounts,
     norm_constant: float,
@@ -79,7 +79,7 @@ def _aggregate(
 
 def actor_loss(
     current: TokenLogProbs,
-    micro_batch: RolloutBatch,
+    micro_batch: ActorBatch,
     counts: StepCounts,
     algorithm: AlgorithmConfig,
     norm_constant: float,
@@ -131,7 +131,7 @@ def actor_loss(
 
 def _kl_terms(
     log_probs_BS: torch.Tensor,
-    micro_batch: RolloutBatch,
+    micro_batch: ActorBatch,
     counts: StepCounts,
     algorithm: AlgorithmConfig,
     norm_constant: float,
@@ -150,9 +150,7 @@ def _token_mean(values_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
     return selected.sum() / mask_BS.sum().clamp(min=1)
 
 
-def megatron_loss(
-    loss: torch.Tensor, micro_batch: RolloutBatch, counts: StepCounts
-) -> tuple[torch.Tensor, torch.Tensor]:
+def megatron_loss(loss: torch.Tensor, micro_batch: ActorBatch, counts: StepCounts) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss * N_tok, local token count)`` for Megatron's per-token-loss path (see the module docstring)."""
     local_tokens = micro_batch.response_mask.sum().to(torch.int)
     return loss * counts.num_tokens.clamp(min=1).to(loss.dtype), local_tokens

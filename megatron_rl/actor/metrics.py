@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_rl.parallel.distributed import select_device
+from megatron_rl.parallel.device import select_device
 
 MAX_METRICS = frozenset({"ratio_max", "mismatch_abs_max"})
 

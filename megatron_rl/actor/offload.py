@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from megatron.core.optimizer import MegatronOptimizer
 
+from megatron_rl.parallel.device import on_accelerator
+
 
 def _buffer_tensors(models: Sequence[torch.nn.Module], attribute: str) -> list[torch.Tensor]:
     tensors = []
@@ -80,7 +82,7 @@ class StateOffloader:
             host.untyped_storage().copy_(storage)
             storage.resize_(0)
             self._saved.append((storage, host))
-        if torch.cuda.is_available():
+        if on_accelerator():
             torch.cuda.empty_cache()
 
     def reload(self) -> None:

@@ -1,6 +1,6 @@
 """Packed (THD) micro-batches for Transformer Engine attention, and the choice packed vs padded.
 
-Shape legend: B rows and S tokens of a padded micro-batch (``RolloutBatch``),
+Shape legend: B rows and S tokens of a padded micro-batch (``ActorBatch``),
 T tokens of the packed stream, ``*`` any trailing dimensions.
 
 A padded ``[B, S]`` micro-batch becomes one ``[1, T]`` stream: the valid

@@ -1,7 +1,7 @@
 """``PolicyActor``: one rank's Megatron policy worker (Ray wraps it in ``orchestration``).
 
 Every rank of the trainer holds one actor; all of them are called together
-with the same global :class:`RolloutBatch` (each works on the rows its DP rank
+with the same global :class:`ActorBatch` (each works on the rows its DP rank
 is given, and results are shared back). Public API:
 
 * :meth:`compute_log_probs` / :meth:`compute_ref_log_probs`: forward only;
@@ -24,21 +24,22 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from megatron_rl.actor.batch import RolloutBatch
-from megatron_rl.actor.logprobs import TokenLogProbs, compute_log_probs
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.batch_logprobs import TokenLogProbs, compute_log_probs
 from megatron_rl.actor.offload import StateOffloader
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.packing import select_packing
 from megatron_rl.actor.precision import actor_config_overrides, params_dtype
-from megatron_rl.actor.reference import ReferenceWeights
+from megatron_rl.actor.reference_policy import ReferencePolicyWeights
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.train_step import StepContext, train_on_batch
+from megatron_rl.config.hf_config import parse_hf_config
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
-from megatron_rl.models.builder import build_model_chunks, transformer_engine_usable
-from megatron_rl.models.hf_config import parse_hf_config
+from megatron_rl.models.builder import build_model_chunks
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
-from megatron_rl.parallel.distributed import ParallelSizes, select_device
+from megatron_rl.parallel.device import on_accelerator, select_device, transformer_engine_usable
+from megatron_rl.parallel.distributed import ParallelSizes
 
 
 def parallel_sizes(parallel: ParallelConfig) -> ParallelSizes:
@@ -107,7 +108,7 @@ class PolicyActor:
         )
         packing = select_packing(
             pack_sequences=train.pack_sequences,
-            cuda=torch.cuda.is_available(),
+            cuda=on_accelerator(),
             transformer_engine_spec=use_te,
             tp=self.config.tensor_model_parallel_size,
             cp=self.config.context_parallel_size,
@@ -126,11 +127,11 @@ class PolicyActor:
             packing,
         )
         keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
-        self._reference = ReferenceWeights(self.models) if keep else None
+        self._reference = ReferencePolicyWeights(self.models) if keep else None
         self._offloader = StateOffloader(self.models, self.optimizer.optimizer)
         self._device = select_device()
 
-    def compute_log_probs(self, batch: RolloutBatch) -> TokenLogProbs:
+    def compute_log_probs(self, batch: ActorBatch) -> TokenLogProbs:
         """The current policy's log-probs and entropies of ``batch`` at the sampling temperature, [B, S] on every rank."""
         return compute_log_probs(
             self.models,
@@ -142,7 +143,7 @@ class PolicyActor:
             replay=self._context.replay,
         )
 
-    def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+    def compute_ref_log_probs(self, batch: ActorBatch) -> torch.Tensor:
         """The reference policy's log-probs of ``batch`` at the sampling temperature, [B, S] on every rank.
 
         Raises:
@@ -153,7 +154,7 @@ class PolicyActor:
         with self._reference.swapped_in():
             return self.compute_log_probs(batch).log_probs
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+    def train_step(self, batch: ActorBatch) -> dict[str, float]:
         """Train on ``batch`` (advantages and old log-probs set); metrics averaged over the step's updates.
 
         Keys: ``loss``, ``policy_loss``, ``entropy_loss``, ``kl_loss`` (with
@@ -167,7 +168,7 @@ class PolicyActor:
         metrics = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
         return metrics | {"num_updates": float(len(updates)), "time_train_s": time.perf_counter() - started}
 
-    def _prepare(self, batch: RolloutBatch) -> RolloutBatch:
+    def _prepare(self, batch: ActorBatch) -> ActorBatch:
         """``batch`` on this rank's device, checked for what the recipe needs before any collective."""
         if self._context.replay is not None:
             self._context.replay.check_batch(batch)

@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.packing import PackedLayout, pack_tokens
 
 
@@ -46,7 +46,7 @@ class RoutingReplay:
         """0-based decoder layer indices of this rank's routers, in model order."""
         return [layer for layer, _ in self._replays]
 
-    def check_batch(self, batch: RolloutBatch) -> None:
+    def check_batch(self, batch: ActorBatch) -> None:
         """Raise before any forward pass if ``batch`` cannot be replayed (every rank checks the same batch).
 
         Raises:
@@ -64,7 +64,7 @@ class RoutingReplay:
                 f"routed_experts has {num_layers} layers; the model routes in layer {max(self.layer_indices)} (0-based)"
             )
 
-    def set_micro_batch(self, batch: RolloutBatch, layout: PackedLayout | None = None) -> None:
+    def set_micro_batch(self, batch: ActorBatch, layout: PackedLayout | None = None) -> None:
         """Give every router of this rank its experts for ``batch``'s forward pass (see :meth:`check_batch`).
 
         ``layout``: the micro-batch runs packed with this layout (None: padded [B, S]).

@@ -1,6 +1,6 @@
 """One call of Megatron-core's pipeline schedule over a rank's micro-batches.
 
-:func:`run_schedule` feeds :class:`RolloutBatch` micro-batches through
+:func:`run_schedule` feeds :class:`ActorBatch` micro-batches through
 ``get_forward_backward_func`` (no pipelining, 1F1B or interleaved, as the
 parallel state dictates), forward-only or forward-backward. Per micro-batch it
 sets the routers' replay targets (when replaying) right before the model's
@@ -33,7 +33,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.packing import (
     PackedLayout,
     PackingRule,
@@ -46,21 +46,21 @@ from megatron_rl.actor.token_logprobs import TokenLogProbs, packed_token_log_pro
 from megatron_rl.models.forward import run_pipeline_schedule
 
 # loss_fn(micro_batch, its token log-probs and entropies [B, S]) -> Megatron's loss_func result.
-LossFn = Callable[[RolloutBatch, TokenLogProbs], Any]
+LossFn = Callable[[ActorBatch, TokenLogProbs], Any]
 
 
 @dataclass(frozen=True)
 class _ModelInput:
     """What the model gets for one micro-batch: ids and positions [B, S] or [1, T], THD parameters if packed."""
 
-    micro_batch: RolloutBatch
+    micro_batch: ActorBatch
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     layout: PackedLayout | None = None
     packed_seq_params: PackedSeqParams | None = None
 
 
-def _model_inputs(micro_batches: Sequence[RolloutBatch], packing: PackingRule | None) -> list[_ModelInput]:
+def _model_inputs(micro_batches: Sequence[ActorBatch], packing: PackingRule | None) -> list[_ModelInput]:
     first = micro_batches[0].input_ids
     if packing is None:
         positions = torch.arange(first.shape[1], device=first.device).expand(first.shape[0], -1)
@@ -80,7 +80,7 @@ def _model_inputs(micro_batches: Sequence[RolloutBatch], packing: PackingRule | 
 
 def run_schedule(
     models: Sequence[torch.nn.Module],
-    micro_batches: Sequence[RolloutBatch],
+    micro_batches: Sequence[ActorBatch],
     loss_fn: LossFn,
     *,
     vocab_size: int,

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.batch_partition import dp_shard, padded_micro_batches, plan_micro_batches, split_mini_batches
 from megatron_rl.actor.loss import actor_loss, count_step, megatron_loss
 from megatron_rl.actor.metrics import MetricsAccumulator
-from megatron_rl.actor.microbatching import dp_shard, padded_micro_batches, plan_micro_batches, split_mini_batches
 from megatron_rl.actor.optimizer import OptimizerBundle, step_optimizer
 from megatron_rl.actor.packing import PackingRule
 from megatron_rl.actor.routing_replay import RoutingReplay
@@ -47,7 +47,7 @@ class StepContext:
     packing: PackingRule | None = None
 
 
-def train_on_batch(context: StepContext, batch: RolloutBatch) -> list[dict[str, float]]:
+def train_on_batch(context: StepContext, batch: ActorBatch) -> list[dict[str, float]]:
     """Run every update of the step on the global ``batch``; return one metrics dict per update.
 
     All ranks call this together with the same ``batch``.
@@ -60,7 +60,7 @@ def train_on_batch(context: StepContext, batch: RolloutBatch) -> list[dict[str, 
     ]
 
 
-def _local_micro_batches(context: StepContext, mini_batch: RolloutBatch) -> list[RolloutBatch]:
+def _local_micro_batches(context: StepContext, mini_batch: ActorBatch) -> list[ActorBatch]:
     dp_group = parallel_state.get_data_parallel_group()
     rows = dp_shard(mini_batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
     local = mini_batch.select(rows)
@@ -69,14 +69,14 @@ def _local_micro_batches(context: StepContext, mini_batch: RolloutBatch) -> list
     return padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
 
 
-def update_on_mini_batch(context: StepContext, mini_batch: RolloutBatch) -> dict[str, float]:
+def update_on_mini_batch(context: StepContext, mini_batch: ActorBatch) -> dict[str, float]:
     """One optimizer update on the global ``mini_batch``; metrics as in ``PolicyActor.train_step``."""
     started = time.perf_counter()
     micro_batches = _local_micro_batches(context, mini_batch)
     counts = count_step(micro_batches, parallel_state.get_data_parallel_group())
     accumulator = MetricsAccumulator()
 
-    def loss_fn(micro_batch: RolloutBatch, current: TokenLogProbs):
+    def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs):
         loss, shares, means = actor_loss(current, micro_batch, counts, context.algorithm, context.norm_constant)
         scaled_loss, local_tokens = megatron_loss(loss, micro_batch, counts)
         accumulator.add(shares, means, float(local_tokens))

@@ -18,7 +18,8 @@ import re
 import shutil
 from pathlib import Path
 
-LATEST_FILE = "latest"
+from megatron_rl.checkpoint.layout import LATEST_FILE
+
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 

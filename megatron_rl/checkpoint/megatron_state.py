@@ -29,21 +29,24 @@ keys) cannot be resumed, and loading says so before reading any tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.optimizer import MegatronOptimizer, distrib_optimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-MEGATRON_DIR = "megatron"
-SCHEDULER_FILE = "scheduler.pt"
+from megatron_rl.checkpoint.layout import MEGATRON_DIR, SCHEDULER_FILE
+from megatron_rl.parallel.megatron_compat import (
+    initialize_empty_adam_state,
+    step_hidden_while_setting_param_state,
+    unshare_adam_steps,
+)
+
 _SHARDING_TYPE = "fully_reshardable"
 # Without the prefix flag a ChainedOptimizer prefixes its parts' tensor keys with ``chained_<i>.``.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": _SHARDING_TYPE, "chained_optim_avoid_prefix": True}
@@ -58,11 +61,6 @@ def _model_state(chunks: Sequence[torch.nn.Module]) -> dict:
 def _optimizer_parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     """The optimizers megatron-core chained (dense, then expert at EP > 1), or ``[optimizer]``."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _torch_adams(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
-    parts = _optimizer_parts(optimizer)
-    return [part.optimizer for part in parts if isinstance(part.optimizer, torch.optim.Adam | torch.optim.AdamW)]
 
 
 def _sharded_optimizer_parts(optimizer: MegatronOptimizer, model_state: dict, *, is_loading: bool) -> list[dict]:
@@ -150,71 +148,6 @@ def _param_groups_for(part: MegatronOptimizer, saved_groups: Sequence[dict], sou
     return groups
 
 
-def _initialize_empty_adam_state(optimizer: MegatronOptimizer) -> None:
-    """Give a fresh torch Adam the state entries a first step would create (step 0, zero moments).
-
-    Megatron's distributed optimizer reads ``state[p]["step"]`` when building the sharded state
-    dict to load into; without Transformer Engine or apex it uses torch's Adam, whose state is
-    empty until the first step (megatron-core 0.19.2 then fails ``assert len(steps) == 1``). The
-    values are placeholders: loading overwrites all of them.
-    """
-    for adam in _torch_adams(optimizer):
-        for group in adam.param_groups:
-            for param in group["params"]:
-                if not adam.state[param]:
-                    adam.state[param] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(param),
-                        "exp_avg_sq": torch.zeros_like(param),
-                    }
-
-
-@contextmanager
-def _step_hidden_while_setting_param_state() -> Iterator[None]:
-    """Work around megatron-core 0.19.2 loading a resharded optimizer state into torch's Adam.
-
-    Without Transformer Engine or apex, the distributed optimizer wraps ``torch.optim.Adam``,
-    whose per-parameter state holds a ``step`` tensor. ``_set_main_param_and_optimizer_states``
-    copies every tensor of that state from the checkpoint's per-parameter state, which never
-    holds ``step`` (Megatron restores it separately), and fails with ``KeyError: 'step'``. While
-    loading, this hides ``step`` from each parameter's state during that copy. With Transformer
-    Engine or apex installed (GPU clusters) nothing is changed.
-    """
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        yield
-        return
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def set_without_step(self: DistributedOptimizer, model_param: torch.Tensor, tensors: dict) -> None:
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-        step = state.pop("step", None)
-        try:
-            original(self, model_param, tensors)
-        finally:
-            if step is not None:
-                state["step"] = step
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_without_step
-    try:
-        yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = original
-
-
-def _unshare_adam_steps(optimizer: MegatronOptimizer) -> None:
-    """Give every parameter its own ``step`` tensor after a load.
-
-    megatron-core 0.19.2 restores torch Adam's step as ONE tensor object shared by all
-    parameters; torch's Adam increments ``step`` in place per parameter, so a shared tensor
-    would advance once per parameter per update and corrupt the bias correction.
-    """
-    for adam in _torch_adams(optimizer):
-        for state in adam.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
 def save_megatron_state(
     chunks: Sequence[torch.nn.Module],
     optimizer: MegatronOptimizer,
@@ -253,7 +186,7 @@ def load_megatron_state(
             raise FileNotFoundError(f"{required}: missing; {checkpoint_dir} holds no Megatron training state")
     saved_groups = _saved_param_groups(source)
     param_groups = [_param_groups_for(part, saved_groups, source) for part in _optimizer_parts(optimizer)]
-    _initialize_empty_adam_state(optimizer)
+    initialize_empty_adam_state(_optimizer_parts(optimizer))
     model_state = _model_state(chunks)
     parts = _sharded_optimizer_parts(optimizer, model_state, is_loading=True)
     request = {"param_state": {i: part["param_state"] for i, part in enumerate(parts)}}
@@ -271,7 +204,7 @@ def load_megatron_state(
         }
         for i, groups in enumerate(param_groups)
     ]
-    with _step_hidden_while_setting_param_state():
+    with step_hidden_while_setting_param_state():
         optimizer.load_state_dict(part_states[0] if len(part_states) == 1 else part_states)
-    _unshare_adam_steps(optimizer)
+    unshare_adam_steps(_optimizer_parts(optimizer))
     scheduler.load_state_dict(torch.load(scheduler_file, weights_only=False))

@@ -15,6 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_rl.checkpoint.layout import rng_state_path
+from megatron_rl.parallel.device import on_accelerator
+
 
 def capture_rng_state() -> dict[str, Any]:
     """The states of Python's, NumPy's and torch's global generators (CUDA ones when present)."""
@@ -23,7 +26,7 @@ def capture_rng_state() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "torch_cpu": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if on_accelerator():
         state["torch_cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -34,14 +37,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch_cpu"])
     if "torch_cuda" in state:
-        if not torch.cuda.is_available():
+        if not on_accelerator():
             raise RuntimeError("this checkpoint holds CUDA generator states, but no GPU is visible to restore them")
         torch.cuda.set_rng_state_all(state["torch_cuda"])
-
-
-def rng_state_path(checkpoint_dir: str | Path, rank: int) -> Path:
-    """``<checkpoint>/rng/rank_00003.pt``: one file per global rank."""
-    return Path(checkpoint_dir) / "rng" / f"rank_{rank:05d}.pt"
 
 
 def save_rng_state(checkpoint_dir: str | Path, rank: int, extra: dict[str, Any] | None = None) -> Path:

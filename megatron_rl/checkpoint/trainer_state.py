@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-TRAINER_STATE_FILE = "trainer_state.json"
+from megatron_rl.checkpoint.layout import TRAINER_STATE_FILE
+
 _FORMAT_VERSION = 1
 
 

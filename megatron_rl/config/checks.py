@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.models.hf_config import QwenArchitecture
 
 
 @dataclass(frozen=True)

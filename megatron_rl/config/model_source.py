@@ -1,7 +1,7 @@
 """The architecture of a recipe's model, read before any rank starts.
 
 From ``<model.path>/config.json`` or the inline ``model.random_init`` dict, through the
-same parser the model builder uses (:func:`megatron_rl.models.hf_config.parse_hf_config`,
+same parser the model builder uses (:func:`megatron_rl.config.hf_config.parse_hf_config`,
 which imports neither torch nor Megatron), so a field Megatron cannot honour is an error
 at validation time, not after the job has started.
 """
@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rl.models.hf_config import QwenArchitecture, UnsupportedConfigError, load_hf_config, parse_hf_config
+from megatron_rl.config.hf_config import QwenArchitecture, UnsupportedConfigError, load_hf_config, parse_hf_config
 
 
 class ModelSourceError(ValueError):

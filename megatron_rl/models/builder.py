@@ -10,7 +10,6 @@ layers Megatron assigns to (this pipeline rank, ``vp_stage=v``).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,15 +22,11 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_rl.models.hf_config import QwenArchitecture, padded_vocab_size, parse_hf_config
+from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size, parse_hf_config
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.norm import RMSNorm
+from megatron_rl.parallel.device import transformer_engine_usable
 from megatron_rl.parallel.distributed import ParallelSizes
-
-
-def transformer_engine_usable() -> bool:
-    """True when Transformer Engine is importable and a CUDA device is present."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def _with_local_norms(layer_spec: ModuleSpec) -> ModuleSpec:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config
+from megatron_rl.config.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config
 from megatron_rl.models.hf_files import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardFile,

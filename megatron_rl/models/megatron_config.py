@@ -1,6 +1,6 @@
 """QwenArchitecture + parallel sizes -> Megatron-core ``TransformerConfig``.
 
-Every math-changing field of :class:`~megatron_rl.models.hf_config.QwenArchitecture`
+Every math-changing field of :class:`~megatron_rl.config.hf_config.QwenArchitecture`
 maps to one TransformerConfig field here; the mapping is the single place
 where Hugging Face semantics meet Megatron's:
 
@@ -10,7 +10,7 @@ where Hugging Face semantics meet Megatron's:
 - the router runs in fp32 (``moe_router_dtype="fp32"``), like Hugging Face;
 - ``mlp_only_layers`` / ``decoder_sparse_step`` -> ``moe_layer_freq`` as a list.
 
-Vocabulary padding (:func:`~megatron_rl.models.hf_config.padded_vocab_size`, torch-free) follows Megatron-LM's rule: the
+Vocabulary padding (:func:`~megatron_rl.config.hf_config.padded_vocab_size`, torch-free) follows Megatron-LM's rule: the
 embedding rows are padded to a multiple of ``make_vocab_size_divisible_by * tp``.
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
-from megatron_rl.models.hf_config import QwenArchitecture
+from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.parallel.distributed import ParallelSizes
 
 

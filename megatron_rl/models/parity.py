@@ -5,7 +5,8 @@
 - :func:`megatron_rank_outputs`: per rank, load the checkpoint at a layout, run
   Megatron's forward schedule and return TP-gathered logits (vocab padding
   trimmed) and vocab-parallel log-probs on the last pipeline stage (None elsewhere);
-- :func:`max_abs_diffs`: max |difference| over the valid positions.
+- :func:`max_abs_diffs`: max |difference| over the valid positions;
+- :func:`check_parity`: the command itself (local gloo ranks, a printed report).
 
 Shapes: ``input_ids`` / ``mask`` ``[B, S]``; logits ``[B, S, V]``; log-probs ``[B, S-1]``
 (token t+1 given the prefix up to t).
@@ -18,11 +19,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.hf_config import QwenArchitecture, load_hf_config, parse_hf_config
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.forward import forward_logits
-from megatron_rl.models.hf_config import QwenArchitecture, load_hf_config
+from megatron_rl.models.megatron_config import check_layout
 from megatron_rl.models.weight_transfer import load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
+from megatron_rl.parallel.local_launch import run_local_ranks
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
@@ -103,3 +106,42 @@ def max_abs_diffs(
         where = (flat // per_position.shape[1], flat % per_position.shape[1])
         report[key] = (float(per_position.max()), where)
     return report
+
+
+def check_parity(
+    hf_dir: str | Path,
+    sizes: ParallelSizes,
+    *,
+    tolerance: float = 1e-4,
+    num_sequences: int = 4,
+    max_length: int = 32,
+) -> bool:
+    """Compare Megatron at ``sizes`` with transformers in fp32; print a report; True when within tolerance."""
+    arch = parse_hf_config(load_hf_config(hf_dir))
+    check_layout(arch, sizes)
+    max_length += -max_length % sizes.tp
+    num_sequences += -num_sequences % sizes.pp
+    input_ids, mask = make_uneven_batch(arch.vocab_size, num_sequences, max_length)
+    world_size = sizes.min_world_size
+    print(
+        f"model:  {arch.architecture}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}"
+        + (f", {arch.num_experts} experts (top-{arch.moe_router_topk})" if arch.is_moe else "")
+    )
+    print(
+        f"layout: TP={sizes.tp} PP={sizes.pp} VPP={sizes.vpp or '-'} EP={sizes.ep} ETP={sizes.expert_tp} "
+        f"on {world_size} CPU rank(s), gloo, fp32"
+    )
+    print(f"batch:  {num_sequences} sequences, lengths {mask.sum(1).tolist()}")
+    reference = reference_outputs(hf_dir, input_ids, mask)
+    outputs = run_local_ranks(megatron_rank_outputs, world_size, sizes, Path(hf_dir), input_ids)
+    ours = next(out for out in outputs if out is not None)
+    passed = True
+    for key, (diff, (sequence, position)) in max_abs_diffs(ours, reference, mask).items():
+        ok = diff <= tolerance
+        passed &= ok
+        print(
+            f"max |{key} diff| = {diff:.3e}  at sequence {sequence}, position {position}  "
+            f"{'ok' if ok else 'ABOVE TOLERANCE'}"
+        )
+    print(f"tolerance {tolerance:.0e}: {'PASS' if passed else 'FAIL'}")
+    return passed

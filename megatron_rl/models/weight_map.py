@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state
 
-from megatron_rl.models.hf_config import QwenArchitecture
+from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.models.weight_layouts import (
     FusedGateUp,
     FusedQKV,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.hf_config import QwenArchitecture
+from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
 from megatron_rl.models.weight_map import (
     is_designated_source,

@@ -3,7 +3,7 @@
 Shape legend: B responses (all samples of all groups, group by group), S the
 longest prompt + response, L decoder layers, K experts per token.
 
-Alignment follows :class:`megatron_rl.actor.RolloutBatch`: row b holds
+Alignment follows :class:`megatron_rl.actor.ActorBatch`: row b holds
 ``prompt_ids + response_ids`` right padded; the engine's log-prob of response
 token j sits at position ``len(prompt) + j`` (log p of that token given what
 precedes it); ``routed_experts`` of position t routes token t (the engine
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.actor import RolloutBatch as ActorBatch
+from megatron_rl.actor import ActorBatch
 from megatron_rl.algorithms import grpo_advantages, length_bias_metrics
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 

@@ -33,25 +33,15 @@ Before anything starts, a resume checks that the checkpoint holds the recipe's m
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron_rl.checkpoint import (
-    TrainerState,
-    commit_checkpoint,
-    latest_checkpoint,
-    load_trainer_state,
-    prune_checkpoints,
-    save_trainer_state,
-    staging_dir,
-)
-from megatron_rl.config import RunConfig, describe_layout, layout_record, read_architecture
+from megatron_rl.checkpoint import TrainerState, load_trainer_state
+from megatron_rl.checkpoint.run_checkpoint import check_same_model, checkpoint_to_resume, save_run_checkpoint
+from megatron_rl.config import RunConfig, describe_layout, layout_record
 from megatron_rl.config.schema import CheckpointConfig, TrainConfig
-from megatron_rl.models.cli_commands import HF_METADATA
-from megatron_rl.models.hf_files import copy_hf_metadata
 from megatron_rl.orchestration.batch_assembly import assemble_actor_batch, group_advantages, rollout_metrics
 from megatron_rl.orchestration.resources import RunResources, start_run
 
@@ -64,15 +54,6 @@ def should_validate(train: TrainConfig, step: int) -> bool:
 def should_checkpoint(checkpoint: CheckpointConfig, train: TrainConfig, step: int) -> bool:
     """Save after every ``checkpoint.interval`` steps and after the last one."""
     return step == train.steps or (checkpoint.interval > 0 and step % checkpoint.interval == 0)
-
-
-def checkpoint_to_resume(cfg: RunConfig) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` names: ``latest`` for auto (None when there is none), a path, or None."""
-    if cfg.checkpoint.resume == "none":
-        return None
-    if cfg.checkpoint.resume == "auto":
-        return latest_checkpoint(cfg.checkpoint_dir)
-    return Path(cfg.checkpoint.resume)
 
 
 class PhaseTimer:
@@ -124,12 +105,12 @@ def train_one_step(run: RunResources, step: int) -> dict[str, float]:
     advantages = group_advantages(rollout.groups, norm_by_std=cfg.algorithm.norm_adv_by_std)
     batch = assemble_actor_batch(rollout.groups, advantages, pad_token_id=run.data.tokenizer.pad_token_id or 0)
     with timer("old_log_probs"):
-        batch = batch.replace(old_log_probs=run.trainers.call("compute_old_log_probs", batch)[0])
+        batch = batch.replace(old_log_probs=run.trainers.compute_old_log_probs(batch))
     if cfg.algorithm.use_kl_loss:
         with timer("ref_log_probs"):
-            batch = batch.replace(ref_log_probs=run.trainers.call("compute_ref_log_probs", batch)[0])
+            batch = batch.replace(ref_log_probs=run.trainers.compute_ref_log_probs(batch))
     with timer("train"):
-        actor_metrics = run.trainers.call("train_step", batch)[0]
+        actor_metrics = run.trainers.train_step(batch)
     run.hand_over.sync_weights(step, timer)
     run.hand_over.to_rollout(timer)
     metrics = rollout.metrics | rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
@@ -155,42 +136,18 @@ def validate(run: RunResources) -> dict[str, float]:
 
 
 def save_checkpoint(run: RunResources, step: int) -> Path:
-    """Stage trainer state, HF metadata, every rank's shards and RNG states (and ``hf/``), commit, prune.
-
-    With ``checkpoint.export_hf`` the Hugging Face model directory ``hf/`` is complete in the
-    staging directory before the commit, so a committed checkpoint never holds a partial one.
-    Keeps the newest ``checkpoint.keep_last`` checkpoints.
-    """
-    root = run.cfg.checkpoint_dir
-    staging = staging_dir(root, step)
+    """Write and commit the run checkpoint of ``step`` (see :mod:`megatron_rl.checkpoint.layout`)."""
     layout = layout_record(run.cfg.parallel, run.cfg.cluster, run.cfg.rollout)
-    sampler = run.rollout.sampler.state_dict()
-    save_trainer_state(staging, TrainerState(step=step, sampler=sampler, weight_version=step, layout=layout))
-    copy_hf_metadata(run.hf_dir, staging / HF_METADATA)
-    run.data.tokenizer.save_pretrained(staging / HF_METADATA)
-    run.trainers.call("save_checkpoint", str(staging))
-    if run.cfg.checkpoint.export_hf:
-        run.trainers.call("export_hf", str(staging / "hf"))
-        run.data.tokenizer.save_pretrained(staging / "hf")
-    committed = commit_checkpoint(root, step)
-    prune_checkpoints(root, run.cfg.checkpoint.keep_last)
-    return committed
-
-
-def check_same_model(cfg: RunConfig, checkpoint: Path) -> None:
-    """Raise ValueError naming the differing fields when ``checkpoint`` holds another model than the recipe's."""
-    saved = read_architecture(str(checkpoint / HF_METADATA), None)
-    wanted = read_architecture(cfg.model.path, cfg.model.random_init)
-    differing = [
-        f"{field.name}: {getattr(saved, field.name)} saved, {getattr(wanted, field.name)} in the recipe"
-        for field in dataclasses.fields(saved)
-        if getattr(saved, field.name) != getattr(wanted, field.name)
-    ]
-    if differing:
-        raise ValueError(
-            f"checkpoint.resume: {checkpoint} holds another model ({'; '.join(differing)}); "
-            "resume with the recipe it was saved with, or set checkpoint.resume=none (or another checkpoint.dir)"
-        )
+    state = TrainerState(step=step, sampler=run.rollout.sampler.state_dict(), weight_version=step, layout=layout)
+    return save_run_checkpoint(
+        run.cfg.checkpoint_dir,
+        state,
+        hf_dir=run.hf_dir,
+        tokenizer=run.data.tokenizer,
+        write_rank_state=run.trainers.save_checkpoint,
+        export_hf=run.trainers.export_hf if run.cfg.checkpoint.export_hf else None,
+        keep_last=run.cfg.checkpoint.keep_last,
+    )
 
 
 def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> None:
@@ -201,13 +158,13 @@ def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> None:
     """
     layout = layout_record(run.cfg.parallel, run.cfg.cluster, run.cfg.rollout)
     if state.layout is None or state.layout == layout:
-        run.trainers.call("load_checkpoint", str(checkpoint))
+        run.trainers.load_checkpoint(checkpoint)
     else:
         print(
             f"# resume: {checkpoint.name} was saved at {describe_layout(state.layout)}; continuing at "
             f"{describe_layout(layout)}: weights and optimizer state resharded, generators reseeded",
             flush=True,
         )
-        run.trainers.call("load_checkpoint", str(checkpoint), reseed=run.cfg.train.seed + state.step)
+        run.trainers.load_checkpoint(checkpoint, reseed=run.cfg.train.seed + state.step)
     run.rollout.sampler.load_state_dict(state.sampler)
-    run.trainers.call("sync_weights", state.weight_version)
+    run.trainers.sync_weights(state.weight_version)

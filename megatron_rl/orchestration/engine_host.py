@@ -33,7 +33,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megatron_rl.orchestration.run_placement import ActorResources
+from megatron_rl.plan.placement import ActorResources
 from megatron_rl.rollout import EngineStartupError, HttpEngine, ReferenceEngine, SGLangEngine, SGLangPlacement
 
 if TYPE_CHECKING:

@@ -43,10 +43,14 @@ Timer = Callable[[str], AbstractContextManager[None]]
 CACHE_TAGS = ("kv_cache", "cuda_graph")
 
 
-class TrainerGroup(Protocol):
-    """The trainer ranks as the driver calls them (a RankWorkerGroup of TrainerWorkers)."""
+class TrainerMemory(Protocol):
+    """What the hand-over asks of the trainer ranks (:class:`~megatron_rl.orchestration.trainer_group.TrainerGroup`)."""
 
-    def call(self, method: str, *args: object, **kwargs: object) -> list[object]: ...
+    def offload(self, *, keep_params: bool = False) -> None: ...
+
+    def reload(self) -> None: ...
+
+    def sync_weights(self, version: int) -> float: ...
 
 
 def _untimed(phase: str) -> AbstractContextManager[None]:
@@ -69,7 +73,7 @@ def release_engine_caches(engines: Sequence[RolloutEngine]) -> None:
 class HandOver:
     """Disaggregated engines: nothing moves; :meth:`sync_weights` delivers the trainer's weights."""
 
-    def __init__(self, engines: Sequence[RolloutEngine], trainers: TrainerGroup) -> None:
+    def __init__(self, engines: Sequence[RolloutEngine], trainers: TrainerMemory) -> None:
         self.engines = list(engines)
         self.trainers = trainers
         self.version: int | None = None
@@ -80,7 +84,7 @@ class HandOver:
     def sync_weights(self, version: int, timer: Timer = _untimed, *, phase: str = "weight_sync") -> None:
         """Deliver the trainer's weights to every engine as ``version`` (timed as ``phase``)."""
         with timer(phase):
-            self.trainers.call("sync_weights", version)
+            self.trainers.sync_weights(version)
         self.version = version
 
     def to_rollout(self, timer: Timer = _untimed) -> None:
@@ -100,7 +104,7 @@ class ColocatedHandOver(HandOver):
     def __init__(
         self,
         engines: Sequence[RolloutEngine],
-        trainers: TrainerGroup,
+        trainers: TrainerMemory,
         *,
         engine_tags: Sequence[str] = ("weights",),
         engine_weights_current: bool = True,
@@ -127,7 +131,7 @@ class ColocatedHandOver(HandOver):
             self.engine_weights_current = False
         if self.actor != "all":
             with timer("actor_reload"):
-                self.trainers.call("reload")
+                self.trainers.reload()
             self.actor = "all"
 
     def sync_weights(self, version: int, timer: Timer = _untimed, *, phase: str = "weight_sync") -> None:
@@ -135,7 +139,7 @@ class ColocatedHandOver(HandOver):
             raise RuntimeError("the actor's parameters are offloaded; call to_training() before sync_weights()")
         if self.actor == "all":
             with timer("actor_offload_optimizer"):
-                self.trainers.call("offload", keep_params=True)
+                self.trainers.offload(keep_params=True)
             self.actor = "params"
         if "weights" not in self.engine_tags:
             with timer("engines_resume_weights"):
@@ -151,7 +155,7 @@ class ColocatedHandOver(HandOver):
             self.sync_weights(self.version, timer, phase="weight_resync")
         if self.actor != "none":
             with timer("actor_offload_params"):
-                self.trainers.call("offload")
+                self.trainers.offload()
             self.actor = "none"
         missing = [tag for tag in CACHE_TAGS if tag not in self.engine_tags]
         if missing:

@@ -35,10 +35,11 @@ from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
 from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts, EngineSpec
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
-from megatron_rl.orchestration.placement import RankSlot, create_rank_slots
-from megatron_rl.orchestration.run_placement import RunPlacementPlan, engine_gpu_ids, plan_run_placement
+from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids
+from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
+from megatron_rl.plan.placement import RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.manager import RolloutManager
 
@@ -53,7 +54,7 @@ class RunResources:
     placement: PlacementGroup | None = None
     engine_hosts: EngineHosts | None = None
     engines: list[RolloutEngine] = field(default_factory=list)
-    trainers: RankWorkerGroup | None = None
+    trainers: TrainerGroup | None = None
     hand_over: HandOver | None = None
     rollout: RolloutManager | None = None
     validation: RolloutManager | None = None
@@ -62,7 +63,7 @@ class RunResources:
     def close(self) -> None:
         """Stop sinks, managers, trainer ranks, engines and Ray (local Ray stops; a cluster is left)."""
         closers = [part.close for part in (self.logger, self.rollout, self.validation) if part is not None]
-        closers += [self._close_trainers] if self.trainers is not None else []
+        closers += [self.trainers.close] if self.trainers is not None else []
         closers += [self.engine_hosts.close] if self.engine_hosts is not None else []
         if self.placement is not None:
             closers.append(lambda: ray.util.remove_placement_group(self.placement))
@@ -70,11 +71,6 @@ class RunResources:
         for close in closers:
             with contextlib.suppress(Exception):  # tear down the rest; the run's own error is what matters
                 close()
-
-    def _close_trainers(self) -> None:
-        with contextlib.suppress(ray.exceptions.RayError):
-            self.trainers.call("close")
-        self.trainers.shutdown()
 
 
 def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
@@ -208,10 +204,10 @@ def start_trainers(
     slots: list[RankSlot],
     plan: RunPlacementPlan,
     engines: list[EngineAddress],
-) -> RankWorkerGroup:
+) -> TrainerGroup:
     """One Ray actor per trainer rank on ``slots`` (with the plan's share of each bundle), actors built."""
     on_cpu = cfg.cluster.gpus_per_node == 0
-    return RankWorkerGroup(
+    ranks = RankWorkerGroup(
         TrainerWorker,
         placement,
         slots,
@@ -220,6 +216,7 @@ def start_trainers(
         args=(cfg, str(hf_dir), engines),
         env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
     )
+    return TrainerGroup(ranks)
 
 
 def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine]) -> RolloutManager:

@@ -14,21 +14,16 @@ from collections.abc import Sequence
 import ray
 import torch
 import torch.distributed as dist
-from megatron.core import tensor_parallel
 
-from megatron_rl.actor import PolicyActor, RolloutBatch, parallel_sizes
-from megatron_rl.checkpoint import load_rng_state, reseed_generators, save_rng_state
-from megatron_rl.checkpoint.megatron_state import load_megatron_state, save_megatron_state
+from megatron_rl.actor import ActorBatch, PolicyActor, parallel_sizes
+from megatron_rl.checkpoint.rank_state import load_rank_state, save_rank_state
+from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.orchestration.engine_host import EngineAddress
 from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
 from megatron_rl.rollout import HttpEngine
 from megatron_rl.weight_sync.syncer import WeightSyncer, build_syncer
-
-_TRACKER_STATES = "megatron_rng_tracker"
-"""Key of Megatron's model-parallel generator states among a rank's saved generator states."""
 
 
 class TrainerWorker:
@@ -69,15 +64,15 @@ class TrainerWorker:
     def _on_rank0(self, value: torch.Tensor) -> torch.Tensor | None:
         return value if self._rank == 0 else None
 
-    def compute_old_log_probs(self, batch: RolloutBatch) -> torch.Tensor | None:
+    def compute_old_log_probs(self, batch: ActorBatch) -> torch.Tensor | None:
         """The current policy's [B, S] log-probs of ``batch`` (rank 0; None elsewhere)."""
         return self._on_rank0(self.actor.compute_log_probs(batch).log_probs)
 
-    def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor | None:
+    def compute_ref_log_probs(self, batch: ActorBatch) -> torch.Tensor | None:
         """The reference policy's [B, S] log-probs of ``batch`` (rank 0; None elsewhere)."""
         return self._on_rank0(self.actor.compute_ref_log_probs(batch))
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+    def train_step(self, batch: ActorBatch) -> dict[str, float]:
         """One optimizer step on ``batch``; the actor's metrics (the same on every rank)."""
         return self.actor.train_step(batch)
 
@@ -99,10 +94,7 @@ class TrainerWorker:
     def save_checkpoint(self, directory: str) -> None:
         """Write model, optimizer and schedule shards and this rank's RNG states into ``directory``."""
         optimizer = self.actor.optimizer
-        save_megatron_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory)
-        tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states()
-        save_rng_state(directory, self._rank, extra={_TRACKER_STATES: tracker_states})
-        dist.barrier()
+        save_rank_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory)
 
     def export_hf(self, directory: str) -> None:
         """Write the current weights as a Hugging Face model directory ``directory`` (all ranks together).
@@ -113,20 +105,13 @@ class TrainerWorker:
         write_hf_model_dir(self.actor.chunks, self.actor.arch, self._hf_dir, directory)
 
     def load_checkpoint(self, directory: str, *, reseed: int | None = None) -> None:
-        """Restore what :meth:`save_checkpoint` wrote: model, optimizer, schedule and generator states.
+        """Restore what :meth:`save_checkpoint` wrote, from this or any other layout.
 
-        The checkpoint may come from any TP/PP/EP layout. Generator states belong to the rank
-        that saved them, so pass ``reseed`` when the layout differs: every generator (Megatron's
-        model-parallel ones included) is then seeded from it instead of restored.
+        ``reseed``: the layout differs, so generators are seeded from it instead of restored
+        (:func:`~megatron_rl.checkpoint.rank_state.load_rank_state`).
         """
         optimizer = self.actor.optimizer
-        load_megatron_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory)
-        if reseed is None:
-            extra = load_rng_state(directory, self._rank)
-            tensor_parallel.get_cuda_rng_tracker().set_states(extra[_TRACKER_STATES])
-        else:
-            reseed_generators(reseed)
-            tensor_parallel.model_parallel_cuda_manual_seed(reseed)
+        load_rank_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory, reseed=reseed)
 
     def close(self) -> None:
         """Release the weight-sync transport and tear down the process groups."""

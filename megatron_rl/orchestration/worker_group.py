@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megatron_rl.orchestration.placement import RankSlot
+from megatron_rl.orchestration.placement_group import RankSlot
 
 
 @ray.remote

@@ -56,6 +56,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_rl.parallel.device import on_accelerator
+
 PATCHED_ATTRIBUTES: tuple[str, ...] = (
     "torch.cuda.current_device",
     "torch.cuda.synchronize",
@@ -159,7 +161,7 @@ def enable() -> None:
     Raises:
         RuntimeError: if CUDA is available; GPU processes must run unpatched.
     """
-    if torch.cuda.is_available():
+    if on_accelerator():
         raise RuntimeError("cpu_compat.enable() called on a machine with CUDA; it is CPU-only")
     if is_enabled():
         return

@@ -12,7 +12,6 @@ compatibility layer (:mod:`megatron_rl.parallel.cpu_compat`) is enabled first.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel import cpu_compat
+from megatron_rl.parallel.device import collective_backend, select_device
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,6 @@ class ParallelSizes:
             raise ValueError(f"world size {world_size} is not divisible by etp*ep*pp = {expert}")
 
 
-def select_device() -> torch.device:
-    """This process's device: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def initialize_parallel(sizes: ParallelSizes, *, seed: int = 1234, timeout_minutes: int = 30) -> torch.device:
     """Initialise torch.distributed, Megatron parallel state and RNG; return the device.
 
@@ -82,7 +75,7 @@ def initialize_parallel(sizes: ParallelSizes, *, seed: int = 1234, timeout_minut
         cpu_compat.enable()
     if not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
+            backend=collective_backend(),
             init_method="env://",
             timeout=timedelta(minutes=timeout_minutes),
         )

@@ -2,9 +2,10 @@
 
 Never imports Megatron, ``megatron_rl.models``/``actor``/``parallel`` or Ray.
 ``engine`` is the interface, ``protocol`` the SGLang HTTP subset shared by
-the client (``http_engine``, ``sglang_engine``) and our reference server
-(``reference_server`` over ``reference_backend``/``reference_generator``),
-``manager`` turns prompts into scored groups for a training step.
+the client (``http_engine``, ``sglang_engine``) and the reference engine
+(the ``reference`` subpackage: its server, backend and generator), ``manager``
+turns prompts into scored groups for a training step. The reference engine
+receives weights through ``weight_sync``'s torch-only wire modules.
 """
 
 from megatron_rl.rollout.engine import (
@@ -17,7 +18,7 @@ from megatron_rl.rollout.engine import (
 )
 from megatron_rl.rollout.http_engine import HttpEngine
 from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams
-from megatron_rl.rollout.reference_engine import ReferenceEngine
+from megatron_rl.rollout.reference.engine import ReferenceEngine
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangPlacement, build_sglang_command
 
 __all__ = [

@@ -24,8 +24,8 @@ Request ids are ``<uid_prefix><serial>``, the serial counting the sampler's
 prompts over epochs, so they (and, with ``seed``, each request's sampling seed
 ``seed * 2**32 + serial``) are the same after a resume from the sampler's state.
 Metrics: ``rollout/groups_kept``, ``groups_dropped``, ``groups_aborted``,
-``gen_batches``, ``samples``, ``response_length_mean``, ``truncated_frac``,
-``score_mean``, ``accuracy``, ``seconds``.
+``gen_batches``, ``samples``, ``seconds``. Rewards, accuracy and lengths of the kept
+samples are the trainer's ``train/...`` metrics (computed once, by the driver).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 
 from megatron_rl.algorithms import groups_with_signal, overlong_penalty
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.groups import RolloutBatch, RolloutGroup, RolloutSample
+from megatron_rl.rollout.groups import RolloutGroup, RolloutSample, RolloutStep
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
 from megatron_rl.rollout.scoring import RewardPool
 
@@ -246,7 +246,7 @@ class RolloutManager:
         state = self.sampler.state_dict()
         return state["epoch"] * self.sampler.dataset_size + state["position"]
 
-    def generate_step(self) -> RolloutBatch:
+    def generate_step(self) -> RolloutStep:
         """Kept groups for one training step and the step's rollout metrics."""
         start = time.perf_counter()
         kept: list[RolloutGroup] = []
@@ -266,22 +266,16 @@ class RolloutManager:
                 f"batches ({counts['dropped']} dropped with identical scores); raise "
                 "algorithm.dynamic_sampling.max_gen_batches or set on_exhausted: train_partial"
             )
-        return RolloutBatch(kept, self._metrics(kept, counts, gen_batches, time.perf_counter() - start))
+        return RolloutStep(kept, self._metrics(kept, counts, gen_batches, time.perf_counter() - start))
 
     @staticmethod
     def _metrics(kept: list[RolloutGroup], counts: dict[str, int], gen_batches: int, seconds: float) -> dict:
-        samples = [s for g in kept for s in g.samples]
-        num = max(1, len(samples))
         return {
             "rollout/groups_kept": float(len(kept)),
             "rollout/groups_dropped": float(counts["dropped"]),
             "rollout/groups_aborted": float(counts["aborted"]),
             "rollout/gen_batches": float(gen_batches),
             "rollout/samples": float(counts["samples"]),
-            "rollout/response_length_mean": sum(len(s.response_ids) for s in samples) / num,
-            "rollout/truncated_frac": sum(s.truncated for s in samples) / num,
-            "rollout/score_mean": sum(s.score for s in samples) / num,
-            "rollout/accuracy": sum(s.correct for s in samples) / num,
             "rollout/seconds": seconds,
         }
 

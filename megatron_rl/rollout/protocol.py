@@ -4,7 +4,7 @@ Each request dataclass maps to one endpoint and one SGLang request type (in
 ``sglang/srt/managers/io_struct.py``, 0.5.23); :meth:`to_json` gives the JSON
 body, with field names and meanings identical to SGLang's. The SGLang client
 (:mod:`~megatron_rl.rollout.http_engine`) sends these bodies and the reference
-server (:mod:`~megatron_rl.rollout.reference_server`) parses them with the
+server (:mod:`~megatron_rl.rollout.reference.server`) parses them with the
 same classes, so the client code that drives production engines is the code
 under test.
 

@@ -1,21 +1,10 @@
 """Trained weights into the rollout engines: streaming Megatron -> Hugging Face export, buckets, transports.
 
-Imports ``models`` and ``parallel`` (the exporter) and ``rollout``'s engine
-interface and protocol (what the transports call); never Ray.
+``syncer`` (export in buckets) and ``transports`` (one class per way of delivering a bucket)
+import ``models`` and ``parallel`` and call ``rollout``'s engine interface; never Ray. The
+wire modules, ``tensor_serialization`` (the ``update_weights_from_tensor`` payload) and
+``weight_group`` (the broadcast group of ``update_weights_from_distributed``), import torch
+only: they are both sides of the wire, so the reference engine receives with the same code.
+This package's ``__init__`` imports nothing, so an engine that imports a wire module does not
+load Megatron.
 """
-
-from megatron_rl.weight_sync.buckets import iter_buckets
-from megatron_rl.weight_sync.syncer import SyncStats, WeightSyncer, build_syncer, build_transport
-from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
-
-__all__ = [
-    "DiskTransport",
-    "DistributedTransport",
-    "SyncStats",
-    "TensorTransport",
-    "WeightSyncer",
-    "WeightTransport",
-    "build_syncer",
-    "build_transport",
-    "iter_buckets",
-]

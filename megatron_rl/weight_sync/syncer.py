@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.schema import WeightSyncConfig
-from megatron_rl.models.hf_config import QwenArchitecture
 from megatron_rl.models.weight_transfer import export_hf_weights
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.weight_sync.buckets import MIB, NamedTensor, iter_buckets, tensor_bytes

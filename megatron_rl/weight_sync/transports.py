@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from megatron_rl.parallel.device import collective_backend
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.protocol import (
@@ -41,9 +42,9 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.tensor_serialization import serialize_named_tensors
-from megatron_rl.rollout.weight_group import WeightGroup, broadcast_from_trainer, create_weight_group
 from megatron_rl.weight_sync.buckets import NamedTensor, tensor_bytes
+from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
+from megatron_rl.weight_sync.weight_group import WeightGroup, broadcast_from_trainer, create_weight_group
 
 ALIGN_BYTES = 64
 
@@ -144,7 +145,7 @@ class DistributedTransport(WeightTransport):
         self.engines = list(engines)
         self.engine_world_sizes = list(engine_world_sizes or [1] * len(self.engines))
         self.master_address = master_address
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.backend = backend or collective_backend()
         self.timeout_s = timeout_s
         self.group_name = f"megatron_rl_weights_rank{_rank()}"
         self._group: WeightGroup | None = None

@@ -24,12 +24,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.actor import RolloutBatch
+from megatron_rl.actor import ActorBatch
 from megatron_rl.models.weight_transfer import export_hf_tensors
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.rollout import GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference_generator import generate_samples
-from megatron_rl.rollout.reference_server import load_model
+from megatron_rl.rollout.reference.generator import generate_samples
+from megatron_rl.rollout.reference.server import load_model
 from tests.actor_setup import (
     algorithm_config,
     batch_with_old_log_probs,
@@ -48,7 +48,7 @@ MAX_NEW = 6
 LAYOUTS = {"tp1": (ParallelSizes(), 1), "tp2": (ParallelSizes(tp=2), 2)}
 
 
-def _engine_samples(hf_dir: Path) -> RolloutBatch:
+def _engine_samples(hf_dir: Path) -> ActorBatch:
     """Two samples per prompt from the reference engine's generator at TEMPERATURE, with its log-probs.
 
     ``rollout_log_probs`` holds the engine's log-prob of each response token at
@@ -72,7 +72,7 @@ def _engine_samples(hf_dir: Path) -> RolloutBatch:
         response_mask[row, start:end] = True
         rollout_log_probs[row, start:end] = torch.tensor(logprobs)
     lengths = torch.tensor([len(prompt) + len(output) for prompt, output, _ in rows])
-    return RolloutBatch(input_ids, lengths, response_mask, rollout_log_probs=rollout_log_probs)
+    return ActorBatch(input_ids, lengths, response_mask, rollout_log_probs=rollout_log_probs)
 
 
 def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
@@ -97,7 +97,7 @@ def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
     return result
 
 
-def _transformers_loss_grads(hf_dir: Path, batch: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+def _transformers_loss_grads(hf_dir: Path, batch: ActorBatch, temperature: float) -> dict[str, torch.Tensor]:
     """Gradient of the actor's loss on ``batch`` under softmax(logits / temperature), written out in plain torch."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     log_softmax = torch.log_softmax(model(batch.input_ids).logits[:, :-1] / temperature, dim=-1)

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from megatron_rl.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from megatron_rl.cli import main
+from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.models.builder import build_qwen_model
-from megatron_rl.models.cli_commands import convert_hf_to_mcore, convert_mcore_to_hf
-from megatron_rl.models.hf_config import load_hf_config
 from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.models.hf_files import partial_dir
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint

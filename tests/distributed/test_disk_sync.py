@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.rollout import EngineRequestError, GenerateRequest, ReferenceEngine, SamplingParams
-from megatron_rl.weight_sync import DiskTransport, WeightSyncer
+from megatron_rl.weight_sync.syncer import WeightSyncer
+from megatron_rl.weight_sync.transports import DiskTransport
 from tests.distributed_utils import free_port
 from tests.tiny_checkpoints import save_tiny_moe
 

@@ -20,8 +20,8 @@ from ray.util.placement_group import PlacementGroup
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, release_engine_caches
-from megatron_rl.orchestration.placement import create_rank_slots
-from megatron_rl.orchestration.run_placement import ActorResources
+from megatron_rl.orchestration.placement_group import create_rank_slots
+from megatron_rl.plan.placement import ActorResources
 from megatron_rl.rollout import (
     EngineRequestError,
     EngineStartupError,
@@ -83,13 +83,18 @@ class _Trainers:
     def __init__(self, engine: HttpEngine, weights_dir: Path, log: list[tuple[str, ...]]) -> None:
         self.engine, self.weights_dir, self.log = engine, weights_dir, log
 
-    def call(self, method: str, *args: object, **kwargs: object) -> list[object]:
-        self.log.append((f"trainer.{method}", *map(str, args), *(f"{k}={v}" for k, v in kwargs.items())))
-        if method == "sync_weights":
-            self.engine.update_weights_from_disk(
-                UpdateWeightsFromDiskRequest(str(self.weights_dir), weight_version=str(args[0]))
-            )
-        return [None]
+    def offload(self, *, keep_params: bool = False) -> None:
+        self.log.append(("trainer.offload", "keep_params=True") if keep_params else ("trainer.offload",))
+
+    def reload(self) -> None:
+        self.log.append(("trainer.reload",))
+
+    def sync_weights(self, version: int) -> float:
+        self.log.append(("trainer.sync_weights", str(version)))
+        self.engine.update_weights_from_disk(
+            UpdateWeightsFromDiskRequest(str(self.weights_dir), weight_version=str(version))
+        )
+        return 0.0
 
 
 def test_hosted_engine_generates_and_dies_with_its_actor(bundles: PlacementGroup, tmp_path: Path) -> None:

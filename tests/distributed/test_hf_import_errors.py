@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from megatron_rl.config.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.models.builder import build_model_chunks
-from megatron_rl.models.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.safetensors_reader import CheckpointTensorError, SafetensorsCheckpoint
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.models.builder import build_model_chunks
 from megatron_rl.models.forward import forward_logits
-from megatron_rl.models.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.models.mcore_checkpoint import load_model_weights, save_model_weights
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights

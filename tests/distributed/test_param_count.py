@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.config.param_count import ParamCount, stage_params
+from megatron_rl.config.hf_config import parse_hf_config
 from megatron_rl.config.schema import ParallelConfig
 from megatron_rl.models.builder import build_model_chunks
-from megatron_rl.models.hf_config import parse_hf_config
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
+from megatron_rl.plan.param_count import ParamCount, stage_params
 from tests.distributed_utils import run_distributed
 
 _COMMON = {

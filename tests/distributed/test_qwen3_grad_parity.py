@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl.config.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.models.builder import build_model_chunks
-from megatron_rl.models.hf_config import load_hf_config, parse_hf_config
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.weight_transfer import export_hf_tensors, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel

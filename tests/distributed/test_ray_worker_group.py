@@ -10,7 +10,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from megatron_rl.orchestration.placement import PlacementError, create_rank_slots
+from megatron_rl.orchestration.placement_group import PlacementError, create_rank_slots
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 
 pytestmark = pytest.mark.distributed

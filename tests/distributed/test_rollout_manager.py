@@ -71,8 +71,7 @@ def test_dynamic_sampling_fills_the_step_and_aborts_the_surplus(engine):
             assert sample.truncated and sample.overlong_penalty == -0.5 and set(sample.loss_mask) == {0}
             assert len(sample.rollout_logprobs) == len(sample.response_ids) == 16
             assert sample.routed_experts.shape == (2 + 16 - 1, 4, 2)
-    padded = batch.padded()
-    assert padded["response_ids"].shape == (8, 16) and padded["group_index"].tolist() == [0] * 4 + [1] * 4
+    assert [len(group.samples) for group in batch.groups] == [4, 4]
 
 
 @pytest.mark.distributed

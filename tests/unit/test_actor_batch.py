@@ -1,19 +1,19 @@
-"""RolloutBatch validation, selection and padding; mini-batch splitting."""
+"""ActorBatch validation, selection and padding; mini-batch splitting."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_rl.actor import RolloutBatch
-from megatron_rl.actor.microbatching import split_mini_batches
+from megatron_rl.actor import ActorBatch
+from megatron_rl.actor.batch_partition import split_mini_batches
 from megatron_rl.algorithms import count_tokens_and_seqs
 
 
-def _batch() -> RolloutBatch:
+def _batch() -> ActorBatch:
     lengths = torch.tensor([4, 2])
     response_mask = torch.tensor([[False, True, True, True], [False, True, False, False]])
-    return RolloutBatch(
+    return ActorBatch(
         input_ids=torch.tensor([[5, 6, 7, 8], [9, 3, 0, 0]]),
         lengths=lengths,
         response_mask=response_mask,

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.checkpoint.layout import HF_METADATA_DIR
+from megatron_rl.checkpoint.run_checkpoint import check_same_model
 from megatron_rl.config import load_recipe
-from megatron_rl.models.cli_commands import HF_METADATA
-from megatron_rl.orchestration.driver import check_same_model
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe_cpu_dapo.yaml"
 
 
 def _checkpoint_of(tmp_path: Path, **changes: object) -> Path:
     cfg = load_recipe(RECIPE)[0]
-    metadata = tmp_path / "step_000002" / HF_METADATA
+    metadata = tmp_path / "step_000002" / HF_METADATA_DIR
     metadata.mkdir(parents=True)
     config = dict(cfg.model.random_init) | {"eos_token_id": 2, "torch_dtype": "float32"} | changes
     (metadata / "config.json").write_text(json.dumps(config))

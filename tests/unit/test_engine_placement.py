@@ -9,8 +9,8 @@ import pytest
 from megatron_rl.config import RecipeError, load_recipe
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.orchestration.engine_host import EngineSpec, build_engine, first_visible_index
-from megatron_rl.orchestration.placement import RankSlot
-from megatron_rl.orchestration.run_placement import ActorResources, engine_gpu_ids, plan_run_placement
+from megatron_rl.orchestration.placement_group import RankSlot, engine_gpu_ids
+from megatron_rl.plan.placement import ActorResources, plan_run_placement
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

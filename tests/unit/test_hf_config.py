@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-from megatron_rl.models.hf_config import UnsupportedConfigError, padded_vocab_size, parse_hf_config
+from megatron_rl.config.hf_config import UnsupportedConfigError, padded_vocab_size, parse_hf_config
 from megatron_rl.models.megatron_config import build_transformer_config, check_layout
 from megatron_rl.parallel.distributed import ParallelSizes
 from tests.hf_configs import QWEN3_30B_A3B

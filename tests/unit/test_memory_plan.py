@@ -8,7 +8,9 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
-from megatron_rl.config.memory_plan import (
+from megatron_rl.config.hf_config import parse_hf_config
+from megatron_rl.config.schema import ParallelConfig, RolloutConfig, TrainConfig
+from megatron_rl.plan.memory import (
     GIB,
     engine_plan,
     layer_activation_elements,
@@ -17,9 +19,7 @@ from megatron_rl.config.memory_plan import (
     plan_memory,
     state_amounts,
 )
-from megatron_rl.config.param_count import ParamCount, engine_gpu_weights, model_params, stage_params
-from megatron_rl.config.schema import ParallelConfig, RolloutConfig, TrainConfig
-from megatron_rl.models.hf_config import parse_hf_config
+from megatron_rl.plan.param_count import ParamCount, engine_gpu_weights, model_params, stage_params
 from tests.hf_configs import QWEN3_30B_A3B
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_30b_a3b_dapo.yaml"

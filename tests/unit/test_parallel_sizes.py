@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_rl.parallel.distributed import ParallelSizes, select_device
+from megatron_rl.parallel.device import select_device
+from megatron_rl.parallel.distributed import ParallelSizes
 
 
 def test_expert_tp_defaults_to_tp():

@@ -43,10 +43,10 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.reference_backend import ReferenceBackend
-from megatron_rl.rollout.reference_generator import SampleOutput
+from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.rollout.reference.generator import SampleOutput
 from megatron_rl.rollout.sglang_engine import SGLangPlacement, build_sglang_command
-from megatron_rl.rollout.tensor_serialization import rebuild_args_with_uuid, serialize_named_tensors
+from megatron_rl.weight_sync.tensor_serialization import rebuild_args_with_uuid, serialize_named_tensors
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
 
 SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {

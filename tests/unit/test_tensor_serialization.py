@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.multiprocessing import reductions
 
-from megatron_rl.rollout.tensor_serialization import (
+from megatron_rl.weight_sync.buckets import iter_buckets
+from megatron_rl.weight_sync.tensor_serialization import (
     REBUILD_DEVICE_ARG,
     UnsafePayloadError,
     deserialize_named_tensors,
@@ -20,7 +21,6 @@ from megatron_rl.rollout.tensor_serialization import (
     serialize_named_tensors,
     with_device_uuid,
 )
-from megatron_rl.weight_sync.buckets import iter_buckets
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
 
 

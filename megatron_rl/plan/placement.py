@@ -1,11 +1,11 @@
 """Where a run's trainer ranks and rollout engines go: one placement group, a plan over its bundles.
 
 :func:`plan_run_placement` is pure (recipe in, plan out; this module imports no Ray, so
-``megatron-rl plan`` uses it); :func:`reserve_run_placement`
-reserves the bundles on Ray and resolves the plan's positions to bundles.
+``megatron-rl plan`` uses it); :mod:`megatron_rl.orchestration.resources` reserves the bundles
+on Ray and resolves the plan's positions to bundles.
 
 Bundles are identical and, once reserved, sorted by (node IP, GPU ids) (see
-:func:`~megatron_rl.orchestration.placement.create_rank_slots`); the plan names
+:func:`~megatron_rl.orchestration.placement_group.create_rank_slots`); the plan names
 positions in that order, so what shares a node is contiguous:
 
 - GPU, colocated: one ``{GPU: 1, CPU: 1}`` bundle per GPU of the job. Trainer rank
@@ -21,19 +21,15 @@ positions in that order, so what shares a node is contiguous:
 Validation (:mod:`megatron_rl.config.checks`) guarantees that ``k`` divides the GPUs
 per node and the engines' GPU count (hence the trainer's too), so no engine's bundles
 span two nodes;
-:func:`engine_gpu_ids` re-checks it on the bundles Ray actually gave.
+:func:`~megatron_rl.orchestration.placement_group.engine_gpu_ids` re-checks it on the bundles
+Ray actually gave.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from megatron_rl.config import RunConfig, engine_layout, trainer_layout
-
-if TYPE_CHECKING:
-    from megatron_rl.orchestration.placement import RankSlot
 
 CPU_BUNDLE_CPUS = 0.5
 """Ray CPUs per bundle on CPU recipes (a scheduling token: the processes share the machine's cores)."""
@@ -101,17 +97,3 @@ def plan_run_placement(cfg: RunConfig) -> RunPlacementPlan:
         trainer=ActorResources(num_gpus=share, num_cpus=share),
         engine_host=ActorResources(num_gpus=ENGINE_HOST_SHARE, num_cpus=ENGINE_HOST_SHARE),
     )
-
-
-def engine_gpu_ids(slots: Sequence[RankSlot]) -> tuple[str, ...]:
-    """The GPU ids Ray assigned to one engine's bundles, in bundle order; all on one node.
-
-    Raises ValueError when the bundles lie on several nodes (the engine cannot span them).
-    """
-    nodes = sorted({slot.node_ip for slot in slots})
-    if len(nodes) > 1:
-        raise ValueError(
-            f"an engine's {len(slots)} bundles landed on nodes {nodes}; engines spanning nodes are not supported "
-            "(rollout.tp x rollout.dp must divide cluster.gpus_per_node)"
-        )
-    return tuple(gpu for slot in slots for gpu in slot.gpu_ids)

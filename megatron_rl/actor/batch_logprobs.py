@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_rl.actor.batch import RolloutBatch
-from megatron_rl.actor.microbatching import dp_shard, padded_micro_batches, plan_micro_batches
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.batch_partition import dp_shard, padded_micro_batches, plan_micro_batches
 from megatron_rl.actor.packing import PackingRule
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.schedule import run_schedule
@@ -27,7 +27,7 @@ from megatron_rl.actor.token_logprobs import TokenLogProbs
 @torch.no_grad()
 def compute_log_probs(
     models: list[torch.nn.Module],
-    batch: RolloutBatch,
+    batch: ActorBatch,
     *,
     vocab_size: int,
     temperature: float,
@@ -48,7 +48,7 @@ def compute_log_probs(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     micro_batches = padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
 
-    def loss_fn(micro_batch: RolloutBatch, current: TokenLogProbs) -> TokenLogProbs:
+    def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs) -> TokenLogProbs:
         return current
 
     outputs = run_schedule(

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.schema import ParallelConfig, RolloutConfig
-from megatron_rl.models.hf_config import QwenArchitecture, padded_vocab_size
 
 
 @dataclass(frozen=True)

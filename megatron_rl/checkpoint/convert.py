@@ -1,4 +1,4 @@
-"""Command bodies: ``convert hf-to-mcore``, ``convert mcore-to-hf``, ``check-parity``.
+"""Checkpoint converters: ``convert hf-to-mcore`` and ``convert mcore-to-hf``.
 
 The package CLI (``megatron_rl/cli.py``) parses the arguments and calls these
 functions; they are importable for scripts too.
@@ -7,6 +7,7 @@ Megatron checkpoint directory written by ``hf-to-mcore``::
 
     OUT/metadata.json, OUT/*.distcp   torch_dist model weights (any layout can load them)
     OUT/hf_metadata/                  config.json, generation config, tokenizer files
+                                      (:data:`~megatron_rl.checkpoint.layout.HF_METADATA_DIR`)
 
 Outputs are built in ``.OUT.partial`` and renamed into place on success.
 The converters run as local gloo ranks, or, started by torchrun (one process
@@ -22,8 +23,9 @@ from typing import Any
 
 import torch
 
+from megatron_rl.checkpoint.layout import HF_METADATA_DIR
+from megatron_rl.config.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
 from megatron_rl.models.builder import build_qwen_model
-from megatron_rl.models.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
 from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.models.hf_files import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -34,12 +36,9 @@ from megatron_rl.models.hf_files import (
 )
 from megatron_rl.models.mcore_checkpoint import load_model_weights, save_model_weights
 from megatron_rl.models.megatron_config import check_layout
-from megatron_rl.models.parity import make_uneven_batch, max_abs_diffs, megatron_rank_outputs, reference_outputs
 from megatron_rl.models.weight_transfer import load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-from megatron_rl.parallel.local_launch import launched_externally, run_local_ranks, run_ranks
-
-HF_METADATA = "hf_metadata"
+from megatron_rl.parallel.local_launch import launched_externally, run_ranks
 
 
 def _build(config: dict, sizes: ParallelSizes) -> tuple[QwenArchitecture, list[torch.nn.Module]]:
@@ -55,7 +54,7 @@ def _hf_to_mcore_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: 
             load_hf_weights(chunks, arch, hf_dir)
             save_model_weights(chunks, staging)
             if rank == 0:
-                copy_hf_metadata(hf_dir, staging / HF_METADATA)
+                copy_hf_metadata(hf_dir, staging / HF_METADATA_DIR)
     finally:
         destroy_parallel()
 
@@ -120,47 +119,8 @@ def convert_mcore_to_hf(
     designated tensors; weights in the dtype the metadata's config.json names).
     """
     ckpt_dir = Path(ckpt_dir)
-    metadata_dir = Path(metadata_dir) if metadata_dir is not None else ckpt_dir / HF_METADATA
+    metadata_dir = Path(metadata_dir) if metadata_dir is not None else ckpt_dir / HF_METADATA_DIR
     if not (metadata_dir / "config.json").is_file():
         raise FileNotFoundError(f"{metadata_dir}/config.json missing: not written by hf-to-mcore or a training run")
     check_layout(parse_hf_config(load_hf_config(metadata_dir)), sizes)
     _run_converter(_mcore_to_hf_rank, sizes, Path(out_dir), ckpt_dir, metadata_dir, max_shard_bytes)
-
-
-def check_parity(
-    hf_dir: str | Path,
-    sizes: ParallelSizes,
-    *,
-    tolerance: float = 1e-4,
-    num_sequences: int = 4,
-    max_length: int = 32,
-) -> bool:
-    """Compare Megatron at ``sizes`` with transformers in fp32; print a report; True when within tolerance."""
-    arch = parse_hf_config(load_hf_config(hf_dir))
-    check_layout(arch, sizes)
-    max_length += -max_length % sizes.tp
-    num_sequences += -num_sequences % sizes.pp
-    input_ids, mask = make_uneven_batch(arch.vocab_size, num_sequences, max_length)
-    world_size = sizes.min_world_size
-    print(
-        f"model:  {arch.architecture}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}"
-        + (f", {arch.num_experts} experts (top-{arch.moe_router_topk})" if arch.is_moe else "")
-    )
-    print(
-        f"layout: TP={sizes.tp} PP={sizes.pp} VPP={sizes.vpp or '-'} EP={sizes.ep} ETP={sizes.expert_tp} "
-        f"on {world_size} CPU rank(s), gloo, fp32"
-    )
-    print(f"batch:  {num_sequences} sequences, lengths {mask.sum(1).tolist()}")
-    reference = reference_outputs(hf_dir, input_ids, mask)
-    outputs = run_local_ranks(megatron_rank_outputs, world_size, sizes, Path(hf_dir), input_ids)
-    ours = next(out for out in outputs if out is not None)
-    passed = True
-    for key, (diff, (sequence, position)) in max_abs_diffs(ours, reference, mask).items():
-        ok = diff <= tolerance
-        passed &= ok
-        print(
-            f"max |{key} diff| = {diff:.3e}  at sequence {sequence}, position {position}  "
-            f"{'ok' if ok else 'ABOVE TOLERANCE'}"
-        )
-    print(f"tolerance {tolerance:.0e}: {'PASS' if passed else 'FAIL'}")
-    return passed

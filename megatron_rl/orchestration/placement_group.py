@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
@@ -58,3 +59,17 @@ def create_rank_slots(
     ]
     slots = [RankSlot(index, ip, gpus) for index, (ip, gpus) in enumerate(ray.get(probes))]
     return group, sorted(slots, key=lambda slot: (slot.node_ip, slot.gpu_ids, slot.bundle_index))
+
+
+def engine_gpu_ids(slots: Sequence[RankSlot]) -> tuple[str, ...]:
+    """The GPU ids Ray assigned to one engine's bundles, in bundle order; all on one node.
+
+    Raises ValueError when the bundles lie on several nodes (the engine cannot span them).
+    """
+    nodes = sorted({slot.node_ip for slot in slots})
+    if len(nodes) > 1:
+        raise ValueError(
+            f"an engine's {len(slots)} bundles landed on nodes {nodes}; engines spanning nodes are not supported "
+            "(rollout.tp x rollout.dp must divide cluster.gpus_per_node)"
+        )
+    return tuple(gpu for slot in slots for gpu in slot.gpu_ids)

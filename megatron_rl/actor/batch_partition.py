@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor.batch import RolloutBatch
+from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.data.balancing import balance_across_dp
 from megatron_rl.data.micro_batching import token_budget_micro_batches
-from megatron_rl.parallel.distributed import select_device
+from megatron_rl.parallel.device import select_device
 
 
 def split_mini_batches(num_sequences: int, num_mini_batches: int) -> list[list[int]]:
@@ -70,8 +70,8 @@ def plan_micro_batches(
 
 
 def padded_micro_batches(
-    batch: RolloutBatch, plan: Sequence[Sequence[int]], group: dist.ProcessGroup | None, seq_multiple: int = 1
-) -> list[RolloutBatch]:
+    batch: ActorBatch, plan: Sequence[Sequence[int]], group: dist.ProcessGroup | None, seq_multiple: int = 1
+) -> list[ActorBatch]:
     """The micro-batches of ``plan`` (row lists into ``batch``), padded to a shape shared by all DP ranks."""
     rows = max(len(part) for part in plan)
     seq_length = int(batch.lengths.max())
@@ -80,7 +80,7 @@ def padded_micro_batches(
     return [_trimmed(batch.select(part), seq_length).padded(rows, seq_length) for part in plan]
 
 
-def _trimmed(batch: RolloutBatch, seq_length: int) -> RolloutBatch:
+def _trimmed(batch: ActorBatch, seq_length: int) -> ActorBatch:
     if batch.seq_length <= seq_length:
         return batch
     fields = {

@@ -1,6 +1,6 @@
 """The reference engine's HTTP server: SGLang's RL subset, same JSON shapes, plain PyTorch behind it.
 
-Run ``python -m megatron_rl.rollout.reference_server --model-path DIR --port P``
+Run ``python -m megatron_rl.rollout.reference.server --model-path DIR --port P``
 (binds 127.0.0.1 unless ``--host`` says otherwise). ``--load-format dummy``
 initialises random weights from ``DIR/config.json`` (as SGLang's dummy
 format), for engines that will receive their weights from the trainer.
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.parallel.device import select_device
 from megatron_rl.rollout.protocol import (
     AbortRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -40,7 +41,7 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.reference_backend import EngineStateError, ReferenceBackend
+from megatron_rl.rollout.reference.backend import EngineStateError, ReferenceBackend
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=select_device().type)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads on CPU")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 All amounts are bytes per GPU unless a name says otherwise. What is exact and what is estimated:
 
-Exact (from :mod:`megatron_rl.config.param_count` and the dtypes the code configures):
+Exact (from :mod:`megatron_rl.plan.param_count` and the dtypes the code configures):
 
 - parameters: ``P x 2`` (bf16; also with fp8 training, whose GEMMs keep bf16 weights) or ``P x 4`` (fp32);
 - gradients: ``P x 4``: Megatron DDP with ``grad_reduce_in_fp32=True`` (``actor/optimizer.py``);
@@ -10,7 +10,7 @@ Exact (from :mod:`megatron_rl.config.param_count` and the dtypes the code config
   parameter with bf16 parameters, 8 with fp32 ones (the parameters are then the main copy),
   sharded over the data-parallel ranks (DP x CP) for dense parameters and over expert-DP
   (``world / (etp x ep x pp)``) for expert parameters. Bucket padding (< 0.1%) is ignored.
-- the reference policy (``algorithm.use_kl_loss``) lives in host memory (``actor/reference.py``):
+- the reference policy (``algorithm.use_kl_loss``) lives in host memory (``actor/reference_policy.py``):
   no GPU bytes; host bytes = parameter bytes per rank, twice during a reference forward.
 
 Estimated (labelled so in the report):
@@ -41,7 +41,7 @@ Estimated (labelled so in the report):
 - :data:`PROCESS_RESERVE_GIB` per process on a GPU (CUDA context, NCCL communicators, allocator
   slack): an assumption.
 
-Engines (SGLang): weights per GPU from :func:`~megatron_rl.config.param_count.engine_gpu_weights`;
+Engines (SGLang): weights per GPU from :func:`~megatron_rl.plan.param_count.engine_gpu_weights`;
 SGLang sizes its KV pool at start (on an empty GPU: the engines start before the trainer) as
 ``mem_fraction x GPU - weights``; KV bytes per token per GPU ``2 x layers x kv_heads_per_gpu x
 head_dim x 2`` (bf16 cache). Colocated peaks (``orchestration/memory_handover.py``): training
@@ -55,16 +55,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import engine_layout, trainer_layout
-from megatron_rl.config.param_count import (
+from megatron_rl.config.schema import ParallelConfig, RunConfig, TrainConfig
+from megatron_rl.plan.param_count import (
     ParamCount,
     chunk_layers,
     engine_gpu_weights,
     engine_kv_heads_per_gpu,
     stage_params,
 )
-from megatron_rl.config.schema import ParallelConfig, RunConfig, TrainConfig
-from megatron_rl.models.hf_config import QwenArchitecture, padded_vocab_size
 
 GIB = 1024**3
 PROCESS_RESERVE_GIB = 3.0

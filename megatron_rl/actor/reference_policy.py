@@ -1,8 +1,8 @@
 """The reference policy as a second set of weights for the same model chunks.
 
-One model per rank serves both policies: :class:`ReferenceWeights` keeps a
+One model per rank serves both policies: :class:`ReferencePolicyWeights` keeps a
 copy of the reference parameters (by default on CPU, so it costs no device
-memory) and :meth:`ReferenceWeights.swapped_in` copies them into the model
+memory) and :meth:`ReferencePolicyWeights.swapped_in` copies them into the model
 for a forward pass, then restores the policy's parameters bit for bit. This
 also keeps the routers (and their replay state) shared by both policies.
 """
@@ -19,7 +19,7 @@ def _parameters(models: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
     return [param for model in models for param in model.parameters()]
 
 
-class ReferenceWeights:
+class ReferencePolicyWeights:
     """A frozen copy of ``models``' parameters, taken at construction."""
 
     def __init__(self, models: Sequence[torch.nn.Module], *, device: torch.device | str = "cpu") -> None:

@@ -29,10 +29,10 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     encode_routed_experts,
 )
-from megatron_rl.rollout.reference_generator import GenerationAborted, RouterRecorder, generate_samples
-from megatron_rl.rollout.reference_weights import load_named_tensors, resolve_weight
-from megatron_rl.rollout.tensor_serialization import deserialize_named_tensors
-from megatron_rl.rollout.weight_group import broadcast_from_trainer, create_weight_group
+from megatron_rl.rollout.reference.generator import GenerationAborted, RouterRecorder, generate_samples
+from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
+from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors
+from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The text report of ``megatron-rl plan``: parameters, memory per GPU, engines, placement, verdict.
 
-Pure formatting of a :class:`~megatron_rl.config.memory_plan.MemoryPlan`; sizes in GiB (2^30 bytes),
+Pure formatting of a :class:`~megatron_rl.plan.memory.MemoryPlan`; sizes in GiB (2^30 bytes),
 estimates marked ``~``.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import trainer_layout
-from megatron_rl.config.memory_plan import GIB, Amount, EnginePlan, MemoryPlan, StagePlan, stage_layers
-from megatron_rl.config.param_count import model_params
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.models.hf_config import QwenArchitecture, padded_vocab_size
+from megatron_rl.plan.memory import GIB, Amount, EnginePlan, MemoryPlan, StagePlan, stage_layers
+from megatron_rl.plan.param_count import model_params
 
 
 def _gib(nbytes: float) -> str:

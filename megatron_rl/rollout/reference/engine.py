@@ -20,8 +20,8 @@ def build_reference_command(
     seed: int = 0,
     python: str = sys.executable,
 ) -> list[str]:
-    """``python -m megatron_rl.rollout.reference_server ...`` for one engine."""
-    command = [python, "-m", "megatron_rl.rollout.reference_server", "--model-path", str(model_path)]
+    """``python -m megatron_rl.rollout.reference.server ...`` for one engine."""
+    command = [python, "-m", "megatron_rl.rollout.reference.server", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--load-format", load_format, "--dtype", dtype]
     command += ["--seed", str(seed)]
     if device is not None:
@@ -30,7 +30,7 @@ def build_reference_command(
 
 
 class ReferenceEngine(HttpEngine):
-    """A reference server process on ``host:port`` (see :mod:`megatron_rl.rollout.reference_server`).
+    """A reference server process on ``host:port`` (see :mod:`megatron_rl.rollout.reference.server`).
 
     ``routed_experts_shape`` = (num_hidden_layers, num_experts_per_tok) decodes routing in results;
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
