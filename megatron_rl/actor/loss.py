@@ -11,8 +11,9 @@ the loss of the whole step and the gradient does not depend on the split.
 Megatron contract: with ``calculate_per_token_loss`` the schedule sums the
 returned losses and ``finalize_model_grads`` divides the gradients by the
 returned token counts summed over micro-batches and DP. :func:`megatron_loss`
-therefore returns ``(share * N_tok, local tokens, log dict)``: the division
-gives back exactly the share's gradient.
+therefore returns ``(share * N_tok, local tokens)``: the division gives back
+exactly the share's gradient (the schedule's loss function adds Megatron's third
+item, the log dict).
 """
 
 from __future__ import annotations
