@@ -2,12 +2,15 @@
 
 Shape legend: B sequences, S tokens.
 
-:func:`compute_log_probs` runs this rank's share of a global batch through
-the pipeline schedule in token-budget micro-batches (packed or padded, see
-``schedule``) and returns the WHOLE batch's [B, S] values (aligned as in
-``token_logprobs``) on every rank: the last pipeline stage broadcasts them
-over its pipeline group, and the data-parallel ranks' disjoint rows are
-summed into one [B, S] tensor (exact: the other ranks contribute zeros).
+:func:`local_log_probs` runs this data-parallel rank's own rows through the
+pipeline schedule in token-budget micro-batches (packed or padded, see
+``schedule``) and keeps the [n, S] values (aligned as in ``token_logprobs``) on
+the last pipeline stage: the trainer's path, where old and reference log-probs
+stay on the rank that trains on them. :func:`compute_log_probs` is the same for
+a global batch, every rank returning the WHOLE batch's [B, S] values: the last
+pipeline stage broadcasts them over its pipeline group, and the data-parallel
+ranks' disjoint rows are summed into one [B, S] tensor (exact: the other ranks
+contribute zeros).
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from megatron_rl.actor.token_logprobs import TokenLogProbs
 
 
 @torch.no_grad()
-def compute_log_probs(
+def local_log_probs(
     models: list[torch.nn.Module],
-    batch: ActorBatch,
+    local: ActorBatch,
     *,
     vocab_size: int,
     temperature: float,
@@ -35,15 +38,14 @@ def compute_log_probs(
     packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
 ) -> TokenLogProbs:
-    """Log-probs and entropies of every row of the global ``batch``, identical on every rank.
+    """[n, S] log-probs and entropies of this data-parallel rank's own rows ``local``.
 
-    All ranks must call this together with the same ``batch``. Each DP rank
-    computes the rows :func:`dp_shard` gives it. ``temperature`` and
-    ``packing``: as in ``run_schedule``.
+    All ranks call this together, each DP rank with its rows (every rank of a model-parallel
+    group the same). The values are on the last pipeline stage, where the loss uses them; other
+    stages get zeros. Nothing is communicated but the micro-batch count and shape (MAX over DP).
+    ``temperature``, ``packing`` and ``replay``: as in ``run_schedule``.
     """
     dp_group = parallel_state.get_data_parallel_group()
-    rows = dp_shard(batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
-    local = batch.select(rows)
     plan = plan_micro_batches(local.lengths.tolist(), max_tokens_per_micro_batch, dp_group)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     micro_batches = padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
@@ -61,13 +63,47 @@ def compute_log_probs(
         packing=packing,
         replay=replay,
     )
-    result_2BS = batch.input_ids.new_zeros((2, batch.num_sequences, batch.seq_length), dtype=torch.float32)
+    result_2nS = local.input_ids.new_zeros((2, local.num_sequences, local.seq_length), dtype=torch.float32)
     if parallel_state.is_pipeline_last_stage():
         for part, output in zip(plan, outputs, strict=True):
-            global_rows = torch.tensor([rows[i] for i in part], device=result_2BS.device)
-            width = min(batch.seq_length, output.log_probs.shape[1])
-            result_2BS[0, global_rows, :width] = output.log_probs[: len(part), :width].float()
-            result_2BS[1, global_rows, :width] = output.entropy[: len(part), :width].float()
+            rows = torch.tensor(part, device=result_2nS.device)
+            width = min(local.seq_length, output.log_probs.shape[1])
+            result_2nS[0, rows, :width] = output.log_probs[: len(part), :width].float()
+            result_2nS[1, rows, :width] = output.entropy[: len(part), :width].float()
+    return TokenLogProbs(result_2nS[0], result_2nS[1])
+
+
+@torch.no_grad()
+def compute_log_probs(
+    models: list[torch.nn.Module],
+    batch: ActorBatch,
+    *,
+    vocab_size: int,
+    temperature: float,
+    max_tokens_per_micro_batch: int,
+    packing: PackingRule | None = None,
+    replay: RoutingReplay | None = None,
+) -> TokenLogProbs:
+    """Log-probs and entropies of every row of the global ``batch``, identical on every rank.
+
+    All ranks must call this together with the same ``batch``. Each DP rank computes the rows
+    :func:`dp_shard` gives it (:func:`local_log_probs`); the results are then shared.
+    """
+    dp_group = parallel_state.get_data_parallel_group()
+    rows = dp_shard(batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
+    local = local_log_probs(
+        models,
+        batch.select(rows),
+        vocab_size=vocab_size,
+        temperature=temperature,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        packing=packing,
+        replay=replay,
+    )
+    result_2BS = batch.input_ids.new_zeros((2, batch.num_sequences, batch.seq_length), dtype=torch.float32)
+    index = torch.tensor(rows, device=result_2BS.device)
+    result_2BS[0, index, : local.log_probs.shape[1]] = local.log_probs
+    result_2BS[1, index, : local.entropy.shape[1]] = local.entropy
     _share(result_2BS)
     return TokenLogProbs(result_2BS[0], result_2BS[1])
 

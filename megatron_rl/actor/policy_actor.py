@@ -1,11 +1,14 @@
 """``PolicyActor``: one rank's Megatron policy worker (Ray wraps it in ``orchestration``).
 
-Every rank of the trainer holds one actor; all of them are called together
-with the same global :class:`ActorBatch` (each works on the rows its DP rank
-is given, and results are shared back). Public API:
+Every rank of the trainer holds one actor; all of them are called together. Public API:
 
-* :meth:`compute_log_probs` / :meth:`compute_ref_log_probs`: forward only;
-* :meth:`train_step`: PPO epochs x mini-batches of optimizer updates, metrics;
+* :meth:`train_on_shard`: the trainer's step on this DP rank's own samples (a
+  :class:`~megatron_rl.actor.step_data.StepData` shard from the driver): old and
+  reference log-probs computed here and kept here, then PPO epochs x mini-batches of
+  optimizer updates; only scalar metrics come back;
+* :meth:`compute_log_probs` / :meth:`compute_ref_log_probs` / :meth:`train_step`: the
+  same on one global :class:`ActorBatch` given to every rank (each works on the rows its
+  DP rank is given, and log-probs are shared back), for scripts and tests;
 * :meth:`export_weights`: Hugging Face (name, tensor) pairs for weight sync;
 * :meth:`offload` / :meth:`reload`: colocated mode memory hand-over.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +29,15 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.batch_logprobs import TokenLogProbs, compute_log_probs
+from megatron_rl.actor.batch_logprobs import TokenLogProbs, compute_log_probs, local_log_probs
 from megatron_rl.actor.offload import StateOffloader
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.packing import select_packing
 from megatron_rl.actor.precision import actor_config_overrides, params_dtype
 from megatron_rl.actor.reference_policy import ReferencePolicyWeights
 from megatron_rl.actor.routing_replay import RoutingReplay
-from megatron_rl.actor.train_step import StepContext, train_on_batch
+from megatron_rl.actor.step_data import StepData
+from megatron_rl.actor.train_step import StepContext, train_on_batch, train_on_local_rows
 from megatron_rl.config.hf_config import parse_hf_config
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
 from megatron_rl.models.builder import build_model_chunks
@@ -133,26 +138,19 @@ class PolicyActor:
 
     def compute_log_probs(self, batch: ActorBatch) -> TokenLogProbs:
         """The current policy's log-probs and entropies of ``batch`` at the sampling temperature, [B, S] on every rank."""
-        return compute_log_probs(
-            self.models,
-            self._prepare(batch),
-            vocab_size=self.arch.vocab_size,
-            temperature=self._context.temperature,
-            max_tokens_per_micro_batch=self._train.max_tokens_per_micro_batch,
-            packing=self._context.packing,
-            replay=self._context.replay,
-        )
+        return compute_log_probs(self.models, self._prepare(batch), **self._forward_options())
 
     def compute_ref_log_probs(self, batch: ActorBatch) -> torch.Tensor:
         """The reference policy's log-probs of ``batch`` at the sampling temperature, [B, S] on every rank.
 
+        The reference model routes with its own routers (no routing replay: the engine's experts
+        are the policy's choice, not the reference's).
+
         Raises:
             RuntimeError: the actor keeps no reference weights (``keep_reference``).
         """
-        if self._reference is None:
-            raise RuntimeError("this actor keeps no reference weights; build it with keep_reference=True")
-        with self._reference.swapped_in():
-            return self.compute_log_probs(batch).log_probs
+        with self._reference_swapped_in():
+            return compute_log_probs(self.models, self._prepare(batch), **self._forward_options(replay=False)).log_probs
 
     def train_step(self, batch: ActorBatch) -> dict[str, float]:
         """Train on ``batch`` (advantages and old log-probs set); metrics averaged over the step's updates.
@@ -165,8 +163,42 @@ class PolicyActor:
         """
         started = time.perf_counter()
         updates = train_on_batch(self._context, self._prepare(batch))
-        metrics = {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]}
-        return metrics | {"num_updates": float(len(updates)), "time_train_s": time.perf_counter() - started}
+        return _mean_over_updates(updates) | {"time_train_s": time.perf_counter() - started}
+
+    def train_on_shard(self, shard: StepData) -> dict[str, float]:
+        """The step on this DP rank's own samples: old (and reference) log-probs here, then the updates.
+
+        All ranks call this together, every rank of a model-parallel group with the same shard
+        and every DP rank with as many samples per mini-batch. Old and reference log-probs stay
+        on this rank. Returns :meth:`train_step`'s keys plus ``time_old_log_probs_s`` (and
+        ``time_ref_log_probs_s`` with the KL loss), the same on every rank.
+        """
+        started = time.perf_counter()
+        local = self._prepare(shard.to_actor_batch())
+        local = local.replace(old_log_probs=local_log_probs(self.models, local, **self._forward_options()).log_probs)
+        timings = {"time_old_log_probs_s": time.perf_counter() - started}
+        if self._algorithm.use_kl_loss:
+            with self._reference_swapped_in():
+                ref = local_log_probs(self.models, local, **self._forward_options(replay=False)).log_probs
+            local = local.replace(ref_log_probs=ref)
+            timings["time_ref_log_probs_s"] = time.perf_counter() - started - timings["time_old_log_probs_s"]
+        trained = time.perf_counter()
+        updates = train_on_local_rows(self._context, local, shard.mini_batch_rows())
+        return _mean_over_updates(updates) | timings | {"time_train_s": time.perf_counter() - trained}
+
+    def _forward_options(self, *, replay: bool = True) -> dict[str, Any]:
+        return {
+            "vocab_size": self.arch.vocab_size,
+            "temperature": self._context.temperature,
+            "max_tokens_per_micro_batch": self._train.max_tokens_per_micro_batch,
+            "packing": self._context.packing,
+            "replay": self._context.replay if replay else None,
+        }
+
+    def _reference_swapped_in(self) -> AbstractContextManager[None]:
+        if self._reference is None:
+            raise RuntimeError("this actor keeps no reference weights; build it with keep_reference=True")
+        return self._reference.swapped_in()
 
     def _prepare(self, batch: ActorBatch) -> ActorBatch:
         """``batch`` on this rank's device, checked for what the recipe needs before any collective."""
@@ -188,3 +220,10 @@ class PolicyActor:
     def reload(self) -> None:
         """Bring the offloaded state back, bit-identical."""
         self._offloader.reload()
+
+
+def _mean_over_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric averaged over the step's optimizer updates, plus ``num_updates``."""
+    return {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]} | {
+        "num_updates": float(len(updates))
+    }

@@ -1,7 +1,8 @@
 """One RL training step: PPO epochs x mini-batches, each one optimizer update.
 
-For every (epoch, mini-batch) the global mini-batch is balanced over DP ranks,
-cut into token-budget micro-batches (same count and shape on every DP rank),
+For every (epoch, mini-batch) each DP rank takes its rows of the mini-batch
+(its shard from the driver, or its balanced part of a global batch), cuts them into
+token-budget micro-batches (same count and shape on every DP rank),
 counted (step-wide valid tokens and sequences, all-reduced over DP), and run
 forward-backward through Megatron's schedule with :func:`megatron_loss`;
 ``finalize_model_grads`` reduces the gradients over DP and divides them by the
@@ -50,36 +51,52 @@ class StepContext:
 def train_on_batch(context: StepContext, batch: ActorBatch) -> list[dict[str, float]]:
     """Run every update of the step on the global ``batch``; return one metrics dict per update.
 
-    All ranks call this together with the same ``batch``.
+    All ranks call this together with the same ``batch``; each DP rank trains on the rows
+    :func:`dp_shard` gives it within each mini-batch.
     """
-    mini_batches = split_mini_batches(batch.num_sequences, context.train.mini_batches_per_step)
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group)
+    local_mini_batches = []
+    for rows in split_mini_batches(batch.num_sequences, context.train.mini_batches_per_step):
+        mini_batch = batch.select(rows)
+        local_mini_batches.append(mini_batch.select(dp_shard(mini_batch.lengths.tolist(), dp_rank, dp_size)))
     return [
-        update_on_mini_batch(context, batch.select(rows))
+        update_on_mini_batch(context, local) for _ in range(context.train.ppo_epochs) for local in local_mini_batches
+    ]
+
+
+def train_on_local_rows(
+    context: StepContext, local: ActorBatch, mini_batches: Sequence[range]
+) -> list[dict[str, float]]:
+    """Run every update of the step on this DP rank's own rows; one metrics dict per update.
+
+    ``mini_batches``: the rows of ``local`` in each mini-batch (every DP rank has as many).
+    """
+    return [
+        update_on_mini_batch(context, local.select(list(rows)))
         for _ in range(context.train.ppo_epochs)
         for rows in mini_batches
     ]
 
 
-def _local_micro_batches(context: StepContext, mini_batch: ActorBatch) -> list[ActorBatch]:
+def _local_micro_batches(context: StepContext, local: ActorBatch) -> list[ActorBatch]:
     dp_group = parallel_state.get_data_parallel_group()
-    rows = dp_shard(mini_batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
-    local = mini_batch.select(rows)
     plan = plan_micro_batches(local.lengths.tolist(), context.train.max_tokens_per_micro_batch, dp_group)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
 
 
-def update_on_mini_batch(context: StepContext, mini_batch: ActorBatch) -> dict[str, float]:
-    """One optimizer update on the global ``mini_batch``; metrics as in ``PolicyActor.train_step``."""
+def update_on_mini_batch(context: StepContext, local: ActorBatch) -> dict[str, float]:
+    """One optimizer update on this DP rank's rows ``local`` of a mini-batch; metrics as in ``PolicyActor.train_step``."""
     started = time.perf_counter()
-    micro_batches = _local_micro_batches(context, mini_batch)
+    micro_batches = _local_micro_batches(context, local)
     counts = count_step(micro_batches, parallel_state.get_data_parallel_group())
     accumulator = MetricsAccumulator()
 
     def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs):
         loss, shares, means = actor_loss(current, micro_batch, counts, context.algorithm, context.norm_constant)
         scaled_loss, local_tokens = megatron_loss(loss, micro_batch, counts)
-        accumulator.add(shares, means, float(local_tokens))
+        accumulator.add(shares, means, local_tokens)
         return scaled_loss, local_tokens, {}
 
     for model in context.models:

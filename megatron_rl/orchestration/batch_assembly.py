@@ -1,21 +1,22 @@
-"""From a step's rollout groups to what the actor trains on, and the step's rollout metrics.
+"""From a step's rollout groups to what the trainer receives, and the step's rollout metrics.
 
-Shape legend: B responses (all samples of all groups, group by group), S the
-longest prompt + response, L decoder layers, K experts per token.
-
-Alignment follows :class:`megatron_rl.actor.ActorBatch`: row b holds
-``prompt_ids + response_ids`` right padded; the engine's log-prob of response
-token j sits at position ``len(prompt) + j`` (log p of that token given what
-precedes it); ``routed_experts`` of position t routes token t (the engine
-reports positions ``0 .. len(prompt) + len(response) - 2``; the rest is 0).
+B is the number of responses (all samples of all groups, group by group). The step's data is a
+ragged :class:`~megatron_rl.actor.step_data.StepData`: each sample is ``prompt_ids +
+response_ids``; the engine's log-prob of response token j is that token's entry (log p of it
+given what precedes it); ``routed_experts`` of position t routes token t (the engine reports
+positions ``0 .. len(prompt) + len(response) - 2``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
-from megatron_rl.actor import ActorBatch
+from megatron_rl.actor.step_data import StepData
 from megatron_rl.algorithms import grpo_advantages, length_bias_metrics
+from megatron_rl.orchestration.trainer_group import ShardReceipt
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 
 
@@ -32,44 +33,34 @@ def group_advantages(groups: list[RolloutGroup], *, norm_by_std: bool) -> torch.
     return grpo_advantages(torch.tensor([s.score for s in samples], dtype=torch.float32), uids, norm_by_std)
 
 
-def assemble_actor_batch(groups: list[RolloutGroup], advantages: torch.Tensor, *, pad_token_id: int = 0) -> ActorBatch:
-    """The actor's batch of ``groups``: token ids, loss mask, [B] advantages, rollout log-probs, routed experts.
+def assemble_step_data(
+    groups: list[RolloutGroup], advantages: torch.Tensor, *, expert_dtype: torch.dtype = torch.uint8
+) -> StepData:
+    """The step's samples, ragged: int32 token ids, response-only log-probs and loss mask, compact experts.
 
-    ``routed_experts`` is set only when every sample carries them. Raises ValueError when
-    ``advantages`` does not have one value per sample.
+    Samples keep the groups' order (one mini-batch, resharded by :meth:`StepData.shard`);
+    ``routed_experts`` is set only when every sample carries them, cast to ``expert_dtype``
+    (:func:`~megatron_rl.actor.step_data.expert_index_dtype` of the model's expert count).
+    Raises ValueError when ``advantages`` does not have one value per sample.
     """
     samples = _samples(groups)
     if tuple(advantages.shape) != (len(samples),):
         raise ValueError(f"advantages must be [B] = ({len(samples)},); got {tuple(advantages.shape)}")
-    seq = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    input_ids = torch.full((len(samples), seq), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros(len(samples), seq, dtype=torch.bool)
-    rollout_log_probs = torch.zeros(len(samples), seq, dtype=torch.float32)
-    for row, sample in enumerate(samples):
-        start, end = len(sample.prompt_ids), len(sample.prompt_ids) + len(sample.response_ids)
-        input_ids[row, :end] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
-        response_mask[row, start:end] = torch.tensor(sample.loss_mask, dtype=torch.bool)
-        rollout_log_probs[row, start:end] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
-    return ActorBatch(
-        input_ids=input_ids,
-        lengths=lengths,
-        response_mask=response_mask,
+    routed = None
+    if all(s.routed_experts is not None for s in samples):
+        routed = torch.from_numpy(np.concatenate([s.routed_experts for s in samples])).to(expert_dtype)
+    return StepData(
+        token_ids=torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.int32),
+        offsets=torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]),
+        prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
         advantages=advantages.to(torch.float32),
-        rollout_log_probs=rollout_log_probs,
-        routed_experts=_routed_experts(samples, seq),
+        loss_mask=torch.tensor([bool(m) for s in samples for m in s.loss_mask], dtype=torch.bool),
+        rollout_log_probs=torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32),
+        routed_experts=routed,
+        sample_ids=torch.arange(len(samples)),
+        mini_batch_sizes=(len(samples),),
     )
-
-
-def _routed_experts(samples: list[RolloutSample], seq: int) -> torch.Tensor | None:
-    if any(s.routed_experts is None for s in samples):
-        return None
-    _, layers, top_k = samples[0].routed_experts.shape
-    out = torch.zeros(len(samples), seq, layers, top_k, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        routed = torch.from_numpy(sample.routed_experts).to(torch.long)
-        out[row, : routed.shape[0]] = routed
-    return out
 
 
 def rollout_metrics(groups: list[RolloutGroup], *, max_response_length: int, prefix: str = "train") -> dict[str, float]:
@@ -93,3 +84,22 @@ def rollout_metrics(groups: list[RolloutGroup], *, max_response_length: int, pre
         "overlong_penalty_mean": sum(s.overlong_penalty for s in samples) / len(samples),
     } | diagnostics
     return {f"{prefix}/{name}": value for name, value in metrics.items()}
+
+
+def delivery_metrics(step: StepData, receipts: Sequence[ShardReceipt], *, data_parallel_size: int) -> dict[str, float]:
+    """What the step's data cost to deliver: ``data/step_bytes``, per-rank bytes and samples, and their ratio.
+
+    ``data/rank_bytes_over_fair`` is the busiest rank's bytes over ``step bytes / DP`` (1.0 when
+    every rank receives exactly its share and nothing else).
+    """
+    step_bytes = step.nbytes()
+    rank_bytes = [receipt.nbytes for receipt in receipts]
+    rank_samples = [len(receipt.sample_ids) for receipt in receipts]
+    return {
+        "data/step_samples": float(step.num_samples),
+        "data/step_bytes": float(step_bytes),
+        "data/rank_bytes_max": float(max(rank_bytes)),
+        "data/rank_bytes_over_fair": max(rank_bytes) / (step_bytes / data_parallel_size),
+        "data/rank_samples_max": float(max(rank_samples)),
+        "data/rank_samples_min": float(min(rank_samples)),
+    }

@@ -1,8 +1,9 @@
 """The synchronous RL driver: one loop, every line a named phase.
 
-Per step: generate (score, shape, filter) -> old (and reference) log-probs ->
-advantages -> train -> weight sync -> periodic validation -> metrics -> periodic
-checkpoint. The engines hold the weights of the last sync, so generation always
+Per step: generate (score, shape, filter) -> advantages -> shard (each data-parallel
+rank gets only its samples, ragged and compact) -> train (old and reference log-probs
+computed on the ranks and kept there; scalars come back) -> weight sync -> periodic
+validation -> metrics -> periodic checkpoint. The engines hold the weights of the last sync, so generation always
 uses the current policy. A step's metrics are written before its checkpoint, so a
 run killed after the commit has them all; the checkpoint's own wall time is in the
 next step's record (``time/checkpoint_s``). With colocated engines the run's
@@ -42,7 +43,12 @@ from megatron_rl.checkpoint import TrainerState, load_trainer_state
 from megatron_rl.checkpoint.run_checkpoint import check_same_model, checkpoint_to_resume, save_run_checkpoint
 from megatron_rl.config import RunConfig, describe_layout, layout_record
 from megatron_rl.config.schema import CheckpointConfig, TrainConfig
-from megatron_rl.orchestration.batch_assembly import assemble_actor_batch, group_advantages, rollout_metrics
+from megatron_rl.orchestration.batch_assembly import (
+    assemble_step_data,
+    delivery_metrics,
+    group_advantages,
+    rollout_metrics,
+)
 from megatron_rl.orchestration.resources import RunResources, start_run
 
 
@@ -96,31 +102,32 @@ def train(cfg: RunConfig) -> Path:
 
 
 def train_one_step(run: RunResources, step: int) -> dict[str, float]:
-    """Generate, train, sync weights, and validate when due; the step's metrics."""
+    """Generate -> advantages -> shard -> train (old/ref log-probs on the ranks) -> sync -> validate; metrics."""
     cfg, timer, started = run.cfg, PhaseTimer(), time.perf_counter()
     run.hand_over.to_rollout(timer)
     with timer("generate"):
         rollout = run.rollout.generate_step()
     run.hand_over.to_training(timer)
-    advantages = group_advantages(rollout.groups, norm_by_std=cfg.algorithm.norm_adv_by_std)
-    batch = assemble_actor_batch(rollout.groups, advantages, pad_token_id=run.data.tokenizer.pad_token_id or 0)
-    with timer("old_log_probs"):
-        batch = batch.replace(old_log_probs=run.trainers.compute_old_log_probs(batch))
-    if cfg.algorithm.use_kl_loss:
-        with timer("ref_log_probs"):
-            batch = batch.replace(ref_log_probs=run.trainers.compute_ref_log_probs(batch))
+    with timer("shard"):
+        advantages = group_advantages(rollout.groups, norm_by_std=cfg.algorithm.norm_adv_by_std)
+        step_data = assemble_step_data(rollout.groups, advantages, expert_dtype=run.expert_dtype)
+        shards = step_data.shard(run.trainers.data_parallel_size, cfg.train.mini_batches_per_step)
     with timer("train"):
-        actor_metrics = run.trainers.train_step(batch)
+        actor_metrics, receipts = run.trainers.train_step(shards)
     run.hand_over.sync_weights(step, timer)
     run.hand_over.to_rollout(timer)
     metrics = rollout.metrics | rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
     metrics |= {f"actor/{name}": value for name, value in actor_metrics.items()}
+    metrics |= delivery_metrics(step_data, receipts, data_parallel_size=len(shards))
     if should_validate(cfg.train, step):
         with timer("validate"):
             metrics |= validate(run)
     step_seconds = time.perf_counter() - started
-    tokens = float(batch.lengths.sum())
-    return metrics | timer.seconds | {"time/step_s": step_seconds, "perf/tokens_per_s": tokens / step_seconds}
+    return (
+        metrics
+        | timer.seconds
+        | {"time/step_s": step_seconds, "perf/tokens_per_s": step_data.num_tokens / step_seconds}
+    )
 
 
 def validate(run: RunResources) -> dict[str, float]:

@@ -28,7 +28,8 @@ import transformers
 from ray.util.placement_group import PlacementGroup
 
 import megatron_rl
-from megatron_rl.config import RunConfig
+from megatron_rl.actor.step_data import expert_index_dtype
+from megatron_rl.config import RunConfig, read_architecture
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_data
@@ -56,6 +57,7 @@ class RunResources:
     engines: list[RolloutEngine] = field(default_factory=list)
     trainers: TrainerGroup | None = None
     hand_over: HandOver | None = None
+    expert_dtype: torch.dtype = torch.uint8
     rollout: RolloutManager | None = None
     validation: RolloutManager | None = None
     logger: MetricLogger | None = None
@@ -86,7 +88,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         max_prompt_length=cfg.rollout.max_prompt_length,
         work_dir=f"{cfg.run_dir}/data",
     )
-    run = RunResources(cfg, data, initial_weights(cfg, data.tokenizer))
+    run = RunResources(cfg, data, initial_weights(cfg, data.tokenizer), expert_dtype=_expert_dtype(cfg))
     try:
         start_ray(cfg)
         plan = plan_run_placement(cfg)
@@ -114,9 +116,12 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
 
 
 def _vocab_size(cfg: RunConfig) -> int:
-    from megatron_rl.config import read_architecture
-
     return read_architecture(cfg.model.path, cfg.model.random_init).vocab_size
+
+
+def _expert_dtype(cfg: RunConfig) -> torch.dtype:
+    """The dtype a step's routed experts travel in (uint8 up to 256 experts)."""
+    return expert_index_dtype(max(1, read_architecture(cfg.model.path, cfg.model.random_init).num_experts))
 
 
 def initial_weights(cfg: RunConfig, tokenizer: transformers.PreTrainedTokenizerBase) -> Path:

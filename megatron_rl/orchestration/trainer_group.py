@@ -7,12 +7,23 @@ method here and on to :class:`~megatron_rl.orchestration.trainer_worker.TrainerW
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import ray
 
-from megatron_rl.actor import ActorBatch
+from megatron_rl.actor.step_data import StepData
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
+
+
+@dataclass(frozen=True)
+class ShardReceipt:
+    """What one trainer rank received for a step: its global rank, the step positions of its samples, bytes."""
+
+    rank: int
+    sample_ids: tuple[int, ...]
+    nbytes: int
 
 
 class TrainerGroup:
@@ -20,23 +31,37 @@ class TrainerGroup:
 
     def __init__(self, ranks: RankWorkerGroup) -> None:
         self._ranks = ranks
+        self._dp_ranks: list[int] = ranks.call("data_parallel_rank")
 
     @property
     def world_size(self) -> int:
         """Number of trainer ranks."""
         return self._ranks.world_size
 
-    def compute_old_log_probs(self, batch: ActorBatch) -> torch.Tensor:
-        """The current policy's [B, S] log-probs of ``batch`` (rank 0's; the others return None)."""
-        return self._ranks.call("compute_old_log_probs", batch)[0]
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of data-parallel ranks, hence of shards per step."""
+        return max(self._dp_ranks) + 1
 
-    def compute_ref_log_probs(self, batch: ActorBatch) -> torch.Tensor:
-        """The reference policy's [B, S] log-probs of ``batch`` (rank 0's)."""
-        return self._ranks.call("compute_ref_log_probs", batch)[0]
+    def train_step(self, shards: Sequence[StepData]) -> tuple[dict[str, float], list[ShardReceipt]]:
+        """One step, ``shards[d]`` to every rank of data-parallel rank ``d`` (old/ref log-probs on the ranks).
 
-    def train_step(self, batch: ActorBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``; the actor's metrics (equal on every rank: rank 0's)."""
-        return self._ranks.call("train_step", batch)[0]
+        Each shard is put into Ray's object store once and fetched by the ranks that train on it;
+        no rank receives another rank's samples. Returns the actor's metrics (rank 0's; equal on
+        every rank) and each rank's receipt, in rank order.
+
+        Raises:
+            ValueError: not one shard per data-parallel rank.
+        """
+        if len(shards) != self.data_parallel_size:
+            raise ValueError(f"got {len(shards)} shards for {self.data_parallel_size} data-parallel ranks")
+        refs = [ray.put(shard) for shard in shards]
+        results = self._ranks.call_per_rank("train_step", [(refs[d],) for d in self._dp_ranks])
+        receipts = [receipt for _, receipt in results]
+        for receipt, dp_rank in zip(receipts, self._dp_ranks, strict=True):
+            if receipt.sample_ids != tuple(shards[dp_rank].sample_ids.tolist()):
+                raise RuntimeError(f"trainer rank {receipt.rank} trained on other samples than DP shard {dp_rank}")
+        return results[0][0], receipts
 
     def offload(self, *, keep_params: bool = False) -> None:
         """Every rank moves its actor state to host memory (``keep_params``: parameters stay)."""

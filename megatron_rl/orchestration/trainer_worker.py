@@ -2,9 +2,9 @@
 
 A :class:`~megatron_rl.orchestration.worker_group.RankWorkerGroup` builds one
 :class:`TrainerWorker` per rank (with the torchrun environment set) and calls each
-method on every rank at once; collectives inside need all of them. Methods that
-produce one global result (log-probs) return it on rank 0 and None elsewhere, so
-the driver does not receive the same tensors world-size times.
+method on every rank at once; collectives inside need all of them
+(:class:`~megatron_rl.orchestration.trainer_group.TrainerGroup` is the driver's typed view).
+A rank receives only its data-parallel shard of a step and returns scalars.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import ray
-import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
-from megatron_rl.actor import ActorBatch, PolicyActor, parallel_sizes
+from megatron_rl.actor import PolicyActor, parallel_sizes
+from megatron_rl.actor.step_data import StepData
 from megatron_rl.checkpoint.rank_state import load_rank_state, save_rank_state
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.orchestration.engine_host import EngineAddress
+from megatron_rl.orchestration.trainer_group import ShardReceipt
 from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
 from megatron_rl.rollout import HttpEngine
 from megatron_rl.weight_sync.syncer import WeightSyncer, build_syncer
@@ -61,20 +63,17 @@ class TrainerWorker:
         self._rank = dist.get_rank()
         self._hf_dir = hf_dir
 
-    def _on_rank0(self, value: torch.Tensor) -> torch.Tensor | None:
-        return value if self._rank == 0 else None
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel rank: which shard of a step it trains on."""
+        return parallel_state.get_data_parallel_rank()
 
-    def compute_old_log_probs(self, batch: ActorBatch) -> torch.Tensor | None:
-        """The current policy's [B, S] log-probs of ``batch`` (rank 0; None elsewhere)."""
-        return self._on_rank0(self.actor.compute_log_probs(batch).log_probs)
+    def train_step(self, shard: StepData) -> tuple[dict[str, float], ShardReceipt]:
+        """The step on this rank's shard (old/reference log-probs here); the actor's metrics and a receipt.
 
-    def compute_ref_log_probs(self, batch: ActorBatch) -> torch.Tensor | None:
-        """The reference policy's [B, S] log-probs of ``batch`` (rank 0; None elsewhere)."""
-        return self._on_rank0(self.actor.compute_ref_log_probs(batch))
-
-    def train_step(self, batch: ActorBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``; the actor's metrics (the same on every rank)."""
-        return self.actor.train_step(batch)
+        The metrics are the same on every rank; the receipt says what this rank received.
+        """
+        receipt = ShardReceipt(self._rank, tuple(shard.sample_ids.tolist()), shard.nbytes())
+        return self.actor.train_on_shard(shard), receipt
 
     def offload(self, keep_params: bool = False) -> None:
         """Move this rank's actor state to host memory while colocated engines use the device (bit-exact).

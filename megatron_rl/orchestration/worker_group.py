@@ -37,7 +37,7 @@ class _RankHost:
         os.environ.update(env)
         self._worker = worker_cls(*args, **kwargs)
 
-    def call(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._worker, method)(*args, **kwargs)
 
 
@@ -91,15 +91,18 @@ class RankWorkerGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rank's worker concurrently; results in rank order (a rank's error re-raises)."""
-        return ray.get([host.call.remote(method, args, kwargs) for host in self._hosts])
+        return ray.get([host.call.remote(method, *args, **kwargs) for host in self._hosts])
 
     def call_per_rank(self, method: str, per_rank_args: Sequence[Sequence[Any]]) -> list[Any]:
-        """Call ``method`` on rank ``i`` with ``per_rank_args[i]``, all concurrently."""
+        """Call ``method`` on rank ``i`` with ``per_rank_args[i]``, all concurrently.
+
+        An argument that is a Ray ``ObjectRef`` reaches the worker as its value, fetched by the
+        rank's own process from the object store: ``ray.put`` a large argument once and pass its
+        reference to every rank that needs it, so the driver serialises it once.
+        """
         if len(per_rank_args) != len(self._hosts):
             raise ValueError(f"got arguments for {len(per_rank_args)} ranks, the group has {len(self._hosts)}")
-        return ray.get(
-            [host.call.remote(method, args, {}) for host, args in zip(self._hosts, per_rank_args, strict=True)]
-        )
+        return ray.get([host.call.remote(method, *args) for host, args in zip(self._hosts, per_rank_args, strict=True)])
 
     def shutdown(self) -> None:
         """Kill every rank's actor."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.orchestration.batch_assembly import assemble_actor_batch, group_advantages, rollout_metrics
+from megatron_rl.orchestration.batch_assembly import assemble_step_data, group_advantages, rollout_metrics
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 
 
@@ -45,10 +45,35 @@ def test_advantages_are_group_relative_by_uid() -> None:
     torch.testing.assert_close(grpo, torch.tensor(expected))
 
 
+def test_step_data_is_ragged_and_compact() -> None:
+    step = assemble_step_data(_groups(), torch.arange(5.0))
+    assert step.token_ids.dtype == torch.int32 and step.token_ids.tolist() == [
+        5,
+        6,
+        7,
+        1,
+        5,
+        6,
+        8,
+        8,
+        8,
+        9,
+        2,
+        9,
+        3,
+        1,
+        9,
+        4,
+    ]
+    assert step.offsets.tolist() == [0, 4, 9, 11, 14, 16] and step.prompt_lengths.tolist() == [2, 2, 1, 1, 1]
+    assert step.rollout_log_probs.numel() == step.loss_mask.numel() == 9  # response tokens only
+    assert step.mini_batch_sizes == (5,) and step.sample_ids.tolist() == [0, 1, 2, 3, 4]
+
+
 def test_actor_batch_aligns_responses_log_probs_and_mask_after_the_prompt() -> None:
     groups = _groups()
     groups[0].samples[1].loss_mask = [0, 0, 0]  # overlong-filtered
-    batch = assemble_actor_batch(groups, torch.arange(5.0), pad_token_id=0)
+    batch = assemble_step_data(groups, torch.arange(5.0)).to_actor_batch(pad_token_id=0)
     assert batch.input_ids.tolist() == [
         [5, 6, 7, 1, 0],
         [5, 6, 8, 8, 8],
@@ -65,7 +90,7 @@ def test_actor_batch_aligns_responses_log_probs_and_mask_after_the_prompt() -> N
     assert batch.routed_experts is None
 
 
-def test_routed_experts_are_padded_to_the_batch_when_every_sample_has_them() -> None:
+def test_routed_experts_travel_compact_and_are_padded_with_distinct_experts() -> None:
     routed = [
         np.full((len(p) + len(r) - 1, 2, 2), i, dtype=np.int32)
         for i, (p, r) in enumerate([([1, 2], [3]), ([4], [5, 6])])
@@ -75,14 +100,17 @@ def test_routed_experts_are_padded_to_the_batch_when_every_sample_has_them() -> 
             "g", 0, [_sample([1, 2], [3], 1.0, routed=routed[0]), _sample([4], [5, 6], -1.0, routed=routed[1])]
         )
     ]
-    batch = assemble_actor_batch(groups, torch.zeros(2))
-    assert tuple(batch.routed_experts.shape) == (2, 3, 2, 2)
-    assert batch.routed_experts[1, :2].eq(1).all() and batch.routed_experts[1, 2].eq(0).all()
+    step = assemble_step_data(groups, torch.zeros(2), expert_dtype=torch.uint8)
+    assert step.routed_experts.dtype == torch.uint8 and tuple(step.routed_experts.shape) == (4, 2, 2)
+    batch = step.to_actor_batch()
+    assert tuple(batch.routed_experts.shape) == (2, 3, 2, 2) and batch.routed_experts.dtype == torch.long
+    assert batch.routed_experts[1, :2].eq(1).all() and batch.routed_experts[0, :2].eq(0).all()
+    assert batch.routed_experts[1, 2].tolist() == [[0, 1], [0, 1]]  # no expert recorded: distinct indices
 
 
 def test_advantages_of_the_wrong_size_are_refused() -> None:
     with pytest.raises(ValueError, match=r"advantages must be \[B\] = \(5,\)"):
-        assemble_actor_batch(_groups(), torch.zeros(4))
+        assemble_step_data(_groups(), torch.zeros(4))
 
 
 def test_rollout_metrics_report_reward_accuracy_and_length_bias() -> None:
