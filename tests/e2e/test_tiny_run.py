@@ -34,6 +34,8 @@ STEP_KEYS = {
     "time/train_s",
     "time/weight_sync_s",
     "perf/tokens_per_s",
+    "actor/time_old_log_probs_s",
+    "data/step_bytes",
 }
 
 
@@ -53,6 +55,11 @@ def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> 
     for record in records[1:]:
         assert set(record) >= STEP_KEYS, f"step {record['step']} lacks {sorted(STEP_KEYS - set(record))}"
         assert record["actor/mismatch_abs_max"] < 1e-3  # trainer and engine hold the same weights
+        # DP 2: each rank received exactly half of the step's samples (the trainer group checks the ids) and
+        # about half of its bytes, not the whole step.
+        half = record["data/step_samples"] / 2
+        assert record["data/rank_samples_max"] == record["data/rank_samples_min"] == half
+        assert record["data/rank_bytes_over_fair"] < 1.10
 
     checkpoints = run_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_000003"
