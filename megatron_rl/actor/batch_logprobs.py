@@ -37,13 +37,14 @@ def local_log_probs(
     max_tokens_per_micro_batch: int,
     packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
+    chunk_tokens: int = 0,
 ) -> TokenLogProbs:
     """[n, S] log-probs and entropies of this data-parallel rank's own rows ``local``.
 
     All ranks call this together, each DP rank with its rows (every rank of a model-parallel
     group the same). The values are on the last pipeline stage, where the loss uses them; other
     stages get zeros. Nothing is communicated but the micro-batch count and shape (MAX over DP).
-    ``temperature``, ``packing`` and ``replay``: as in ``run_schedule``.
+    ``temperature``, ``packing``, ``replay`` and ``chunk_tokens``: as in ``run_schedule``.
     """
     dp_group = parallel_state.get_data_parallel_group()
     plan = plan_micro_batches(local.lengths.tolist(), max_tokens_per_micro_batch, dp_group)
@@ -62,6 +63,7 @@ def local_log_probs(
         forward_only=True,
         packing=packing,
         replay=replay,
+        chunk_tokens=chunk_tokens,
     )
     result_2nS = local.input_ids.new_zeros((2, local.num_sequences, local.seq_length), dtype=torch.float32)
     if parallel_state.is_pipeline_last_stage():
@@ -83,6 +85,7 @@ def compute_log_probs(
     max_tokens_per_micro_batch: int,
     packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
+    chunk_tokens: int = 0,
 ) -> TokenLogProbs:
     """Log-probs and entropies of every row of the global ``batch``, identical on every rank.
 
@@ -99,6 +102,7 @@ def compute_log_probs(
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         packing=packing,
         replay=replay,
+        chunk_tokens=chunk_tokens,
     )
     result_2BS = batch.input_ids.new_zeros((2, batch.num_sequences, batch.seq_length), dtype=torch.float32)
     index = torch.tensor(rows, device=result_2BS.device)

@@ -193,6 +193,7 @@ class PolicyActor:
             "max_tokens_per_micro_batch": self._train.max_tokens_per_micro_batch,
             "packing": self._context.packing,
             "replay": self._context.replay if replay else None,
+            "chunk_tokens": self._train.logprob_chunk_tokens,
         }
 
     def _reference_swapped_in(self) -> AbstractContextManager[None]:

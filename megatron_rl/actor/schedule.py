@@ -88,11 +88,13 @@ def run_schedule(
     forward_only: bool,
     packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
+    chunk_tokens: int = 0,
 ) -> list[Any]:
     """Run the schedule; return what ``loss_fn`` produced per micro-batch (last pipeline stage; else ``[]``).
 
     All micro-batches must share one ``[B, S]`` shape. ``temperature``: the
-    rollout's sampling temperature (> 0). ``packing``: pack with
+    rollout's sampling temperature (> 0). ``chunk_tokens``: log-probs over at
+    most that many tokens at once (``train.logprob_chunk_tokens``). ``packing``: pack with
     this rule (GPU with Transformer Engine), or None for the padded layout.
     Forward-only runs collect ``loss_fn``'s return value as non-loss data;
     training runs follow Megatron's ``loss_func`` contract ``(loss,
@@ -109,10 +111,18 @@ def run_schedule(
 
         def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> Any:
             if item.layout is None:
-                current = token_log_probs(output, item.input_ids, vocab_size, tp_group, temperature=temperature)
+                current = token_log_probs(
+                    output, item.input_ids, vocab_size, tp_group, temperature=temperature, chunk_tokens=chunk_tokens
+                )
             else:
                 current = packed_token_log_probs(
-                    output, item.input_ids, item.layout, vocab_size, tp_group, temperature=temperature
+                    output,
+                    item.input_ids,
+                    item.layout,
+                    vocab_size,
+                    tp_group,
+                    temperature=temperature,
+                    chunk_tokens=chunk_tokens,
                 )
             return loss_fn(item.micro_batch, current)
 

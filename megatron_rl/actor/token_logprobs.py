@@ -8,6 +8,9 @@ position t holds log p(input_ids[t] | input_ids[:t]) and the entropy of that
 distribution (predicted at t - 1); position 0 holds 0. The distribution is
 the sampler's, softmax(logits / temperature). Columns at or beyond
 ``vocab_size`` (TP padding of the vocabulary) are excluded. Differentiable.
+``chunk_tokens`` bounds the softmax working set (see ``parallel/vocab_parallel.py``);
+the logits are read in place (every position, the last one's target a dummy that is
+dropped), so chunking copies none of them.
 """
 
 from __future__ import annotations
@@ -36,16 +39,29 @@ def token_log_probs(
     group: dist.ProcessGroup | None,
     *,
     temperature: float,
+    chunk_tokens: int = 0,
 ) -> TokenLogProbs:
     """From padded logits [B, S, V/tp] of ``input_ids_BS``; ``group``: the TP group holding the slices.
 
     Positions t >= a row's length hold values computed on pad tokens (mask them).
     """
     log_probs_BS, entropy_BS = vocab_parallel_logprobs_entropy(
-        logits_BSV[:, :-1], input_ids_BS[:, 1:], vocab_size=vocab_size, group=group, temperature=temperature
+        logits_BSV,
+        _next_tokens(input_ids_BS),
+        vocab_size=vocab_size,
+        group=group,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
     )
     first_BS = log_probs_BS.new_zeros((log_probs_BS.shape[0], 1))
-    return TokenLogProbs(torch.cat([first_BS, log_probs_BS], dim=1), torch.cat([first_BS, entropy_BS], dim=1))
+    return TokenLogProbs(
+        torch.cat([first_BS, log_probs_BS[:, :-1]], dim=1), torch.cat([first_BS, entropy_BS[:, :-1]], dim=1)
+    )
+
+
+def _next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """[..., S] the token each position predicts; the last position gets a dummy (token 0) that callers drop."""
+    return torch.cat([input_ids[..., 1:], torch.zeros_like(input_ids[..., :1])], dim=-1)
 
 
 def packed_token_log_probs(
@@ -56,6 +72,7 @@ def packed_token_log_probs(
     group: dist.ProcessGroup | None,
     *,
     temperature: float,
+    chunk_tokens: int = 0,
 ) -> TokenLogProbs:
     """From packed logits [1, T, V/tp] of the stream ``input_ids_1T``, unpacked to [B, S] by ``layout``.
 
@@ -63,6 +80,13 @@ def packed_token_log_probs(
     :func:`~megatron_rl.actor.packing.unpack_predictions`).
     """
     log_probs_1T, entropy_1T = vocab_parallel_logprobs_entropy(
-        logits_1TV[:, :-1], input_ids_1T[:, 1:], vocab_size=vocab_size, group=group, temperature=temperature
+        logits_1TV,
+        _next_tokens(input_ids_1T),
+        vocab_size=vocab_size,
+        group=group,
+        temperature=temperature,
+        chunk_tokens=chunk_tokens,
     )
-    return TokenLogProbs(unpack_predictions(log_probs_1T, layout), unpack_predictions(entropy_1T, layout))
+    return TokenLogProbs(
+        unpack_predictions(log_probs_1T[:, :-1], layout), unpack_predictions(entropy_1T[:, :-1], layout)
+    )

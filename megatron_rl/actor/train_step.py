@@ -111,6 +111,7 @@ def update_on_mini_batch(context: StepContext, local: ActorBatch) -> dict[str, f
         forward_only=False,
         packing=context.packing,
         replay=context.replay,
+        chunk_tokens=context.train.logprob_chunk_tokens,
     )
     forward_backward_s = time.perf_counter() - started
     update = step_optimizer(context.optimizer)

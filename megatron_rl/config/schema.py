@@ -208,6 +208,12 @@ class TrainConfig(Section):
     mini_batches_per_step: PositiveInt = Field(1, description="Optimizer updates per PPO epoch (1: on-policy).")
     ppo_epochs: PositiveInt = Field(1, description="Passes over each step's batch.")
     max_tokens_per_micro_batch: PositiveInt = Field(8192, description="Token budget of a micro-batch per DP rank.")
+    logprob_chunk_tokens: int = Field(
+        4096,
+        ge=0,
+        description="Log-probs and entropy are computed over at most this many tokens at once (recomputed per "
+        "chunk in backward), bounding the [tokens, vocab/tp] softmax working set; 0: the whole micro-batch at once.",
+    )
     pack_sequences: bool = Field(
         True,
         description="Pack each micro-batch's sequences into one THD stream (GPU with Transformer Engine only; "

@@ -23,12 +23,21 @@ already complete.
 
 Shapes: logits ``[..., Vl]`` (any float dtype; math in fp32), targets ``[...]``
 (int64, global vocabulary ids). Outputs are fp32 ``[...]``.
+
+Working set: the fp32 copy, the shifted and exp tensors and the entropy terms cost about
+21 bytes per ``[token, Vl]`` element at the forward peak. With ``chunk_tokens`` the tokens are
+processed in chunks of that many, each under activation checkpointing when gradients are
+needed (its intermediates are freed after the forward and recomputed in backward, one chunk
+at a time), so the working set is bounded by ``chunk_tokens x Vl`` elements whatever the
+micro-batch's size; values and gradients are those of the unchunked computation (the
+arithmetic per token is the same).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -56,6 +65,7 @@ def vocab_parallel_logprobs_entropy(
     vocab_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     temperature: float = 1.0,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies from this rank's vocabulary slice.
 
@@ -68,10 +78,36 @@ def vocab_parallel_logprobs_entropy(
             logits hold the whole vocabulary (no communication).
         temperature: T > 0; the values are those of softmax(logits / T), and
             gradients flow through the division.
+        chunk_tokens: process at most this many tokens at once (0: all at once); see the
+            module docstring. Every rank of ``group`` must pass the same value.
 
     Returns:
         ``(logprobs, entropy)``, both fp32 of shape ``targets.shape``.
     """
+    tokens = targets.numel()
+    if chunk_tokens <= 0 or tokens <= chunk_tokens:
+        return _logprobs_entropy(logits, targets, vocab_size, group, temperature)
+    logits_NV, targets_N = logits.reshape(tokens, logits.shape[-1]), targets.reshape(tokens)
+    checkpointed = torch.is_grad_enabled() and logits.requires_grad
+    parts = []
+    for start in range(0, tokens, chunk_tokens):
+        args = (logits_NV[start : start + chunk_tokens], targets_N[start : start + chunk_tokens])
+        options = (vocab_size, group, temperature)
+        if checkpointed:
+            parts.append(checkpoint(_logprobs_entropy, *args, *options, use_reentrant=False))
+        else:
+            parts.append(_logprobs_entropy(*args, *options))
+    log_probs, entropy = (torch.cat([part[i] for part in parts]).reshape(targets.shape) for i in (0, 1))
+    return log_probs, entropy
+
+
+def _logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int | None,
+    group: dist.ProcessGroup | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     local_vocab = logits.shape[-1]

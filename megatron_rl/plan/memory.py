@@ -35,9 +35,10 @@ Estimated (labelled so in the report):
     micro-batches (``pp (1 + (pp - 1)/(pp vpp))`` stages' worth on stage 0); an upper
     bound when a step has fewer micro-batches.
 - log-prob working set on the last stage: logits ``[T, V_padded / tp]`` in the activation dtype
-  plus :data:`LOGPROB_WORKSPACE_BYTES` per element (fp32 copy, the max-shifted and exp tensors,
-  the entropy terms of ``parallel/vocab_parallel.py``; 21.1 measured on CPU at the forward
-  peak, the same with and without gradients);
+  plus :data:`LOGPROB_WORKSPACE_BYTES` per element of one chunk of ``train.logprob_chunk_tokens``
+  tokens (fp32 copy, the max-shifted and exp tensors, the entropy terms of
+  ``parallel/vocab_parallel.py``; 21.1 measured on CPU at the forward peak, the same with and
+  without gradients; chunks are recomputed one at a time in backward);
 - :data:`PROCESS_RESERVE_GIB` per process on a GPU (CUDA context, NCCL communicators, allocator
   slack): an assumption.
 
@@ -158,10 +159,15 @@ def activation_bytes(arch: QwenArchitecture, parallel: ParallelConfig, train: Tr
 
 
 def logprob_bytes(arch: QwenArchitecture, parallel: ParallelConfig, train: TrainConfig) -> float:
-    """Estimated log-prob working set of the last stage: ``T x V_padded/tp x (dtype + workspace)`` bytes."""
+    """Estimated log-prob working set of the last stage, bytes: the logits and one chunk's softmax workspace.
+
+    ``T x V_padded/tp x dtype`` for the logits plus ``min(T, chunk) x V_padded/tp x workspace``
+    (``train.logprob_chunk_tokens``; 0: the whole micro-batch), T the micro-batch token budget.
+    """
     local_vocab = padded_vocab_size(arch.vocab_size, parallel.tp) // parallel.tp
-    per_element = activation_dtype_bytes(train) + LOGPROB_WORKSPACE_BYTES
-    return train.max_tokens_per_micro_batch * local_vocab * per_element
+    tokens = train.max_tokens_per_micro_batch
+    chunk = min(tokens, train.logprob_chunk_tokens or tokens)
+    return local_vocab * (tokens * activation_dtype_bytes(train) + chunk * LOGPROB_WORKSPACE_BYTES)
 
 
 @dataclass(frozen=True)
