@@ -11,8 +11,11 @@ bucket views and optimizer shards stay valid, and the round trip is
 bit-identical. On CPU the same calls run (the "device" is host memory), which
 is what the tests pin.
 
+``extra`` tensors (the reference weights when they live on the device) are
+offloaded with the optimizer state.
+
 ``offload(keep_params=True)`` frees only the gradient buffers and the
-optimizer's own storages (Adam moments, fp32 master copies), keeping the
+optimizer's own storages (Adam moments, fp32 master copies) and ``extra``, keeping the
 parameter buffers: weight sync can still read the parameters while the
 engines' weights come back. A later ``offload()`` frees the rest; ``reload``
 restores whatever was offloaded.
@@ -53,9 +56,12 @@ def _optimizer_tensors(optimizer: MegatronOptimizer) -> list[torch.Tensor]:
 class StateOffloader:
     """Offloads and reloads the storages of parameters, gradients and optimizer state."""
 
-    def __init__(self, models: Sequence[torch.nn.Module], optimizer: MegatronOptimizer) -> None:
+    def __init__(
+        self, models: Sequence[torch.nn.Module], optimizer: MegatronOptimizer, extra: Sequence[torch.Tensor] = ()
+    ) -> None:
         self._models = list(models)
         self._optimizer = optimizer
+        self._extra = list(extra)
         self._saved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
 
     @property
@@ -74,6 +80,7 @@ class StateOffloader:
             *([] if keep_params else params),
             *_buffer_tensors(self._models, "grad_data"),
             *_optimizer_tensors(self._optimizer),
+            *self._extra,
         ]
         for storage in _distinct_storages(tensors):
             if storage.data_ptr() in kept:

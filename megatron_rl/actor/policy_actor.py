@@ -132,8 +132,12 @@ class PolicyActor:
             packing,
         )
         keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
-        self._reference = ReferencePolicyWeights(self.models) if keep else None
-        self._offloader = StateOffloader(self.models, self.optimizer.optimizer)
+        reference_device = select_device() if algorithm.reference_placement == "device" else "cpu"
+        self._reference = ReferencePolicyWeights(self.models, device=reference_device) if keep else None
+        on_device = self._reference is not None and algorithm.reference_placement == "device"
+        self._offloader = StateOffloader(
+            self.models, self.optimizer.optimizer, self._reference.tensors if on_device else ()
+        )
         self._device = select_device()
 
     def compute_log_probs(self, batch: ActorBatch) -> TokenLogProbs:

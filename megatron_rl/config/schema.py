@@ -104,6 +104,12 @@ class AlgorithmConfig(Section):
     clip_high: PositiveFloat = Field(0.2, description="Upper PPO clip: ratio <= 1 + clip_high (DAPO: 0.28).")
     clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (> 1), or off.")
     use_kl_loss: bool = Field(False, description="Add a KL(policy || reference) loss term.")
+    reference_placement: Literal["host", "device"] = Field(
+        "host",
+        description="Where the reference weights of the KL loss live between uses: pinned host memory (no GPU "
+        "bytes; two host<->device copies per reference pass) or the GPU (one more copy of the parameters; "
+        "device copies only). `megatron-rl plan` counts them where they live.",
+    )
     kl_type: KLKind = Field("low_var_kl", description="KL estimator of the loss term.")
     kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the KL loss term.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")

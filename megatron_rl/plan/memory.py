@@ -10,8 +10,10 @@ Exact (from :mod:`megatron_rl.plan.param_count` and the dtypes the code configur
   parameter with bf16 parameters, 8 with fp32 ones (the parameters are then the main copy),
   sharded over the data-parallel ranks (DP x CP) for dense parameters and over expert-DP
   (``world / (etp x ep x pp)``) for expert parameters. Bucket padding (< 0.1%) is ignored.
-- the reference policy (``algorithm.use_kl_loss``) lives in host memory (``actor/reference_policy.py``):
-  no GPU bytes; host bytes = parameter bytes per rank, twice during a reference forward.
+- the reference policy (``algorithm.use_kl_loss``) lives where ``algorithm.reference_placement``
+  says (``actor/reference_policy.py``): on the host, parameter bytes of pinned host memory per
+  rank and no GPU bytes; on the device, parameter bytes more per GPU (exact). A reference pass
+  exchanges it with the parameters through one parameter-sized scratch tensor.
 
 Estimated (labelled so in the report):
 
@@ -205,6 +207,8 @@ def stage_plan(arch: QwenArchitecture, cfg: RunConfig, pp_rank: int, reserves: i
     layout = trainer_layout(parallel, cfg.cluster, cfg.rollout)
     params = stage_params(arch, parallel, pp_rank)
     state = state_amounts(params, train, layout.dp * parallel.cp, layout.expert_dp)
+    if cfg.algorithm.use_kl_loss and cfg.algorithm.reference_placement == "device":
+        state.append(Amount("reference weights (algorithm.reference_placement=device)", state[0].nbytes))
     recompute = f"recompute {train.recompute}, {train.max_tokens_per_micro_batch} tokens/micro-batch"
     working = [Amount(f"activations ({recompute})", activation_bytes(arch, parallel, train, pp_rank), exact=False)]
     if pp_rank == parallel.pp - 1:
@@ -294,7 +298,7 @@ def _host_bytes_per_node(cfg: RunConfig, stages: tuple[StagePlan, ...]) -> float
     """Pinned host memory per node of offloaded trainer state (colocated) and reference weights (KL loss)."""
     per_rank = max(
         (stage.state_bytes if cfg.rollout.placement == "colocated" else 0)
-        + (2 * stage.parameter_bytes if cfg.algorithm.use_kl_loss else 0)
+        + (stage.parameter_bytes if cfg.algorithm.use_kl_loss and cfg.algorithm.reference_placement == "host" else 0)
         for stage in stages
     )
     return per_rank * min(cfg.cluster.gpus_per_node, trainer_layout(cfg.parallel, cfg.cluster, cfg.rollout).world_size)

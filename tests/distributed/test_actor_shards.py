@@ -131,3 +131,31 @@ def test_the_reference_model_routes_with_its_own_routers(tmp_path):
     # Reference weights are the initial ones: with its own routing it is transformers' model (parity 1e-5).
     torch.testing.assert_close(result["ref"][valid], natural[valid], rtol=0, atol=1e-5)
     assert (result["policy"][valid] - natural[valid]).abs().max() > 1e-2  # the policy replayed the given experts
+
+
+def _device_reference_rank(rank, world_size, hf_dir, batch):
+    initialize_parallel(ParallelSizes())
+    algorithm = algorithm_config(use_kl_loss=True, kl_coef=0.5, reference_placement="device")
+    actor = tiny_actor(hf_dir, ParallelSizes(), train=train_config(lr=0.1), algorithm=algorithm)
+    reference = [t.clone() for t in actor._reference.tensors]
+    policy_before = [p.detach().clone() for model in actor.models for p in model.parameters()]
+    ref_log_probs = actor.compute_ref_log_probs(batch)
+    policy_after = [p.detach() for model in actor.models for p in model.parameters()]
+    exchanged_back = all(torch.equal(a, b) for a, b in zip(policy_before, policy_after, strict=True))
+    actor.offload(keep_params=True)  # the weight-sync stage: the device reference goes with the optimizer state
+    freed = all(t.untyped_storage().nbytes() == 0 for t in actor._reference.tensors)
+    actor.reload()
+    restored = all(torch.equal(a, b) for a, b in zip(reference, actor._reference.tensors, strict=True))
+    result = {"ref": ref_log_probs, "exchanged_back": exchanged_back, "freed": freed, "restored": restored}
+    destroy_parallel()
+    return result
+
+
+@pytest.mark.distributed
+def test_reference_weights_on_the_device_are_exchanged_and_offloaded_with_the_optimizer(tmp_path):
+    hf_dir = save_tiny_moe_2layer(tmp_path / "moe")
+    batch = fixed_batch()
+    natural, _ = transformers_log_probs(hf_dir, batch)
+    for result in run_distributed(_device_reference_rank, 2, hf_dir, batch):
+        assert result["exchanged_back"] and result["freed"] and result["restored"]
+        torch.testing.assert_close(result["ref"][batch.response_mask], natural[batch.response_mask], rtol=0, atol=1e-5)

@@ -148,3 +148,13 @@ def test_plan_names_the_engine_knob(
 def test_plan_gpu_memory_option(qwen3_30b_overrides: list[str], capsys) -> None:
     assert main(["plan", str(RECIPE), *qwen3_30b_overrides, "--gpu-memory-gib", "40"]) == 1
     assert "> 40 GiB GPU" in capsys.readouterr().out
+
+
+def test_reference_weights_are_counted_where_they_live(qwen3_30b_overrides: list[str]) -> None:
+    kl = [*qwen3_30b_overrides, "algorithm.preset=custom", "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.001"]
+    host = plan_memory(load_recipe(RECIPE, kl)[0], ARCH_30B, 80.0)
+    device = plan_memory(load_recipe(RECIPE, [*kl, "algorithm.reference_placement=device"])[0], ARCH_30B, 80.0)
+    parameters = host.stages[0].parameter_bytes
+    assert device.stages[0].total - host.stages[0].total == parameters
+    # Colocated: the trainer state is offloaded to the host either way; the host copy of the reference is extra.
+    assert host.host_bytes_per_node == device.host_bytes_per_node
