@@ -49,18 +49,27 @@ def assemble_step_data(
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     routed = None
     if all(s.routed_experts is not None for s in samples):
-        routed = torch.from_numpy(np.concatenate([s.routed_experts for s in samples])).to(expert_dtype)
+        routed = torch.from_numpy(np.concatenate([s.routed_experts.astype(_numpy(expert_dtype)) for s in samples]))
     return StepData(
-        token_ids=torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.int32),
+        token_ids=_concatenated([part for s in samples for part in (s.prompt_ids, s.response_ids)], np.int32),
         offsets=torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]),
         prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
         advantages=advantages.to(torch.float32),
-        loss_mask=torch.tensor([bool(m) for s in samples for m in s.loss_mask], dtype=torch.bool),
-        rollout_log_probs=torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32),
+        loss_mask=_concatenated([s.loss_mask for s in samples], np.bool_),
+        rollout_log_probs=_concatenated([s.rollout_logprobs for s in samples], np.float32),
         routed_experts=routed,
         sample_ids=torch.arange(len(samples)),
         mini_batch_sizes=(len(samples),),
     )
+
+
+def _concatenated(parts: Sequence[Sequence[float]], dtype: type) -> torch.Tensor:
+    """One 1-D tensor of ``parts`` back to back, converted per part (no Python object per element kept)."""
+    return torch.from_numpy(np.concatenate([np.asarray(part, dtype=dtype) for part in parts]))
+
+
+def _numpy(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def rollout_metrics(groups: list[RolloutGroup], *, max_response_length: int, prefix: str = "train") -> dict[str, float]:
