@@ -115,19 +115,19 @@ class StepData:
         """The samples ``indices`` in that order, cut into ``mini_batch_sizes``."""
         index = torch.as_tensor(list(indices), dtype=torch.long)
         starts, lengths = self.offsets[:-1][index], self.lengths[index]
-        token_index = _ragged_index(starts, lengths)
-        response_starts = torch.cumsum(self.response_lengths, 0) - self.response_lengths
-        response_index = _ragged_index(response_starts[index], self.response_lengths[index])
-        routed_starts = starts - torch.arange(self.num_samples)[index]
-        routed_index = _ragged_index(routed_starts, lengths - 1)
+        responses = self.response_lengths
+        response_starts = (torch.cumsum(responses, 0) - responses)[index]
+        tokens = _Segments(starts, lengths)
+        response = _Segments(response_starts, responses[index])
+        routed = _Segments(starts - index, lengths - 1)  # sample i's experts start at offsets[i] - i
         return StepData(
-            token_ids=self.token_ids[token_index],
+            token_ids=tokens.gather(self.token_ids),
             offsets=torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]),
             prompt_lengths=self.prompt_lengths[index],
             advantages=self.advantages[index],
-            loss_mask=self.loss_mask[response_index],
-            rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[response_index],
-            routed_experts=None if self.routed_experts is None else self.routed_experts[routed_index],
+            loss_mask=response.gather(self.loss_mask),
+            rollout_log_probs=None if self.rollout_log_probs is None else response.gather(self.rollout_log_probs),
+            routed_experts=None if self.routed_experts is None else routed.gather(self.routed_experts),
             sample_ids=self.sample_ids[index],
             mini_batch_sizes=tuple(mini_batch_sizes),
         )
@@ -201,11 +201,14 @@ class StepData:
         return [range(start, end) for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _ragged_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenated ``arange(start, start + length)`` for every pair, int64."""
-    total = int(lengths.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.long)
-    segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    return starts.to(torch.long)[segment] + within
+@dataclass(frozen=True)
+class _Segments:
+    """Rows ``[start, start + length)`` of a ragged tensor, one segment per selected sample."""
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """The segments of ``values`` (along dim 0) back to back: one contiguous copy per segment."""
+        pieces = [values[s : s + n] for s, n in zip(self.starts.tolist(), self.lengths.tolist(), strict=True)]
+        return torch.cat(pieces) if pieces else values[:0]

@@ -49,7 +49,7 @@ def assemble_step_data(
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     routed = None
     if all(s.routed_experts is not None for s in samples):
-        routed = torch.from_numpy(np.concatenate([s.routed_experts.astype(_numpy(expert_dtype)) for s in samples]))
+        routed = _concatenated([s.routed_experts for s in samples], _numpy(expert_dtype))
     return StepData(
         token_ids=_concatenated([part for s in samples for part in (s.prompt_ids, s.response_ids)], np.int32),
         offsets=torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]),
@@ -63,9 +63,15 @@ def assemble_step_data(
     )
 
 
-def _concatenated(parts: Sequence[Sequence[float]], dtype: type) -> torch.Tensor:
-    """One 1-D tensor of ``parts`` back to back, converted per part (no Python object per element kept)."""
-    return torch.from_numpy(np.concatenate([np.asarray(part, dtype=dtype) for part in parts]))
+def _concatenated(parts: Sequence[Sequence[float] | np.ndarray], dtype: np.dtype | type) -> torch.Tensor:
+    """``parts`` back to back along dim 0 as one ``dtype`` tensor, cast in the same pass as the copy.
+
+    The cast is unchecked: callers pick a ``dtype`` that holds every value (token ids, expert indices).
+    """
+    arrays = [np.asarray(part) for part in parts]
+    if all(array.dtype == dtype for array in arrays):  # numpy's casting path is several times slower
+        return torch.from_numpy(np.concatenate(arrays))
+    return torch.from_numpy(np.concatenate(arrays, dtype=dtype, casting="unsafe"))
 
 
 def _numpy(dtype: torch.dtype) -> np.dtype:
