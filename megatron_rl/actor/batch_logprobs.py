@@ -15,6 +15,8 @@ contribute zeros).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -27,27 +29,36 @@ from megatron_rl.actor.schedule import run_schedule
 from megatron_rl.actor.token_logprobs import TokenLogProbs
 
 
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How the actor runs a forward-only pass (each field as in ``run_schedule``).
+
+    ``max_tokens_per_micro_batch``: the token budget of a micro-batch; ``replay``: routing
+    replay, or None for the model's own routing (the reference policy).
+    """
+
+    vocab_size: int
+    temperature: float
+    max_tokens_per_micro_batch: int
+    packing: PackingRule | None = None
+    replay: RoutingReplay | None = None
+    chunk_tokens: int = 0
+
+
 @torch.no_grad()
 def local_log_probs(
     models: list[torch.nn.Module],
     local: ActorBatch,
-    *,
-    vocab_size: int,
-    temperature: float,
-    max_tokens_per_micro_batch: int,
-    packing: PackingRule | None = None,
-    replay: RoutingReplay | None = None,
-    chunk_tokens: int = 0,
+    options: ForwardOptions,
 ) -> TokenLogProbs:
     """[n, S] log-probs and entropies of this data-parallel rank's own rows ``local``.
 
     All ranks call this together, each DP rank with its rows (every rank of a model-parallel
     group the same). The values are on the last pipeline stage, where the loss uses them; other
     stages get zeros. Nothing is communicated but the micro-batch count and shape (MAX over DP).
-    ``temperature``, ``packing``, ``replay`` and ``chunk_tokens``: as in ``run_schedule``.
     """
     dp_group = parallel_state.get_data_parallel_group()
-    plan = plan_micro_batches(local.lengths.tolist(), max_tokens_per_micro_batch, dp_group)
+    plan = plan_micro_batches(local.lengths.tolist(), options.max_tokens_per_micro_batch, dp_group)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     micro_batches = padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
 
@@ -58,12 +69,12 @@ def local_log_probs(
         models,
         micro_batches,
         loss_fn,
-        vocab_size=vocab_size,
-        temperature=temperature,
+        vocab_size=options.vocab_size,
+        temperature=options.temperature,
         forward_only=True,
-        packing=packing,
-        replay=replay,
-        chunk_tokens=chunk_tokens,
+        packing=options.packing,
+        replay=options.replay,
+        chunk_tokens=options.chunk_tokens,
     )
     result_2nS = local.input_ids.new_zeros((2, local.num_sequences, local.seq_length), dtype=torch.float32)
     if parallel_state.is_pipeline_last_stage():
@@ -79,13 +90,7 @@ def local_log_probs(
 def compute_log_probs(
     models: list[torch.nn.Module],
     batch: ActorBatch,
-    *,
-    vocab_size: int,
-    temperature: float,
-    max_tokens_per_micro_batch: int,
-    packing: PackingRule | None = None,
-    replay: RoutingReplay | None = None,
-    chunk_tokens: int = 0,
+    options: ForwardOptions,
 ) -> TokenLogProbs:
     """Log-probs and entropies of every row of the global ``batch``, identical on every rank.
 
@@ -94,16 +99,7 @@ def compute_log_probs(
     """
     dp_group = parallel_state.get_data_parallel_group()
     rows = dp_shard(batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
-    local = local_log_probs(
-        models,
-        batch.select(rows),
-        vocab_size=vocab_size,
-        temperature=temperature,
-        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-        packing=packing,
-        replay=replay,
-        chunk_tokens=chunk_tokens,
-    )
+    local = local_log_probs(models, batch.select(rows), options)
     result_2BS = batch.input_ids.new_zeros((2, batch.num_sequences, batch.seq_length), dtype=torch.float32)
     index = torch.tensor(rows, device=result_2BS.device)
     result_2BS[0, index, : local.log_probs.shape[1]] = local.log_probs

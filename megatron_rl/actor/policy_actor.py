@@ -29,7 +29,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.batch_logprobs import TokenLogProbs, compute_log_probs, local_log_probs
+from megatron_rl.actor.batch_logprobs import ForwardOptions, TokenLogProbs, compute_log_probs, local_log_probs
 from megatron_rl.actor.offload import StateOffloader
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.packing import select_packing
@@ -142,7 +142,7 @@ class PolicyActor:
 
     def compute_log_probs(self, batch: ActorBatch) -> TokenLogProbs:
         """The current policy's log-probs and entropies of ``batch`` at the sampling temperature, [B, S] on every rank."""
-        return compute_log_probs(self.models, self._prepare(batch), **self._forward_options())
+        return compute_log_probs(self.models, self._prepare(batch), self._forward_options())
 
     def compute_ref_log_probs(self, batch: ActorBatch) -> torch.Tensor:
         """The reference policy's log-probs of ``batch`` at the sampling temperature, [B, S] on every rank.
@@ -154,7 +154,7 @@ class PolicyActor:
             RuntimeError: the actor keeps no reference weights (``keep_reference``).
         """
         with self._reference_swapped_in():
-            return compute_log_probs(self.models, self._prepare(batch), **self._forward_options(replay=False)).log_probs
+            return compute_log_probs(self.models, self._prepare(batch), self._forward_options(replay=False)).log_probs
 
     def train_step(self, batch: ActorBatch) -> dict[str, float]:
         """Train on ``batch`` (advantages and old log-probs set); metrics averaged over the step's updates.
@@ -179,26 +179,26 @@ class PolicyActor:
         """
         started = time.perf_counter()
         local = self._prepare(shard.to_actor_batch())
-        local = local.replace(old_log_probs=local_log_probs(self.models, local, **self._forward_options()).log_probs)
+        local = local.replace(old_log_probs=local_log_probs(self.models, local, self._forward_options()).log_probs)
         timings = {"time_old_log_probs_s": time.perf_counter() - started}
         if self._algorithm.use_kl_loss:
             with self._reference_swapped_in():
-                ref = local_log_probs(self.models, local, **self._forward_options(replay=False)).log_probs
+                ref = local_log_probs(self.models, local, self._forward_options(replay=False)).log_probs
             local = local.replace(ref_log_probs=ref)
             timings["time_ref_log_probs_s"] = time.perf_counter() - started - timings["time_old_log_probs_s"]
         trained = time.perf_counter()
         updates = train_on_local_rows(self._context, local, shard.mini_batch_rows())
         return _mean_over_updates(updates) | timings | {"time_train_s": time.perf_counter() - trained}
 
-    def _forward_options(self, *, replay: bool = True) -> dict[str, Any]:
-        return {
-            "vocab_size": self.arch.vocab_size,
-            "temperature": self._context.temperature,
-            "max_tokens_per_micro_batch": self._train.max_tokens_per_micro_batch,
-            "packing": self._context.packing,
-            "replay": self._context.replay if replay else None,
-            "chunk_tokens": self._train.logprob_chunk_tokens,
-        }
+    def _forward_options(self, *, replay: bool = True) -> ForwardOptions:
+        return ForwardOptions(
+            vocab_size=self.arch.vocab_size,
+            temperature=self._context.temperature,
+            max_tokens_per_micro_batch=self._train.max_tokens_per_micro_batch,
+            packing=self._context.packing,
+            replay=self._context.replay if replay else None,
+            chunk_tokens=self._train.logprob_chunk_tokens,
+        )
 
     def _reference_swapped_in(self) -> AbstractContextManager[None]:
         if self._reference is None:
