@@ -14,13 +14,20 @@ request types built from our bodies exactly as its FastAPI layer does
 JSON decoded by its ``GenerateResponse``, our command line parsed by its
 ``ServerArgs`` parser, the field sets above compared with its structs, and our
 tensor payloads read by its ``MultiprocessingSerializer`` (CPU tensors exactly;
-a CUDA tensor's device UUID where its patched ``rebuild_cuda_tensor`` looks).
+a CUDA tensor's device UUID where its patched ``rebuild_cuda_tensor`` looks),
+and the weight-update group: engine ranks built with SGLang's own
+``init_custom_process_group`` (gloo, in spawned processes with a default
+group of their own, as SGLang's TP workers have) receive every tensor of a
+tiny Qwen3-MoE broadcast by our trainer side (``weight_sync.weight_group``)
+bit for bit, the way its ``receive_weights_from_distributed`` receives them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +35,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout.protocol import (
     AbortRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -47,7 +55,9 @@ from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.generator import SampleOutput
 from megatron_rl.rollout.sglang_engine import SGLangPlacement, build_sglang_command
 from megatron_rl.weight_sync.tensor_serialization import rebuild_args_with_uuid, serialize_named_tensors
+from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
+from tests.tiny_checkpoints import save_tiny_moe
 
 SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
     # our class: (io_struct class, its fields, required fields)
@@ -235,3 +245,61 @@ def test_sglang_reads_the_device_uuid_of_our_cuda_payload(sglang_torch_reduction
     payload = cuda_payload("w", rebuild_args_with_uuid(cuda_rebuild_args(0), uuid_of=lambda index: uuid))
     with pytest.raises(Exception, match=f"^Invalid device_uuid={uuid}$"):  # no such GPU here: it looked the UUID up
         MultiprocessingSerializer.deserialize(payload)
+
+
+ENGINE_RANKS = 2  # one engine with TP 2 (rank offset 1), as SGLang joins it: rank = rank_offset + tp_rank
+GROUP_TIMEOUT_S = 60.0
+
+
+def _sglang_engine_rank(tp_rank: int, port: int, hf_dir: str, results) -> None:
+    """One SGLang TP worker's side of /init_weights_update_group + /update_weights_from_distributed."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from sglang.srt.utils.common import init_custom_process_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    group = init_custom_process_group(
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        world_size=1 + ENGINE_RANKS,
+        rank=1 + tp_rank,
+        group_name="megatron_rl_weights_rank0",
+    )
+    expected = sorted(load_file(Path(hf_dir) / "model.safetensors").items())
+    received = [torch.empty(t.shape, dtype=t.dtype) for _, t in expected]
+    handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in received]
+    for handle in handles:
+        handle.wait()
+    differing = [name for (name, t), r in zip(expected, received, strict=True) if not torch.equal(t, r)]
+    results.put((tp_rank, len(received), differing))
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+
+
+@needs_sglang
+def test_sglang_init_custom_process_group_receives_our_broadcast_bit_exact(tmp_path):
+    from safetensors.torch import load_file
+
+    hf_dir = save_tiny_moe(tmp_path / "moe")
+    named = sorted(load_file(hf_dir / "model.safetensors").items())
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    engines = [context.Process(target=_sglang_engine_rank, args=(r, port, str(hf_dir), results)) for r in (0, 1)]
+    for process in engines:
+        process.start()
+    try:
+        group = create_weight_group(
+            "127.0.0.1", port, 0, 1 + ENGINE_RANKS, "megatron_rl_weights_rank0", "gloo", timeout_s=GROUP_TIMEOUT_S
+        )
+        for _, tensor in named:
+            broadcast_from_trainer(group, tensor)
+        reports = sorted(results.get(timeout=GROUP_TIMEOUT_S) for _ in engines)
+        destroy_weight_group(group)
+    finally:
+        for process in engines:
+            process.join(GROUP_TIMEOUT_S)
+            if process.exitcode is None:
+                process.kill()
+    assert reports == [(0, len(named), []), (1, len(named), [])]
+    assert [process.exitcode for process in engines] == [0, 0]
