@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_partition import dp_shard, padded_micro_batches, plan_micro_batches
-from megatron_rl.actor.packing import PackingRule
+from megatron_rl.actor.packing import PackingRule, padded_sequence_multiple
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.schedule import run_schedule
 from megatron_rl.actor.token_logprobs import TokenLogProbs
@@ -34,19 +34,23 @@ def compute_log_probs(
     max_tokens_per_micro_batch: int,
     packing: PackingRule | None = None,
     replay: RoutingReplay | None = None,
+    fp8_recipe: str | None = None,
 ) -> TokenLogProbs:
     """Log-probs and entropies of every row of the global ``batch``, identical on every rank.
 
     All ranks must call this together with the same ``batch``. Each DP rank
     computes the rows :func:`dp_shard` gives it. ``temperature`` and
-    ``packing``: as in ``run_schedule``.
+    ``packing``: as in ``run_schedule``; ``fp8_recipe`` (None without FP8) sets the
+    padded length's alignment (:func:`padded_sequence_multiple`).
     """
     dp_group = parallel_state.get_data_parallel_group()
     rows = dp_shard(batch.lengths.tolist(), parallel_state.get_data_parallel_rank(), dist.get_world_size(dp_group))
     local = batch.select(rows)
     plan = plan_micro_batches(local.lengths.tolist(), max_tokens_per_micro_batch, dp_group)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    micro_batches = padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
+    micro_batches = padded_micro_batches(
+        local, plan, dp_group, seq_multiple=padded_sequence_multiple(tp=tp, fp8_recipe=fp8_recipe)
+    )
 
     def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs) -> TokenLogProbs:
         return current

@@ -141,6 +141,7 @@ class PolicyActor:
             max_tokens_per_micro_batch=self._train.max_tokens_per_micro_batch,
             packing=self._context.packing,
             replay=self._context.replay,
+            fp8_recipe=self.config.fp8_recipe if self.config.fp8 else None,
         )
 
     def compute_ref_log_probs(self, batch: ActorBatch) -> torch.Tensor:

@@ -25,6 +25,10 @@ FP8_RECIPE_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+MXFP8_MIN_CAPABILITY = (10, 0)
+"""MXFP8 GEMMs need Blackwell; Hopper (H100/H200) is 9.0."""
+
+
 def params_dtype(train: TrainConfig) -> torch.dtype:
     """Model parameter dtype: fp32 for ``precision: fp32``; bf16 otherwise (FP8 GEMMs keep bf16 weights)."""
     return torch.float32 if train.precision == "fp32" else torch.bfloat16
@@ -34,7 +38,8 @@ def fp8_fields(train: TrainConfig, transformer_engine_usable: bool) -> dict[str,
     """``fp8``, ``fp8_recipe`` and the recipe's scaling fields; empty unless ``train.precision`` is fp8.
 
     Raises:
-        ValueError: FP8 without a recipe, or where Transformer Engine is not usable.
+        ValueError: FP8 without a recipe, where Transformer Engine is not usable, or mxfp8 on a GPU
+            below compute capability 10.0.
     """
     if train.precision != "fp8":
         return {}
@@ -44,6 +49,12 @@ def fp8_fields(train: TrainConfig, transformer_engine_usable: bool) -> dict[str,
         raise ValueError(
             "train.precision=fp8 needs Transformer Engine on a CUDA device (FP8 GEMMs are TE kernels), and "
             "this process has no GPU or cannot import transformer_engine; use train.precision=bf16 here"
+        )
+    if train.fp8_recipe == "mxfp8" and torch.cuda.get_device_capability() < MXFP8_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability()
+        raise ValueError(
+            f"train.fp8_recipe=mxfp8 needs compute capability >= 10.0 (Blackwell); this GPU is {major}.{minor}; "
+            "use blockwise, tensorwise or delayed"
         )
     return {"fp8_recipe": train.fp8_recipe, "fp8_param": False, **FP8_RECIPE_FIELDS[train.fp8_recipe]}
 
