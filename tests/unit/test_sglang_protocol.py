@@ -38,7 +38,9 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout.protocol import (
     AbortRequest,
+    BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     FinishReason,
     GenerateRequest,
     GenerateResult,
@@ -85,6 +87,8 @@ SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
                    "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"}),
         frozenset({"model_path"}),
     ),
+    "BeginWeightUpdateRequest": ("BeginWeightUpdateReqInput", frozenset({"selector"}), frozenset()),
+    "EndWeightUpdateRequest": ("EndWeightUpdateReqInput", frozenset(), frozenset()),
     "MemoryOccupationRequest": ("ReleaseMemoryOccupationReqInput", frozenset({"tags"}), frozenset()),
     "PauseGenerationRequest": ("PauseGenerationReqInput", frozenset({"mode"}), frozenset()),
     "AbortRequest": (
@@ -100,6 +104,8 @@ BODIES = [
     DestroyWeightsUpdateGroupRequest("megatron_rl_weights_rank0"),
     UpdateWeightsFromDistributedRequest(["a.weight"], ["bfloat16"], [[4, 8]], "g", False, weight_version="3"),
     UpdateWeightsFromDiskRequest("/ckpt/step3", weight_version="3"),
+    BeginWeightUpdateRequest(),
+    EndWeightUpdateRequest(),
     MemoryOccupationRequest(["weights", "kv_cache"]),
     PauseGenerationRequest("retract"),
     AbortRequest("g17"),
@@ -303,3 +309,110 @@ def test_sglang_init_custom_process_group_receives_our_broadcast_bit_exact(tmp_p
                 process.kill()
     assert reports == [(0, len(named), []), (1, len(named), [])]
     assert [process.exitcode for process in engines] == [0, 0]
+
+
+# ---------------------------------------------------------------- our client against SGLang's own HTTP layer
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    return save_tiny_moe(tmp_path_factory.mktemp("hf") / "moe")
+
+
+def _sglang_http(hf_dir: Path, dp_size: int = 1):
+    """(HttpEngine, backend) with SGLang's FastAPI app in front of a reference backend (tests/sglang_http_standin.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.rollout.http_engine import HttpEngine
+    from tests.sglang_http_standin import serve_sglang_http
+
+    backend = ReferenceBackend(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), dp_size=dp_size)
+    with serve_sglang_http(backend) as port:
+        engine = HttpEngine("sglang-http", "127.0.0.1", port, request_timeout_s=60)
+        engine.wait_healthy(30)
+        yield engine, backend
+
+
+@pytest.fixture
+def sglang_http(tiny_moe_dir):
+    yield from _sglang_http(tiny_moe_dir)
+
+
+@needs_sglang
+def test_flush_cache_through_sglangs_http_layer_is_plain_text(sglang_http):
+    from megatron_rl.rollout.protocol import FLUSH_CACHE_OK
+
+    engine, _ = sglang_http
+    assert engine.request("/flush_cache", {}) == FLUSH_CACHE_OK  # SGLang's text, not JSON
+    engine.flush_cache()
+
+
+@needs_sglang
+def test_weight_update_session_through_sglangs_http_layer(sglang_http):
+    from megatron_rl.rollout.engine import EngineRequestError
+
+    engine, backend = sglang_http
+    update = UpdateWeightsFromTensorRequest(
+        [serialize_named_tensors([("model.norm.weight", torch.full((32,), 5.0))])], flush_cache=False
+    )
+    with pytest.raises(EngineRequestError) as refused:
+        engine.update_weights_from_tensor(update)
+    assert refused.value.status == 400 and '"success":false' in refused.value.body.replace(" ", "")
+    engine.begin_weight_update()
+    with pytest.raises(EngineRequestError, match="already open"):
+        engine.begin_weight_update()
+    engine.update_weights_from_tensor(update)
+    engine.end_weight_update()
+    assert torch.equal(backend.params["model.norm.weight"], torch.full((32,), 5.0))
+
+
+@needs_sglang
+def test_generate_pause_and_abort_through_sglangs_http_layer(sglang_http):
+    engine, _ = sglang_http
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, n=2, sampling_seed=3)
+    results = engine.generate(GenerateRequest([5, 17, 42], params, rid="g1", return_routed_experts=True))
+    assert len(results) == 2 and all(len(r.output_ids) == len(r.output_logprobs) for r in results)
+    assert {r.rid for r in results} == {"g1_0", "g1_1"} and results[0].weight_version == "default"
+    engine.pause_generation("retract")
+    engine.continue_generation()
+    engine.abort("g1")
+
+
+def _sync_as_trainer(port: int, kind: str, named: list, version: str) -> None:
+    """A trainer process: one WeightSyncer of transport ``kind`` into the engine at ``port``."""
+    from megatron_rl.rollout.http_engine import HttpEngine
+    from megatron_rl.weight_sync.syncer import WeightSyncer
+    from megatron_rl.weight_sync.transports import DistributedTransport, TensorTransport
+
+    engine = HttpEngine("sglang-http", "127.0.0.1", port, request_timeout_s=60)
+    transport = TensorTransport([engine]) if kind == "tensor" else DistributedTransport([engine], timeout_s=60)
+    syncer = WeightSyncer([engine], transport, bucket_bytes=1 << 14)
+    syncer.sync(named, version)
+    syncer.close()
+
+
+@needs_sglang
+@pytest.mark.parametrize("kind", ["tensor", "distributed"])
+def test_syncers_through_sglangs_http_layer_are_bit_exact(sglang_http, kind):
+    """A trainer process syncs into the engine behind SGLang's routes (session, group join, broadcast, flush)."""
+    engine, backend = sglang_http
+    named = [(name, torch.randn(p.shape)) for name, p in sorted(backend.params.items()) if "experts" not in name]
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=_sync_as_trainer, args=(int(engine.base_url.rsplit(":", 1)[1]), kind, named, f"{kind}-1")
+    )
+    trainer.start()
+    trainer.join(GROUP_TIMEOUT_S)
+    assert trainer.exitcode == 0
+    assert all(torch.equal(backend.params[name], tensor) for name, tensor in named)
+    assert backend.weight_version == f"{kind}-1" and not backend._session and not backend._groups
+
+
+@needs_sglang
+def test_weight_update_with_dp_2_fails_sglangs_assertion_through_its_http_layer(tiny_moe_dir):
+    from megatron_rl.rollout.engine import EngineRequestError
+
+    for engine, _ in _sglang_http(tiny_moe_dir, dp_size=2):
+        engine.begin_weight_update()
+        with pytest.raises(EngineRequestError) as failed:
+            engine.update_weights_from_tensor(UpdateWeightsFromTensorRequest([serialize_named_tensors([])]))
+        assert failed.value.status == 500 and failed.value.body == "Internal Server Error"
