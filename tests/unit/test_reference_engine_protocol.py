@@ -16,6 +16,7 @@ source in docs/architecture.md ("The reference engine as SGLang's twin"):
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -116,15 +117,19 @@ def test_flush_cache_answers_plain_text_without_a_content_type(served):
         assert response.read().decode() == FLUSH_CACHE_OK
 
 
-def _generate_in_thread(engine: HttpEngine, results: list) -> threading.Thread:
-    thread = threading.Thread(target=lambda: results.extend(engine.generate(GenerateRequest([5, 17, 42], GREEDY))))
+def _generate_in_thread(engine: HttpEngine, results: list, request: GenerateRequest | None = None) -> threading.Thread:
+    request = request or GenerateRequest([5, 17, 42], GREEDY)
+    thread = threading.Thread(target=lambda: results.extend(engine.generate(request)))
     thread.start()
     return thread
 
 
-def _wait_decoding(backend: ReferenceBackend) -> None:
-    with backend._state:
-        assert backend._state.wait_for(lambda: backend._decoding == 1, timeout=30)
+def _wait_decoding(backend: ReferenceBackend, timeout_s: float = 30.0) -> None:
+    """Until one request is decoding (held at its first token by the pause)."""
+    deadline = time.monotonic() + timeout_s
+    while backend._decoding != 1:
+        assert time.monotonic() < deadline, "no request started decoding"
+        time.sleep(0.01)
 
 
 def test_flush_is_refused_while_a_request_is_held_in_place_and_accepted_under_retract(served):
@@ -161,3 +166,22 @@ def test_syncer_wraps_a_tensor_sync_in_one_session(served):
         assert all(torch.equal(backend.params[name], t) for name, t in named)
     assert not backend._session and backend.weight_version == "step-2"
     syncer.close()
+
+
+def test_abort_follows_sglangs_rid_registry(served):
+    """Unknown rids are ignored (also when the request arrives later); n > 1 registers only ``{rid}_{i}``."""
+    engine, backend = served
+    engine.request("/abort_request", {"rid": "later", "abort_all": False})
+    (early,) = engine.generate(GenerateRequest([5, 17, 42], GREEDY, rid="later"))
+    assert early.finish_reason.type == "length"
+
+    two = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, n=2)
+    for target, expected in (("g", "length"), ("g_1", "abort")):
+        engine.pause_generation("in_place")
+        results: list = []
+        thread = _generate_in_thread(engine, results, GenerateRequest([5], two, rid="g"))
+        _wait_decoding(backend)
+        engine.request("/abort_request", {"rid": target, "abort_all": False})
+        engine.continue_generation()
+        thread.join(60)
+        assert {r.finish_reason.type for r in results} == {expected}, target

@@ -96,6 +96,7 @@ class ReferenceBackend:
         self._control = threading.Lock()
         self._session = False
         self._aborted_rids: set[str] = set()
+        self._active_rids: set[str] = set()
         self._in_flight = 0
         self._released: set[str] = set()
         self._shapes: dict[str, torch.Size] = {}
@@ -110,7 +111,8 @@ class ReferenceBackend:
         rid = request.rid or f"ref-{id(request)}"
         epoch = self._abort_epoch
 
-        sample_rids = {rid} | {f"{rid}_{i}" for i in range(request.sampling_params.n)}
+        n = request.sampling_params.n
+        sample_rids = {rid} if n == 1 else {f"{rid}_{i}" for i in range(n)}  # the rids SGLang registers
 
         def stopped() -> bool:
             return self._abort_epoch != epoch or not sample_rids.isdisjoint(self._aborted_rids)
@@ -132,6 +134,7 @@ class ReferenceBackend:
 
         with self._state:
             self._in_flight += 1
+            self._active_rids |= sample_rids
         try:
             with self._model_lock:
                 with self._state:
@@ -146,6 +149,7 @@ class ReferenceBackend:
         finally:
             with self._state:
                 self._in_flight -= 1
+                self._active_rids -= sample_rids
                 self._aborted_rids -= sample_rids
         multiple = request.sampling_params.n > 1
         answers = [
@@ -172,11 +176,17 @@ class ReferenceBackend:
         return {"text": "", "output_ids": sample.output_ids, "meta_info": meta, "index": index}
 
     def abort(self, rid: str, abort_all: bool) -> None:
-        """Abort one request id (also one that has not arrived yet) or every running request."""
+        """Abort every running request, or the running one ``rid`` names, as SGLang does.
+
+        As SGLang's tokenizer manager: a rid no running request registered is ignored (also one
+        that arrives later); a request with n > 1 registers ``{rid}_{i}`` only, so its bare rid is
+        ignored. Unlike SGLang, aborting one sample's rid aborts the whole request (its samples are
+        decoded together); our client aborts all of a request's samples at once anyway.
+        """
         with self._state:
             if abort_all:
                 self._abort_epoch += 1
-            else:
+            elif rid in self._active_rids:
                 self._aborted_rids.add(rid)
             self._state.notify_all()
 
