@@ -176,10 +176,10 @@ def _train_rank(rank: int, world_size: int, cfg, model_dir: Path, batch_shape: t
     )
     batch = _batch(actor.arch.vocab_size, *batch_shape)
     batch = batch.replace(old_log_probs=actor.compute_log_probs(batch).log_probs.cpu())
-    before = [p.detach().clone() for model in actor.models for p in model.parameters()]
+    before = [p.detach().to("cpu", copy=True) for model in actor.models for p in model.parameters()]  # not on the GPU
     metrics = actor.train_step(batch)
     after = [p.detach() for model in actor.models for p in model.parameters()]
-    moved = sum(int(not torch.equal(a, b)) for a, b in zip(before, after, strict=True))
+    moved = sum(int(not torch.equal(a, b.cpu())) for a, b in zip(before, after, strict=True))
     main_dtypes = sorted(
         {
             str(p.dtype)

@@ -34,6 +34,5 @@ ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run '$0 --fetch' fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-set -o pipefail
 timeout 450 python3 scripts/device_check.py --workdir /tmp/device_check --report "$out/gpu-checks.md" \
     --json "$out/gpu-checks.json" 2>&1 | tee "$out/device_check.log"

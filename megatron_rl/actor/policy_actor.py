@@ -91,7 +91,11 @@ class PolicyActor:
         self._train, self._algorithm = train, algorithm
         use_te, dtype = transformer_engine_usable(), params_dtype(train)
         overrides = actor_config_overrides(
-            train, is_moe=self.arch.is_moe, routing_replay=algorithm.routing_replay, transformer_engine_usable=use_te
+            train,
+            is_moe=self.arch.is_moe,
+            routing_replay=algorithm.routing_replay,
+            transformer_engine_usable=use_te,
+            compute_capability=torch.cuda.get_device_capability() if on_accelerator() else None,
         )
         self.config = build_transformer_config(
             self.arch, parallel_sizes(parallel), params_dtype=dtype, use_transformer_engine=use_te, overrides=overrides
