@@ -15,6 +15,10 @@ requires it:
 3. controller: ``end_weight_update`` (the engine post-processes the weights,
    e.g. FP8 re-quantisation), ``flush_cache``, ``continue_generation``.
 
+A sync that fails after step 1 closes the session on the controller (so a
+retry can open one) and re-raises; generation stays paused, since the
+engines hold partly updated weights.
+
 The ``version`` string travels with every update request and comes back as
 ``meta_info.weight_version`` in generation results.
 
@@ -23,6 +27,7 @@ The ``version`` string travels with every update request and comes back as
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,9 +38,11 @@ import torch.distributed as dist
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.schema import WeightSyncConfig
 from megatron_rl.models.weight_transfer import export_hf_weights
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.weight_sync.buckets import MIB, NamedTensor, iter_buckets, tensor_bytes
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,15 @@ def _open(engine: RolloutEngine, session: bool) -> None:
         engine.begin_weight_update()
 
 
+def _abandon(engine: RolloutEngine) -> None:
+    """After a failed sync: close the session so a retry can open one; generation stays paused (the
+    engine holds partly updated weights). A failure here is logged, not raised over the sync's own."""
+    try:
+        engine.end_weight_update()
+    except EngineError as error:
+        logger.warning("could not close the weight-update session of %s after a failed sync: %s", engine.name, error)
+
+
 def _close(engine: RolloutEngine, session: bool) -> None:
     if session:
         engine.end_weight_update()
@@ -86,16 +102,21 @@ class WeightSyncer:
         start = time.perf_counter()
         session = self.transport.needs_session
         _on_controller(self.engines, lambda e: _open(e, session))
-        _barrier()
         num_tensors = num_bytes = num_buckets = 0
-        self.transport.begin(version)
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-            self.transport.send_bucket(bucket, version)
-            num_tensors += len(bucket)
-            num_bytes += sum(tensor_bytes(t) for _, t in bucket)
-            num_buckets += 1
-        self.transport.finish(version)
-        _barrier()
+        try:
+            _barrier()
+            self.transport.begin(version)
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+                self.transport.send_bucket(bucket, version)
+                num_tensors += len(bucket)
+                num_bytes += sum(tensor_bytes(t) for _, t in bucket)
+                num_buckets += 1
+            self.transport.finish(version)
+            _barrier()
+        except BaseException:
+            if session:
+                _on_controller(self.engines, _abandon)
+            raise
         _on_controller(self.engines, lambda e: _close(e, session))
         return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 

@@ -185,3 +185,15 @@ def test_abort_follows_sglangs_rid_registry(served):
         engine.continue_generation()
         thread.join(60)
         assert {r.finish_reason.type for r in results} == {expected}, target
+
+
+def test_a_failed_sync_closes_the_session_and_keeps_generation_paused(served):
+    """A bucket the engine refuses (an unknown tensor name) fails the sync; a retried sync can begin again."""
+    engine, backend = served
+    syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=1 << 20)
+    with pytest.raises(EngineRequestError, match="not a weight of this model"):
+        syncer.sync([("model.no_such.weight", torch.zeros(3))], "broken")
+    assert not backend._session and backend._paused
+    syncer.sync([(NORM, torch.full((32,), 7.0))], "retried")
+    assert not backend._session and not backend._paused and backend.weight_version == "retried"
+    syncer.close()
