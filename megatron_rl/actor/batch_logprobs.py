@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_partition import dp_shard, padded_micro_batches, plan_micro_batches
-from megatron_rl.actor.packing import PackingRule
+from megatron_rl.actor.packing import PackingRule, padded_sequence_multiple
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.schedule import run_schedule
 from megatron_rl.actor.token_logprobs import TokenLogProbs
@@ -34,7 +34,8 @@ class ForwardOptions:
     """How the actor runs a forward-only pass (each field as in ``run_schedule``).
 
     ``max_tokens_per_micro_batch``: the token budget of a micro-batch; ``replay``: routing
-    replay, or None for the model's own routing (the reference policy).
+    replay, or None for the model's own routing (the reference policy); ``fp8_recipe`` (None
+    without FP8) sets the padded length's alignment (:func:`padded_sequence_multiple`).
     """
 
     vocab_size: int
@@ -43,6 +44,7 @@ class ForwardOptions:
     packing: PackingRule | None = None
     replay: RoutingReplay | None = None
     chunk_tokens: int = 0
+    fp8_recipe: str | None = None
 
 
 @torch.no_grad()
@@ -60,7 +62,9 @@ def local_log_probs(
     dp_group = parallel_state.get_data_parallel_group()
     plan = plan_micro_batches(local.lengths.tolist(), options.max_tokens_per_micro_batch, dp_group)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    micro_batches = padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
+    micro_batches = padded_micro_batches(
+        local, plan, dp_group, seq_multiple=padded_sequence_multiple(tp=tp, fp8_recipe=options.fp8_recipe)
+    )
 
     def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs) -> TokenLogProbs:
         return current

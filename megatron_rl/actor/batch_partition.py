@@ -10,8 +10,9 @@
    ``[rows, S]`` shape, agreed on by all DP ranks (MAX all-reduce). The CPU
    MoE dispatcher (allgather) and pipeline p2p without
    ``variable_seq_lengths`` need one shape per schedule call; padding rows
-   carry no loss token. ``S`` is a multiple of ``seq_multiple`` (the TP size,
-   for sequence parallelism).
+   carry no loss token. ``S`` is a multiple of ``seq_multiple``
+   (``packing.padded_sequence_multiple``: the TP size for sequence parallelism,
+   times the FP8 token alignment when training in FP8).
 """
 
 from __future__ import annotations

@@ -104,6 +104,17 @@ def select_packing(
     return packing_rule(tp=tp, cp=cp, sequence_parallel=sequence_parallel, fp8_recipe=fp8_recipe)
 
 
+def padded_sequence_multiple(*, tp: int, fp8_recipe: str | None) -> int:
+    """The multiple ``S`` of padded ``[rows, S]`` micro-batches is rounded up to (the path without packing).
+
+    ``tp`` (sequence parallelism splits every row's tokens over the TP ranks), times the FP8
+    token alignment of ``fp8_recipe`` (None: no FP8), so that each TP rank's token rows, ``rows x
+    S / tp``, meet Transformer Engine's FP8 GEMM alignment (16; 32 for mxfp8; 128 for blockwise)
+    whatever the row count.
+    """
+    return tp * (FP8_TOKEN_ALIGNMENT[fp8_recipe] if fp8_recipe is not None else 1)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

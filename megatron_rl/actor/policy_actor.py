@@ -96,7 +96,11 @@ class PolicyActor:
         self._train, self._algorithm = train, algorithm
         use_te, dtype = transformer_engine_usable(), params_dtype(train)
         overrides = actor_config_overrides(
-            train, is_moe=self.arch.is_moe, routing_replay=algorithm.routing_replay, transformer_engine_usable=use_te
+            train,
+            is_moe=self.arch.is_moe,
+            routing_replay=algorithm.routing_replay,
+            transformer_engine_usable=use_te,
+            compute_capability=torch.cuda.get_device_capability() if on_accelerator() else None,
         )
         self.config = build_transformer_config(
             self.arch, parallel_sizes(parallel), params_dtype=dtype, use_transformer_engine=use_te, overrides=overrides
@@ -198,6 +202,7 @@ class PolicyActor:
             packing=self._context.packing,
             replay=self._context.replay if replay else None,
             chunk_tokens=self._train.logprob_chunk_tokens,
+            fp8_recipe=self.config.fp8_recipe if self.config.fp8 else None,
         )
 
     def _reference_swapped_in(self) -> AbstractContextManager[None]:

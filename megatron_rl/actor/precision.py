@@ -25,16 +25,26 @@ FP8_RECIPE_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+MXFP8_MIN_CAPABILITY = (10, 0)
+"""MXFP8 GEMMs need Blackwell; Hopper (H100/H200) is 9.0."""
+
+
 def params_dtype(train: TrainConfig) -> torch.dtype:
     """Model parameter dtype: fp32 for ``precision: fp32``; bf16 otherwise (FP8 GEMMs keep bf16 weights)."""
     return torch.float32 if train.precision == "fp32" else torch.bfloat16
 
 
-def fp8_fields(train: TrainConfig, transformer_engine_usable: bool) -> dict[str, Any]:
+def fp8_fields(
+    train: TrainConfig, transformer_engine_usable: bool, compute_capability: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """``fp8``, ``fp8_recipe`` and the recipe's scaling fields; empty unless ``train.precision`` is fp8.
 
+    ``compute_capability``: this process's GPU (``torch.cuda.get_device_capability()``), None when
+    unknown.
+
     Raises:
-        ValueError: FP8 without a recipe, or where Transformer Engine is not usable.
+        ValueError: FP8 without a recipe, where Transformer Engine is not usable, or mxfp8 on a GPU
+            below compute capability 10.0.
     """
     if train.precision != "fp8":
         return {}
@@ -44,6 +54,12 @@ def fp8_fields(train: TrainConfig, transformer_engine_usable: bool) -> dict[str,
         raise ValueError(
             "train.precision=fp8 needs Transformer Engine on a CUDA device (FP8 GEMMs are TE kernels), and "
             "this process has no GPU or cannot import transformer_engine; use train.precision=bf16 here"
+        )
+    if train.fp8_recipe == "mxfp8" and compute_capability is not None and compute_capability < MXFP8_MIN_CAPABILITY:
+        major, minor = compute_capability
+        raise ValueError(
+            f"train.fp8_recipe=mxfp8 needs compute capability >= 10.0 (Blackwell); this GPU is {major}.{minor}; "
+            "use blockwise, tensorwise or delayed"
         )
     return {"fp8_recipe": train.fp8_recipe, "fp8_param": False, **FP8_RECIPE_FIELDS[train.fp8_recipe]}
 
@@ -64,7 +80,12 @@ def moe_loss_fields(train: TrainConfig) -> dict[str, Any]:
 
 
 def actor_config_overrides(
-    train: TrainConfig, *, is_moe: bool, routing_replay: bool, transformer_engine_usable: bool
+    train: TrainConfig,
+    *,
+    is_moe: bool,
+    routing_replay: bool,
+    transformer_engine_usable: bool,
+    compute_capability: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """All TransformerConfig overrides of a training actor.
 
@@ -86,7 +107,7 @@ def actor_config_overrides(
     fields: dict[str, Any] = {
         "calculate_per_token_loss": True,
         "finalize_model_grads_func": finalize_model_grads,
-        **fp8_fields(train, transformer_engine_usable),
+        **fp8_fields(train, transformer_engine_usable, compute_capability),
         **recompute_fields(train),
     }
     if is_moe:

@@ -26,7 +26,7 @@ from megatron_rl.actor.batch_partition import dp_shard, padded_micro_batches, pl
 from megatron_rl.actor.loss import actor_loss, count_step, megatron_loss
 from megatron_rl.actor.metrics import MetricsAccumulator
 from megatron_rl.actor.optimizer import OptimizerBundle, step_optimizer
-from megatron_rl.actor.packing import PackingRule
+from megatron_rl.actor.packing import PackingRule, padded_sequence_multiple
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.schedule import run_schedule
 from megatron_rl.actor.token_logprobs import TokenLogProbs
@@ -83,7 +83,10 @@ def _local_micro_batches(context: StepContext, local: ActorBatch) -> list[ActorB
     dp_group = parallel_state.get_data_parallel_group()
     plan = plan_micro_batches(local.lengths.tolist(), context.train.max_tokens_per_micro_batch, dp_group)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return padded_micro_batches(local, plan, dp_group, seq_multiple=tp)
+    fp8_recipe = context.train.fp8_recipe if context.train.precision == "fp8" else None
+    return padded_micro_batches(
+        local, plan, dp_group, seq_multiple=padded_sequence_multiple(tp=tp, fp8_recipe=fp8_recipe)
+    )
 
 
 def update_on_mini_batch(context: StepContext, local: ActorBatch) -> dict[str, float]:

@@ -247,6 +247,37 @@ def _check_sampling_temperature(cfg: RunConfig, arch: QwenArchitecture) -> Itera
         )
 
 
+def _check_weight_sync(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    rollout, cluster = cfg.rollout, cfg.cluster
+    if rollout.dp > 1:
+        yield _error(
+            "rollout.dp",
+            f"{rollout.dp}: SGLang 0.5.23 asserts dp_size == 1 for every weight update "
+            "(update_weights_from_tensor, update_weights_from_distributed, init_weights_update_group; "
+            "srt/managers/tokenizer_control_mixin.py), so an engine with data-parallel replicas cannot receive the "
+            "trainer's weights; set rollout.dp=1 (the rollout GPUs then hold more engines of rollout.tp GPUs each)",
+        )
+    if rollout.placement != "colocated" or cluster.gpus_per_node == 0:
+        return
+    transport = cfg.weight_sync.transport
+    if cluster.nodes > 1 and transport in ("auto", "tensor"):
+        yield _error(
+            "weight_sync.transport",
+            f"{transport!r} with colocated engines on {cluster.nodes} nodes: the tensor transport sends CUDA IPC "
+            "handles, which open only on the sending rank's node, and each tensor is sent once, by the trainer rank "
+            "that owns it, so engines on the other nodes would get handles of a foreign GPU (SGLang rejects its "
+            "device UUID); use weight_sync.transport=disk (a directory every node shares), "
+            "rollout.placement=disaggregated, or cluster.nodes=1",
+        )
+    if transport == "distributed":
+        yield _error(
+            "weight_sync.transport",
+            "'distributed' with colocated engines: each broadcast group would hold a trainer rank and an engine rank "
+            "on the same GPU, which NCCL refuses (duplicate GPU in one communicator); use weight_sync.transport=auto "
+            "(tensor) on one node, disk across nodes, or rollout.placement=disaggregated",
+        )
+
+
 def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     train = cfg.train
     if train.precision == "fp8":
@@ -254,6 +285,14 @@ def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding
             yield _error("train.precision", "fp8 needs GPUs with Transformer Engine; use fp32 or bf16 on CPU")
         if train.fp8_recipe is None:
             yield _error("train.fp8_recipe", "precision fp8 needs a recipe: delayed, tensorwise, blockwise or mxfp8")
+        if train.fp8_recipe == "mxfp8" and cfg.cluster.gpu_arch != "blackwell":
+            yield _error(
+                "train.fp8_recipe",
+                f"mxfp8 needs compute capability >= 10.0 (Blackwell: B200/GB200); cluster.gpu_arch is "
+                f"{cfg.cluster.gpu_arch!r} (H100/H200, 9.0), where Transformer Engine cannot run MXFP8 GEMMs; use "
+                "train.fp8_recipe=blockwise or tensorwise (or delayed) on Hopper, or set cluster.gpu_arch=blackwell "
+                "if the nodes are Blackwell",
+            )
     elif train.fp8_recipe is not None:
         yield _error("train.fp8_recipe", f"set only with precision fp8 (precision is {train.precision!r})")
     if train.moe_aux_loss_type != "none" and not arch.is_moe:
@@ -292,6 +331,7 @@ CHECKS: tuple[Check, ...] = (
     _check_preset,
     _check_loss_terms,
     _check_sampling_temperature,
+    _check_weight_sync,
     _check_precision,
     _check_sources,
     _check_logging,

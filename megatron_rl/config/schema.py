@@ -268,6 +268,11 @@ class ClusterConfig(Section):
     cpu_engines: PositiveInt = Field(
         1, description="Rollout engines (reference engine processes) when gpus_per_node is 0."
     )
+    gpu_arch: Literal["hopper", "blackwell"] = Field(
+        "hopper",
+        description="GPU architecture of the nodes: hopper (H100/H200, compute capability 9.0) or blackwell "
+        "(B200/GB200, 10.0). Decides which FP8 recipes can run: mxfp8 needs blackwell.",
+    )
 
 
 class LoggingConfig(Section):

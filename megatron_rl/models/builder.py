@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size, parse_hf_config
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.norm import RMSNorm
-from megatron_rl.parallel.device import transformer_engine_usable
+from megatron_rl.parallel.device import select_device, transformer_engine_usable
 from megatron_rl.parallel.distributed import ParallelSizes
 
 
@@ -76,7 +76,9 @@ def build_model_chunks(
     with ``v == 0`` and ``post_process`` (final norm, output layer) only on the
     last stage with ``v == vpp - 1``. The vocabulary is padded to a multiple of
     ``make_vocab_size_divisible_by * tp``; padded logits are meaningless and
-    must be masked or trimmed by callers (see ``vocab_parallel``).
+    must be masked or trimmed by callers (see ``vocab_parallel``). The chunks are on this
+    process's device (:func:`~megatron_rl.parallel.device.select_device`), with or without
+    Transformer Engine, where the batches go too.
     """
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     vocab = padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
@@ -97,7 +99,7 @@ def build_model_chunks(
             rotary_base=arch.rope_theta,
             vp_stage=stage,
         )
-        chunks.append(chunk.to(torch.cuda.current_device() if use_transformer_engine else "cpu"))
+        chunks.append(chunk.to(select_device()))
     return chunks
 
 

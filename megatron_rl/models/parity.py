@@ -24,6 +24,7 @@ from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.forward import forward_logits
 from megatron_rl.models.megatron_config import check_layout
 from megatron_rl.models.weight_transfer import load_hf_weights
+from megatron_rl.parallel.device import collective_backend, on_accelerator
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import run_local_ranks
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -129,7 +130,7 @@ def check_parity(
     )
     print(
         f"layout: TP={sizes.tp} PP={sizes.pp} VPP={sizes.vpp or '-'} EP={sizes.ep} ETP={sizes.expert_tp} "
-        f"on {world_size} CPU rank(s), gloo, fp32"
+        f"on {world_size} {'GPU' if on_accelerator() else 'CPU'} rank(s), {collective_backend()}, fp32"
     )
     print(f"batch:  {num_sequences} sequences, lengths {mask.sum(1).tolist()}")
     reference = reference_outputs(hf_dir, input_ids, mask)

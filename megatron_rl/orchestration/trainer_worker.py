@@ -10,6 +10,7 @@ A rank receives only its data-parallel shard of a step and returns scalars.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import ray
 import torch.distributed as dist
@@ -59,6 +60,8 @@ class TrainerWorker:
             clients,
             engine_world_sizes=[tp_ranks] * len(clients),
             master_address=ray.util.get_node_ip_address(),
+            disk_dir=Path(cfg.run_dir) / "weight_sync",
+            hf_config_dir=hf_dir,
         )
         self._rank = dist.get_rank()
         self._hf_dir = hf_dir

@@ -82,7 +82,8 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def flush_cache(self) -> None:
-        """Drop the prefix cache (stale after a weight update)."""
+        """Drop the prefix cache (stale after a weight update); refused while requests run, unless paused
+        with ``retract`` (SGLang answers 400: EngineRequestError)."""
 
     @abc.abstractmethod
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
@@ -93,8 +94,16 @@ class RolloutEngine(abc.ABC):
         """Re-allocate what :meth:`release_memory` freed (released weights must be updated before use)."""
 
     @abc.abstractmethod
+    def begin_weight_update(self) -> None:
+        """Open the engine's weight-update session (SGLang 0.5.23 refuses tensor/distributed updates outside one)."""
+
+    @abc.abstractmethod
+    def end_weight_update(self) -> None:
+        """Close the session; the engine post-processes the new weights here (e.g. FP8 re-quantisation)."""
+
+    @abc.abstractmethod
     def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:
-        """Load a bucket of named tensors passed as IPC handles (colocated engines)."""
+        """Load a bucket of named tensors passed as IPC handles (colocated engines; inside a session)."""
 
     @abc.abstractmethod
     def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> None:
@@ -106,7 +115,7 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> None:
-        """Receive ``request.names`` by broadcast from rank 0 of the group, in order."""
+        """Receive ``request.names`` by broadcast from rank 0 of the group, in order (inside a session)."""
 
     @abc.abstractmethod
     def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> None:

@@ -30,7 +30,9 @@ from megatron_rl.rollout.engine import (
 )
 from megatron_rl.rollout.protocol import (
     AbortRequest,
+    BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
@@ -92,7 +94,12 @@ class HttpEngine(RolloutEngine):
         return f"; engine process exited with code {exit_code}; log tail:\n{self.process.log_tail()}"
 
     def request(self, endpoint: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
-        """POST ``body`` (GET when None) to ``endpoint``; the decoded JSON answer, or None for an empty one."""
+        """POST ``body`` (GET when None) to ``endpoint``; the answer decoded by its Content-Type.
+
+        A JSON answer (``application/json``, SGLang's ORJSONResponse) is decoded; any other body is
+        returned as text (SGLang answers ``/flush_cache`` in plain text, without a Content-Type);
+        an empty body is None.
+        """
         url = self.base_url + endpoint
         timeout = timeout_s if timeout_s is not None else CONTROL_TIMEOUT_S
         data = None if body is None else json.dumps(body).encode()
@@ -101,6 +108,7 @@ class HttpEngine(RolloutEngine):
         try:
             with urllib.request.urlopen(req, timeout=timeout) as response:
                 raw = response.read()
+                content_type = response.headers.get_content_type() if response.headers.get("Content-Type") else ""
         except urllib.error.HTTPError as error:
             text = error.read().decode("utf-8", errors="replace")
             raise EngineRequestError(
@@ -122,7 +130,9 @@ class HttpEngine(RolloutEngine):
                 f"engine {self.name}: {endpoint} failed at {url}: {reason!r}"
                 f"{self.process_report(settle_s=CONNECTION_LOSS_SETTLE_S)}"
             ) from error
-        return json.loads(raw) if raw.strip() else None
+        if not raw.strip():
+            return None
+        return json.loads(raw) if content_type == "application/json" else raw.decode("utf-8", errors="replace")
 
     def start(self) -> None:
         if self.process is None:
@@ -183,6 +193,12 @@ class HttpEngine(RolloutEngine):
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         self.request("/resume_memory_occupation", MemoryOccupationRequest(list(tags) if tags else None).to_json())
+
+    def begin_weight_update(self) -> None:
+        self.request("/begin_weight_update", BeginWeightUpdateRequest().to_json())
+
+    def end_weight_update(self) -> None:
+        self.request("/end_weight_update", EndWeightUpdateRequest().to_json())
 
     def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:
         self.request("/update_weights_from_tensor", request.to_json())

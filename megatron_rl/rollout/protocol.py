@@ -25,6 +25,14 @@ from typing import Any, Literal
 import numpy as np
 
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+
+FLUSH_CACHE_OK = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+"""The plain-text body (no JSON) of a successful ``/flush_cache`` (200), verbatim from SGLang 0.5.23."""
+FLUSH_CACHE_FAILED = "Flush cache failed.\n"
+"""The plain-text body of a refused ``/flush_cache`` (400: requests still running or queued)."""
 MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
 
 
@@ -95,6 +103,23 @@ class UpdateWeightsFromTensorRequest(_Body):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+
+
+@dataclass(frozen=True)
+class BeginWeightUpdateRequest(_Body):
+    """``POST /begin_weight_update`` (SGLang ``BeginWeightUpdateReqInput``): open the weight-update session.
+
+    In 0.5.23 ``/update_weights_from_tensor`` and ``/update_weights_from_distributed`` fail
+    (400) outside a session; one session at a time per engine (a second begin is a 400).
+    """
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+@dataclass(frozen=True)
+class EndWeightUpdateRequest(_Body):
+    """``POST /end_weight_update`` (SGLang ``EndWeightUpdateReqInput``): close the session; the engine
+    post-processes the loaded weights there (e.g. FP8 re-quantisation). A 400 when no session is open."""
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,33 @@
 """One weight sync: pause the engines, stream the export through buckets and a transport, resume.
 
 Called on every trainer rank at once (it is collective: the exporter gathers
-over TP groups and the ranks meet at barriers). Rank 0 is the controller: it
-pauses generation (``retract``: in-flight requests wait) and flushes the
-prefix caches before any weight moves, then flushes again and continues once
-every rank has sent. The ``version`` string travels with every update request
-and comes back as ``meta_info.weight_version`` in generation results.
+over TP groups and the ranks meet at barriers). Rank 0 is the controller. The
+order, as slime and verl drive SGLang (read in their weight-update code) with
+SGLang 0.5.23's weight-update session added where its ``weight_updater.py``
+requires it:
+
+1. controller: ``pause_generation(retract)`` (in-flight requests are held and
+   will re-prefill with the new weights), ``flush_cache`` (plain-text answer;
+   accepted while paused with retract), ``begin_weight_update`` when the
+   transport needs a session (tensor, distributed);
+2. barrier; every rank streams its share of the export through the transport;
+   barrier;
+3. controller: ``end_weight_update`` (the engine post-processes the weights,
+   e.g. FP8 re-quantisation), ``flush_cache``, ``continue_generation``.
+
+A sync that fails after step 1 closes the session on the controller (so a
+retry can open one) and re-raises; generation stays paused, since the
+engines hold partly updated weights.
+
+The ``version`` string travels with every update request and comes back as
+``meta_info.weight_version`` in generation results.
 
 :func:`build_transport` is the one place a transport is chosen.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,9 +38,11 @@ import torch.distributed as dist
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.schema import WeightSyncConfig
 from megatron_rl.models.weight_transfer import export_hf_weights
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.weight_sync.buckets import MIB, NamedTensor, iter_buckets, tensor_bytes
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,29 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _open(engine: RolloutEngine, session: bool) -> None:
+    engine.pause_generation("retract")
+    engine.flush_cache()
+    if session:
+        engine.begin_weight_update()
+
+
+def _abandon(engine: RolloutEngine) -> None:
+    """After a failed sync: close the session so a retry can open one; generation stays paused (the
+    engine holds partly updated weights). A failure here is logged, not raised over the sync's own."""
+    try:
+        engine.end_weight_update()
+    except EngineError as error:
+        logger.warning("could not close the weight-update session of %s after a failed sync: %s", engine.name, error)
+
+
+def _close(engine: RolloutEngine, session: bool) -> None:
+    if session:
+        engine.end_weight_update()
+    engine.flush_cache()
+    engine.continue_generation()
+
+
 class WeightSyncer:
     """Streams named tensors into ``engines`` through ``transport`` in buckets of ``bucket_bytes``."""
 
@@ -59,18 +100,24 @@ class WeightSyncer:
     def sync(self, named_tensors: Iterable[NamedTensor], version: str) -> SyncStats:
         """Deliver this rank's share of the weights; every rank calls it with its own stream."""
         start = time.perf_counter()
-        _on_controller(self.engines, lambda e: (e.pause_generation("retract"), e.flush_cache()))
-        _barrier()
+        session = self.transport.needs_session
+        _on_controller(self.engines, lambda e: _open(e, session))
         num_tensors = num_bytes = num_buckets = 0
-        self.transport.begin(version)
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-            self.transport.send_bucket(bucket, version)
-            num_tensors += len(bucket)
-            num_bytes += sum(tensor_bytes(t) for _, t in bucket)
-            num_buckets += 1
-        self.transport.finish(version)
-        _barrier()
-        _on_controller(self.engines, lambda e: (e.flush_cache(), e.continue_generation()))
+        try:
+            _barrier()
+            self.transport.begin(version)
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+                self.transport.send_bucket(bucket, version)
+                num_tensors += len(bucket)
+                num_bytes += sum(tensor_bytes(t) for _, t in bucket)
+                num_buckets += 1
+            self.transport.finish(version)
+            _barrier()
+        except BaseException:
+            if session:
+                _on_controller(self.engines, _abandon)
+            raise
+        _on_controller(self.engines, lambda e: _close(e, session))
         return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
     def sync_megatron(self, chunks: Sequence, arch: QwenArchitecture, version: str) -> SyncStats:

@@ -3,22 +3,30 @@
 Every trainer rank owns one transport and calls ``begin``, ``send_bucket``
 for each of its buckets (possibly none), and ``finish``, all with the sync's
 weight version; ``begin``/``finish`` are collective over the trainer's
-default process group when the transport needs it (disk). Each sending rank
-talks to the engines directly; nothing is funnelled through one rank.
+default process group when the transport needs it (disk, distributed). Each
+sending rank talks to the engines directly; nothing is funnelled through one
+rank. ``needs_session``: the transport's updates must run inside the engines'
+weight-update session (SGLang 0.5.23: tensor and distributed updates), which
+the syncer's controller opens and closes.
 
 - :class:`TensorTransport` (colocated): ``/update_weights_from_tensor`` with
   IPC handles: CUDA tensors as they are (their device named by UUID), CPU tensors
   packed into one reused shared-memory buffer per rank (one copy, the model's
-  storage untouched).
+  storage untouched). CUDA IPC handles open only on the sender's node: the
+  recipe check refuses colocated engines on nodes without the sending rank.
 - :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
   broadcast group with every engine rank (engine ``i`` at rank offset
   1 + sum of the previous engines' sizes); per bucket it posts
   ``/update_weights_from_distributed`` to every engine and broadcasts the
   tensors in order. Gloo on CPU, NCCL on GPU; the group is created on the first
-  bucket and kept until :meth:`close`.
+  bucket and kept until :meth:`close`. Joining a group and each bucket's
+  requests + broadcasts run under the one :class:`~megatron_rl.weight_sync.send_lock.SendLock`
+  of all trainer ranks, so several sending ranks never deadlock engines that
+  serve one weight request at a time.
 - :class:`DiskTransport`: each rank writes its buckets as safetensors shards
   into a shared directory; after a barrier, rank 0 copies the config files and
-  posts ``/update_weights_from_disk``.
+  posts ``/update_weights_from_disk`` (no session: SGLang loads and
+  post-processes a disk update by itself).
 """
 
 from __future__ import annotations
@@ -43,8 +51,14 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromTensorRequest,
 )
 from megatron_rl.weight_sync.buckets import NamedTensor, tensor_bytes
+from megatron_rl.weight_sync.send_lock import SendLock, create_send_lock
 from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
-from megatron_rl.weight_sync.weight_group import WeightGroup, broadcast_from_trainer, create_weight_group
+from megatron_rl.weight_sync.weight_group import (
+    WeightGroup,
+    broadcast_from_trainer,
+    create_weight_group,
+    destroy_weight_group,
+)
 
 ALIGN_BYTES = 64
 
@@ -67,6 +81,9 @@ def _on_every_engine(engines: Sequence[RolloutEngine], call: Callable[[int, Roll
 
 class WeightTransport(abc.ABC):
     """Delivers this rank's buckets of (Hugging Face name, full tensor) to every engine."""
+
+    needs_session: bool = True
+    """Whether updates must run between the engines' ``begin_weight_update`` and ``end_weight_update``."""
 
     def begin(self, version: str) -> None:  # noqa: B027 (optional hook)
         """Start a sync (collective for transports that need it)."""
@@ -149,6 +166,12 @@ class DistributedTransport(WeightTransport):
         self.timeout_s = timeout_s
         self.group_name = f"megatron_rl_weights_rank{_rank()}"
         self._group: WeightGroup | None = None
+        self._lock: SendLock | None = None
+
+    def begin(self, version: str) -> None:
+        """First sync: every trainer rank joins the send lock (collective over the default group)."""
+        if self._lock is None:
+            self._lock = create_send_lock(self.master_address)
 
     def _ensure_group(self) -> WeightGroup:
         if self._group is not None:
@@ -170,6 +193,12 @@ class DistributedTransport(WeightTransport):
         return self._group
 
     def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
+        if self._lock is None:
+            raise RuntimeError("DistributedTransport.send_bucket before begin(): the send lock is not set up")
+        with self._lock.holding():
+            self._send(bucket, version)
+
+    def _send(self, bucket: list[NamedTensor], version: str) -> None:
         group = self._ensure_group()
         request = UpdateWeightsFromDistributedRequest(
             names=[name for name, _ in bucket],
@@ -189,6 +218,7 @@ class DistributedTransport(WeightTransport):
     def close(self) -> None:
         if self._group is not None:
             _on_every_engine(self.engines, lambda i, e: e.destroy_weights_update_group(self.group_name))
+            destroy_weight_group(self._group)
             self._group = None
 
 
@@ -196,6 +226,7 @@ class DiskTransport(WeightTransport):
     """Safetensors shards in ``directory`` (shared by all ranks and engines), then ``/update_weights_from_disk``."""
 
     CONFIG_FILES = ("config.json", "generation_config.json")
+    needs_session = False
 
     def __init__(self, engines: Sequence[RolloutEngine], directory: str | Path, hf_config_dir: str | Path) -> None:
         self.engines = list(engines)

@@ -38,6 +38,24 @@ def test_fp8_recipe_sets_megatron_fp8_fields_when_transformer_engine_runs(recipe
     assert fields["fp8_param"] is False
 
 
+@pytest.mark.parametrize(("capability", "accepted"), [((8, 9), False), ((9, 0), False), ((10, 0), True)])
+def test_mxfp8_needs_compute_capability_10(capability, accepted):
+    def overrides() -> dict:
+        train = _train(precision="fp8", fp8_recipe="mxfp8")
+        return actor_config_overrides(
+            train, is_moe=True, routing_replay=False, transformer_engine_usable=True, compute_capability=capability
+        )
+
+    if accepted:
+        assert overrides()["fp8_recipe"] == "mxfp8"
+        return
+    major, minor = capability
+    with pytest.raises(
+        ValueError, match=rf"mxfp8 needs compute capability >= 10.0 \(Blackwell\); this GPU is {major}.{minor}"
+    ):
+        overrides()
+
+
 def test_fp8_is_refused_without_transformer_engine_naming_the_field():
     with pytest.raises(ValueError, match=r"train.precision=fp8 needs Transformer Engine on a CUDA device"):
         _overrides(_train(precision="fp8", fp8_recipe="tensorwise"), te=False)

@@ -23,11 +23,15 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.batch_partition import padded_micro_batches
 from megatron_rl.actor.packing import (
+    FP8_TOKEN_ALIGNMENT,
     PackingRule,
     pack_tokens,
     packed_seq_params,
     packing_rule,
+    padded_sequence_multiple,
     plan_micro_batch_packing,
     plan_packing,
     select_packing,
@@ -52,6 +56,26 @@ def test_padding_rule_is_tp_with_sequence_parallel_times_fp8_alignment():
     assert packing_rule(tp=2, cp=1, sequence_parallel=True, fp8_recipe="tensorwise") == PackingRule(2, 32)
     assert packing_rule(tp=2, cp=1, sequence_parallel=True, fp8_recipe="mxfp8") == PackingRule(2, 64)
     assert packing_rule(tp=8, cp=1, sequence_parallel=True, fp8_recipe="blockwise") == PackingRule(8, 1024)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("recipe", [None, *FP8_TOKEN_ALIGNMENT])
+def test_padded_fp8_micro_batches_give_every_tp_rank_aligned_token_rows(tp, recipe):
+    """FP8 without packing: rows x S / tp tokens per TP rank are a multiple of TE's FP8 alignment, any row count."""
+    lengths = [3, 11, 7, 5, 2]
+    batch = ActorBatch(
+        input_ids=_padded_ids(lengths, 11),
+        lengths=torch.tensor(lengths),
+        response_mask=torch.ones(len(lengths), 11, dtype=torch.bool),
+        advantages=torch.ones(len(lengths)),
+    )
+    multiple = padded_sequence_multiple(tp=tp, fp8_recipe=recipe)
+    alignment = FP8_TOKEN_ALIGNMENT[recipe] if recipe else 1
+    assert multiple == tp * alignment
+    for plan in ([[0], [1, 2], [3, 4]], [[0, 1, 2, 3, 4]]):
+        for micro in padded_micro_batches(batch, plan, None, seq_multiple=multiple):
+            rows, seq_length = micro.input_ids.shape
+            assert seq_length >= 11 and seq_length % tp == 0 and (rows * seq_length // tp) % alignment == 0
 
 
 def test_context_parallel_packing_is_refused_naming_the_field():

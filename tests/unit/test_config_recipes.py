@@ -288,3 +288,44 @@ def test_training_temperature_not_positive_is_rejected_with_the_fix(value: str, 
 def test_greedy_validation_temperature_is_allowed() -> None:
     cfg, _ = load_recipe(TINY, ["train.val_temperature=0"])
     assert cfg.train.val_temperature == 0.0
+
+
+QWEN3_30B = RECIPES / "qwen3_30b_a3b_dapo.yaml"
+
+
+def test_engine_data_parallelism_is_refused_because_sglang_asserts_dp_1_for_weight_updates(qwen3_30b_overrides):
+    problems = _problems(QWEN3_30B, *qwen3_30b_overrides, "rollout.dp=2")
+    (problem,) = [p for p in problems if p.startswith("rollout.dp:")]
+    assert "2: SGLang 0.5.23 asserts dp_size == 1 for every weight update" in problem and "set rollout.dp=1" in problem
+    assert any(p.startswith("rollout.dp:") for p in _problems(TINY, "rollout.dp=2"))
+
+
+@pytest.mark.parametrize("transport", ["auto", "tensor"])
+def test_colocated_ipc_across_nodes_is_refused_naming_the_alternatives(qwen3_30b_overrides, transport):
+    problems = _problems(QWEN3_30B, *qwen3_30b_overrides, f"weight_sync.transport={transport}")
+    (problem,) = [p for p in problems if p.startswith("weight_sync.transport:")]
+    assert "colocated engines on 4 nodes" in problem and "CUDA IPC" in problem
+    assert "weight_sync.transport=disk" in problem and "rollout.placement=disaggregated" in problem
+
+
+def test_colocated_ipc_on_one_node_and_disaggregated_broadcast_across_nodes_validate(qwen3_30b_overrides):
+    load_recipe(QWEN3_30B, [*qwen3_30b_overrides, "cluster.nodes=1", "weight_sync.transport=auto"])
+    load_recipe(
+        QWEN3_30B,
+        [*qwen3_30b_overrides, "rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=auto"],
+    )
+
+
+def test_colocated_broadcast_is_refused_on_gpus(qwen3_30b_overrides):
+    problems = _problems(QWEN3_30B, *qwen3_30b_overrides, "cluster.nodes=1", "weight_sync.transport=distributed")
+    assert any(p.startswith("weight_sync.transport:") and "NCCL refuses" in p for p in problems)
+
+
+def test_mxfp8_is_refused_on_hopper_and_accepted_on_blackwell(qwen3_30b_overrides):
+    fp8 = [*qwen3_30b_overrides, "train.precision=fp8", "train.fp8_recipe=mxfp8"]
+    (problem,) = [p for p in _problems(QWEN3_30B, *fp8) if p.startswith("train.fp8_recipe:")]
+    assert "compute capability >= 10.0" in problem and "'hopper' (H100/H200, 9.0)" in problem
+    assert "train.fp8_recipe=blockwise" in problem
+    cfg, _ = load_recipe(QWEN3_30B, [*fp8, "cluster.gpu_arch=blackwell"])
+    assert cfg.train.fp8_recipe == "mxfp8"
+    load_recipe(QWEN3_30B, [*qwen3_30b_overrides, "train.precision=fp8", "train.fp8_recipe=blockwise"])

@@ -14,13 +14,20 @@ request types built from our bodies exactly as its FastAPI layer does
 JSON decoded by its ``GenerateResponse``, our command line parsed by its
 ``ServerArgs`` parser, the field sets above compared with its structs, and our
 tensor payloads read by its ``MultiprocessingSerializer`` (CPU tensors exactly;
-a CUDA tensor's device UUID where its patched ``rebuild_cuda_tensor`` looks).
+a CUDA tensor's device UUID where its patched ``rebuild_cuda_tensor`` looks),
+and the weight-update group: engine ranks built with SGLang's own
+``init_custom_process_group`` (gloo, in spawned processes with a default
+group of their own, as SGLang's TP workers have) receive every tensor of a
+tiny Qwen3-MoE broadcast by our trainer side (``weight_sync.weight_group``)
+bit for bit, the way its ``receive_weights_from_distributed`` receives them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,9 +35,12 @@ import torch
 from torch.multiprocessing import reductions
 
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout.protocol import (
     AbortRequest,
+    BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     FinishReason,
     GenerateRequest,
     GenerateResult,
@@ -47,7 +57,9 @@ from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.generator import SampleOutput
 from megatron_rl.rollout.sglang_engine import SGLangPlacement, build_sglang_command
 from megatron_rl.weight_sync.tensor_serialization import rebuild_args_with_uuid, serialize_named_tensors
+from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
+from tests.tiny_checkpoints import save_tiny_moe
 
 SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
     # our class: (io_struct class, its fields, required fields)
@@ -75,6 +87,8 @@ SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
                    "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"}),
         frozenset({"model_path"}),
     ),
+    "BeginWeightUpdateRequest": ("BeginWeightUpdateReqInput", frozenset({"selector"}), frozenset()),
+    "EndWeightUpdateRequest": ("EndWeightUpdateReqInput", frozenset(), frozenset()),
     "MemoryOccupationRequest": ("ReleaseMemoryOccupationReqInput", frozenset({"tags"}), frozenset()),
     "PauseGenerationRequest": ("PauseGenerationReqInput", frozenset({"mode"}), frozenset()),
     "AbortRequest": (
@@ -90,6 +104,8 @@ BODIES = [
     DestroyWeightsUpdateGroupRequest("megatron_rl_weights_rank0"),
     UpdateWeightsFromDistributedRequest(["a.weight"], ["bfloat16"], [[4, 8]], "g", False, weight_version="3"),
     UpdateWeightsFromDiskRequest("/ckpt/step3", weight_version="3"),
+    BeginWeightUpdateRequest(),
+    EndWeightUpdateRequest(),
     MemoryOccupationRequest(["weights", "kv_cache"]),
     PauseGenerationRequest("retract"),
     AbortRequest("g17"),
@@ -235,3 +251,168 @@ def test_sglang_reads_the_device_uuid_of_our_cuda_payload(sglang_torch_reduction
     payload = cuda_payload("w", rebuild_args_with_uuid(cuda_rebuild_args(0), uuid_of=lambda index: uuid))
     with pytest.raises(Exception, match=f"^Invalid device_uuid={uuid}$"):  # no such GPU here: it looked the UUID up
         MultiprocessingSerializer.deserialize(payload)
+
+
+ENGINE_RANKS = 2  # one engine with TP 2 (rank offset 1), as SGLang joins it: rank = rank_offset + tp_rank
+GROUP_TIMEOUT_S = 60.0
+
+
+def _sglang_engine_rank(tp_rank: int, port: int, hf_dir: str, results) -> None:
+    """One SGLang TP worker's side of /init_weights_update_group + /update_weights_from_distributed."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from sglang.srt.utils.common import init_custom_process_group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    group = init_custom_process_group(
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        world_size=1 + ENGINE_RANKS,
+        rank=1 + tp_rank,
+        group_name="megatron_rl_weights_rank0",
+    )
+    expected = sorted(load_file(Path(hf_dir) / "model.safetensors").items())
+    received = [torch.empty(t.shape, dtype=t.dtype) for _, t in expected]
+    handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in received]
+    for handle in handles:
+        handle.wait()
+    differing = [name for (name, t), r in zip(expected, received, strict=True) if not torch.equal(t, r)]
+    results.put((tp_rank, len(received), differing))
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
+
+
+@needs_sglang
+def test_sglang_init_custom_process_group_receives_our_broadcast_bit_exact(tmp_path):
+    from safetensors.torch import load_file
+
+    hf_dir = save_tiny_moe(tmp_path / "moe")
+    named = sorted(load_file(hf_dir / "model.safetensors").items())
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    engines = [context.Process(target=_sglang_engine_rank, args=(r, port, str(hf_dir), results)) for r in (0, 1)]
+    for process in engines:
+        process.start()
+    try:
+        group = create_weight_group(
+            "127.0.0.1", port, 0, 1 + ENGINE_RANKS, "megatron_rl_weights_rank0", "gloo", timeout_s=GROUP_TIMEOUT_S
+        )
+        for _, tensor in named:
+            broadcast_from_trainer(group, tensor)
+        reports = sorted(results.get(timeout=GROUP_TIMEOUT_S) for _ in engines)
+        destroy_weight_group(group)
+    finally:
+        for process in engines:
+            process.join(GROUP_TIMEOUT_S)
+            if process.exitcode is None:
+                process.kill()
+    assert reports == [(0, len(named), []), (1, len(named), [])]
+    assert [process.exitcode for process in engines] == [0, 0]
+
+
+# ---------------------------------------------------------------- our client against SGLang's own HTTP layer
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    return save_tiny_moe(tmp_path_factory.mktemp("hf") / "moe")
+
+
+def _sglang_http(hf_dir: Path, dp_size: int = 1):
+    """(HttpEngine, backend) with SGLang's FastAPI app in front of a reference backend (tests/sglang_http_standin.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.rollout.http_engine import HttpEngine
+    from tests.sglang_http_standin import serve_sglang_http
+
+    backend = ReferenceBackend(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), dp_size=dp_size)
+    with serve_sglang_http(backend) as port:
+        engine = HttpEngine("sglang-http", "127.0.0.1", port, request_timeout_s=60)
+        engine.wait_healthy(30)
+        yield engine, backend
+
+
+@pytest.fixture
+def sglang_http(tiny_moe_dir):
+    yield from _sglang_http(tiny_moe_dir)
+
+
+@needs_sglang
+def test_flush_cache_through_sglangs_http_layer_is_plain_text(sglang_http):
+    from megatron_rl.rollout.protocol import FLUSH_CACHE_OK
+
+    engine, _ = sglang_http
+    assert engine.request("/flush_cache", {}) == FLUSH_CACHE_OK  # SGLang's text, not JSON
+    engine.flush_cache()
+
+
+@needs_sglang
+def test_weight_update_session_through_sglangs_http_layer(sglang_http):
+    from megatron_rl.rollout.engine import EngineRequestError
+
+    engine, backend = sglang_http
+    update = UpdateWeightsFromTensorRequest(
+        [serialize_named_tensors([("model.norm.weight", torch.full((32,), 5.0))])], flush_cache=False
+    )
+    with pytest.raises(EngineRequestError) as refused:
+        engine.update_weights_from_tensor(update)
+    assert refused.value.status == 400 and '"success":false' in refused.value.body.replace(" ", "")
+    engine.begin_weight_update()
+    with pytest.raises(EngineRequestError, match="already open"):
+        engine.begin_weight_update()
+    engine.update_weights_from_tensor(update)
+    engine.end_weight_update()
+    assert torch.equal(backend.params["model.norm.weight"], torch.full((32,), 5.0))
+
+
+@needs_sglang
+def test_generate_pause_and_abort_through_sglangs_http_layer(sglang_http):
+    engine, _ = sglang_http
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, n=2, sampling_seed=3)
+    results = engine.generate(GenerateRequest([5, 17, 42], params, rid="g1", return_routed_experts=True))
+    assert len(results) == 2 and all(len(r.output_ids) == len(r.output_logprobs) for r in results)
+    assert {r.rid for r in results} == {"g1_0", "g1_1"} and results[0].weight_version == "default"
+    engine.pause_generation("retract")
+    engine.continue_generation()
+    engine.abort("g1")
+
+
+def _sync_as_trainer(port: int, kind: str, named: list, version: str) -> None:
+    """A trainer process: one WeightSyncer of transport ``kind`` into the engine at ``port``."""
+    from megatron_rl.rollout.http_engine import HttpEngine
+    from megatron_rl.weight_sync.syncer import WeightSyncer
+    from megatron_rl.weight_sync.transports import DistributedTransport, TensorTransport
+
+    engine = HttpEngine("sglang-http", "127.0.0.1", port, request_timeout_s=60)
+    transport = TensorTransport([engine]) if kind == "tensor" else DistributedTransport([engine], timeout_s=60)
+    syncer = WeightSyncer([engine], transport, bucket_bytes=1 << 14)
+    syncer.sync(named, version)
+    syncer.close()
+
+
+@needs_sglang
+@pytest.mark.parametrize("kind", ["tensor", "distributed"])
+def test_syncers_through_sglangs_http_layer_are_bit_exact(sglang_http, kind):
+    """A trainer process syncs into the engine behind SGLang's routes (session, group join, broadcast, flush)."""
+    engine, backend = sglang_http
+    named = [(name, torch.randn(p.shape)) for name, p in sorted(backend.params.items()) if "experts" not in name]
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=_sync_as_trainer, args=(int(engine.base_url.rsplit(":", 1)[1]), kind, named, f"{kind}-1")
+    )
+    trainer.start()
+    trainer.join(GROUP_TIMEOUT_S)
+    assert trainer.exitcode == 0
+    assert all(torch.equal(backend.params[name], tensor) for name, tensor in named)
+    assert backend.weight_version == f"{kind}-1" and not backend._session and not backend._groups
+
+
+@needs_sglang
+def test_weight_update_with_dp_2_fails_sglangs_assertion_through_its_http_layer(tiny_moe_dir):
+    from megatron_rl.rollout.engine import EngineRequestError
+
+    for engine, _ in _sglang_http(tiny_moe_dir, dp_size=2):
+        engine.begin_weight_update()
+        with pytest.raises(EngineRequestError) as failed:
+            engine.update_weights_from_tensor(UpdateWeightsFromTensorRequest([serialize_named_tensors([])]))
+        assert failed.value.status == 500 and failed.value.body == "Internal Server Error"

@@ -121,7 +121,7 @@ def generate_samples(
     model: torch.nn.Module,
     request: GenerateRequest,
     recorder: RouterRecorder | None,
-    checkpoint: Callable[[], None],
+    checkpoint: Callable[[], bool],
     generator: torch.Generator,
 ) -> list[SampleOutput]:
     """Decode ``request.sampling_params.n`` samples of ``request.input_ids``.
@@ -129,7 +129,10 @@ def generate_samples(
     ``generator`` draws the samples unless the request sets ``sampling_seed``.
     ``checkpoint()`` runs before every forward step: it may block (pause) or
     raise :class:`GenerationAborted`, after which every sample ends with an
-    ``abort`` finish reason and the tokens decoded so far.
+    ``abort`` finish reason and the tokens decoded so far. It returns True when
+    the request's KV cache was flushed while it was held (SGLang's ``retract``):
+    the next step then prefills every token fed so far again, with the weights
+    the model holds now (routing, when recorded, restarts with that prefill).
     """
     params = request.sampling_params
     n = params.n
@@ -141,13 +144,17 @@ def generate_samples(
     if track_routing:
         recorder.start(n)
     tokens_N1 = torch.tensor([request.input_ids] * n, device=device)
+    fed_NL = tokens_N1
     outputs: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
     reasons: list[FinishReason | None] = [None] * n
     cache = None
     try:
         for _ in range(params.max_new_tokens):
-            checkpoint()
+            if checkpoint() and cache is not None:
+                cache, tokens_N1 = None, fed_NL
+                if track_routing:
+                    recorder.start(n)
             if track_routing:
                 recorder.begin_forward()
             out = model(input_ids=tokens_N1, cache=cache, use_cache=True, logits_to_keep=1)
@@ -172,6 +179,7 @@ def generate_samples(
             if all(r is not None for r in reasons):
                 break
             tokens_N1 = next_N.unsqueeze(-1)
+            fed_NL = torch.cat([fed_NL, tokens_N1], dim=1)
     except GenerationAborted as error:
         reasons = [r or FinishReason("abort", message=str(error) or "aborted") for r in reasons]
     finally:

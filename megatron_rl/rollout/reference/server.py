@@ -5,11 +5,16 @@ Run ``python -m megatron_rl.rollout.reference.server --model-path DIR --port P``
 initialises random weights from ``DIR/config.json`` (as SGLang's dummy
 format), for engines that will receive their weights from the trainer.
 
-Status codes follow SGLang: 200 on success; 400 with ``{"error": {"message"}}``
-for a malformed request or one the current state refuses; 400 with
-``{"success": false, "message"}`` for failed weight updates; 404 for an
-unknown endpoint; 500 for anything unexpected. ``/health`` answers 200 once
-the model is loaded (the socket is only opened then).
+Status codes and bodies follow SGLang 0.5.23 (``srt/entrypoints/http_server.py``):
+200 on success; 400 with ``{"error": {"message"}}`` for a malformed request or
+one the current state refuses; 400 with ``{"success": false, "message"}`` for a
+refused weight-update request (outside a session, a second session, an
+unknown group, an update whose flush was refused); ``/flush_cache`` in plain
+text without a Content-Type (200 ``FLUSH_CACHE_OK``, 400 ``FLUSH_CACHE_FAILED``;
+``?timeout=S`` waits up to S seconds for idle); 500 ``Internal Server Error`` in
+plain text for an unexpected failure, the ``dp_size == 1`` assertion included
+(``--dp-size``); 404 for an unknown endpoint. ``/health`` answers 200 once the
+model is loaded (the socket is only opened then).
 """
 
 from __future__ import annotations
@@ -22,16 +27,22 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import torch
 
 from megatron_rl.parallel.device import select_device
 from megatron_rl.rollout.protocol import (
+    FLUSH_CACHE_FAILED,
+    FLUSH_CACHE_OK,
     AbortRequest,
+    BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     GenerateRequest,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
@@ -41,12 +52,29 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.reference.backend import EngineStateError, ReferenceBackend
+from megatron_rl.rollout.reference.backend import EngineStateError, ReferenceBackend, WeightUpdateRefused
 
 logger = logging.getLogger(__name__)
 
 Route = Callable[[ReferenceBackend, dict[str, Any]], Any]
-_OK = {"success": True, "message": "Succeeded."}
+_OK = {"success": True, "message": "Success"}
+
+
+@dataclass(frozen=True)
+class TextReply:
+    """A plain-text answer without a Content-Type (SGLang's ``Response(content=...)``)."""
+
+    text: str
+    status: int = 200
+
+
+def _flush(backend: ReferenceBackend, query: dict[str, list[str]]) -> TextReply:
+    timeout_s = float(query.get("timeout", ["0"])[0])
+    if timeout_s < 0:
+        raise ValueError(f"timeout must be >= 0, got {timeout_s}")
+    if backend.flush_cache(timeout_s):
+        return TextReply(FLUSH_CACHE_OK)
+    return TextReply(FLUSH_CACHE_FAILED, 400)
 
 
 def _update(fn: Callable[[ReferenceBackend, Any], None], parse: Callable[[dict], Any]) -> Route:
@@ -65,12 +93,13 @@ ROUTES: dict[str, Route] = {
     "/abort_request": lambda b, body: b.abort(**AbortRequest.from_json(body).to_json()),
     "/pause_generation": lambda b, body: b.pause(PauseGenerationRequest.from_json(body).mode),
     "/continue_generation": lambda b, body: b.resume_generation(),
-    "/flush_cache": lambda b, body: None,
     "/release_memory_occupation": lambda b, body: b.release(MemoryOccupationRequest.from_json(body).tags),
     "/resume_memory_occupation": lambda b, body: b.resume(MemoryOccupationRequest.from_json(body).tags),
     "/get_weights_by_name": lambda b, body: b.weights_by_name(**GetWeightsByNameRequest.from_json(body).to_json()),
+    "/begin_weight_update": _update(lambda b, r: b.begin_weight_update(), BeginWeightUpdateRequest.from_json),
+    "/end_weight_update": _update(lambda b, r: b.end_weight_update(), EndWeightUpdateRequest.from_json),
     "/update_weights_from_tensor": _update(
-        lambda b, r: b.update_from_tensor(r.serialized_named_tensors, r.weight_version),
+        lambda b, r: b.update_from_tensor(r.serialized_named_tensors, r.weight_version, r.flush_cache),
         UpdateWeightsFromTensorRequest.from_json,
     ),
     "/init_weights_update_group": _update(ReferenceBackend.init_group, InitWeightsUpdateGroupRequest.from_json),
@@ -81,10 +110,15 @@ ROUTES: dict[str, Route] = {
         ReferenceBackend.update_from_distributed, UpdateWeightsFromDistributedRequest.from_json
     ),
     "/update_weights_from_disk": _update(
-        lambda b, r: b.update_from_disk(r.model_path, r.weight_version), UpdateWeightsFromDiskRequest.from_json
+        lambda b, r: b.update_from_disk(r.model_path, r.weight_version, r.flush_cache),
+        UpdateWeightsFromDiskRequest.from_json,
     ),
 }
-_UPDATE_ROUTES = frozenset(r for r in ROUTES if r.startswith(("/update_", "/init_weights", "/destroy_weights")))
+QUERY_ROUTES: dict[str, Callable[[ReferenceBackend, dict[str, list[str]]], Any]] = {"/flush_cache": _flush}
+"""Endpoints whose arguments are query parameters (SGLang's ``/flush_cache?timeout=S``), GET or POST."""
+_UPDATE_ROUTES = frozenset(
+    r for r in ROUTES if r.startswith(("/update_", "/init_weights", "/destroy_weights", "/begin_weight", "/end_weight"))
+)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -95,21 +129,29 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("%s " + format, self.address_string(), *args)
 
     def _reply(self, status: int, payload: Any) -> None:
-        data = b"" if payload is None else json.dumps(payload).encode()
+        if isinstance(payload, TextReply):
+            status, data = payload.status, payload.text.encode()
+        else:
+            data = b"" if payload is None else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        if not isinstance(payload, TextReply):
+            self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
     def _dispatch(self, body: dict[str, Any]) -> None:
-        path = self.path.split("?", 1)[0]
-        route = ROUTES.get(path)
-        if route is None:
+        path, _, query = self.path.partition("?")
+        if path not in ROUTES and path not in QUERY_ROUTES:
             self._reply(404, {"error": {"message": f"unknown endpoint {path}", "code": 404}})
             return
         try:
-            self._reply(200, route(self.backend, body))
+            if path in QUERY_ROUTES:
+                self._reply(200, QUERY_ROUTES[path](self.backend, parse_qs(query)))
+            else:
+                self._reply(200, ROUTES[path](self.backend, body))
+        except WeightUpdateRefused as error:
+            self._reply(400, {"success": False, "message": str(error)})
         except (ValueError, TypeError, KeyError, EngineStateError) as error:
             message = f"{type(error).__name__}: {error}"
             payload = (
@@ -118,9 +160,9 @@ class _Handler(BaseHTTPRequestHandler):
                 else {"error": {"message": message, "code": 400}}
             )
             self._reply(400, payload)
-        except Exception as error:  # noqa: BLE001 - the server must answer, whatever failed
+        except Exception:  # noqa: BLE001 - the server must answer, whatever failed (SGLang: Starlette's 500)
             logger.error("%s failed:\n%s", path, traceback.format_exc())
-            self._reply(500, {"error": {"message": f"{type(error).__name__}: {error}", "code": 500}})
+            self._reply(500, TextReply("Internal Server Error", 500))
 
     def do_GET(self) -> None:
         self._dispatch({})
@@ -188,12 +230,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=select_device().type)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads on CPU")
+    parser.add_argument(
+        "--dp-size", type=int, default=1, help="claimed data-parallel size; > 1 fails weight updates as SGLang does"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reference-engine %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     _exit_when_orphaned()
     model = load_model(args.model_path, args.load_format, getattr(torch, args.dtype), args.device)
-    server = build_server(ReferenceBackend(model, seed=args.seed), args.host, args.port)
+    server = build_server(ReferenceBackend(model, seed=args.seed, dp_size=args.dp_size), args.host, args.port)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     server.serve_forever()
 

@@ -1,0 +1,199 @@
+"""The reference engine answers as SGLang 0.5.23 does, and our client and syncer speak that protocol.
+
+An in-process reference server (a tiny Qwen3-MoE, random weights) driven by
+the same ``HttpEngine`` client that drives SGLang. Each rule names its SGLang
+source in docs/architecture.md ("The reference engine as SGLang's twin"):
+
+- tensor / distributed weight updates only inside ``/begin_weight_update`` ...
+  ``/end_weight_update`` (400 ``success: false`` otherwise, a second begin is a 400);
+- ``/flush_cache`` answers plain text without a Content-Type, 400 while a request
+  is held by an ``in_place`` pause, 200 once it is held by ``retract`` (the held
+  request then re-prefills: greedy outputs equal an uninterrupted run's);
+- with ``dp_size > 1`` weight updates fail SGLang's assertion (500, plain text);
+- the syncer wraps a tensor sync in a session and leaves none open.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_rl.parallel.local_launch import free_port
+from megatron_rl.rollout.engine import EngineRequestError
+from megatron_rl.rollout.http_engine import HttpEngine
+from megatron_rl.rollout.protocol import (
+    FLUSH_CACHE_FAILED,
+    FLUSH_CACHE_OK,
+    GenerateRequest,
+    SamplingParams,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+)
+from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.rollout.reference.server import build_server
+from megatron_rl.weight_sync.syncer import WeightSyncer
+from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
+from megatron_rl.weight_sync.transports import TensorTransport
+from tests.tiny_checkpoints import save_tiny_moe
+
+NORM = "model.norm.weight"
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return save_tiny_moe(tmp_path_factory.mktemp("hf") / "moe")
+
+
+def _serve(hf_dir, dp_size: int = 1) -> Iterator[tuple[HttpEngine, ReferenceBackend]]:
+    backend = ReferenceBackend(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), dp_size=dp_size)
+    port = free_port()
+    server = build_server(backend, "127.0.0.1", port)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield HttpEngine("ref", "127.0.0.1", port, request_timeout_s=60), backend
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def served(hf_dir):
+    yield from _serve(hf_dir)
+
+
+def _tensor_update(value: float) -> UpdateWeightsFromTensorRequest:
+    payload = serialize_named_tensors([(NORM, torch.full((32,), value))])
+    return UpdateWeightsFromTensorRequest([payload], flush_cache=False, weight_version=str(value))
+
+
+def test_tensor_update_outside_a_session_is_refused_as_sglang_does(served):
+    engine, backend = served
+    before = backend.params[NORM].clone()
+    with pytest.raises(EngineRequestError) as refused:
+        engine.update_weights_from_tensor(_tensor_update(2.0))
+    assert refused.value.status == 400
+    assert "must run between begin_weight_update() and end_weight_update()" in refused.value.body
+    assert torch.equal(backend.params[NORM], before)
+    engine.begin_weight_update()
+    engine.update_weights_from_tensor(_tensor_update(2.0))
+    engine.end_weight_update()
+    assert torch.equal(backend.params[NORM], torch.full((32,), 2.0))
+
+
+def test_distributed_update_outside_a_session_is_refused(served):
+    engine, _ = served
+    request = UpdateWeightsFromDistributedRequest([NORM], ["float32"], [[32]], "g", flush_cache=False)
+    with pytest.raises(EngineRequestError) as refused:
+        engine.update_weights_from_distributed(request)
+    assert refused.value.status == 400 and "begin_weight_update()" in refused.value.body
+
+
+def test_one_session_at_a_time(served):
+    engine, _ = served
+    with pytest.raises(EngineRequestError, match="no weight-update session is open"):
+        engine.end_weight_update()
+    engine.begin_weight_update()
+    with pytest.raises(EngineRequestError, match="a weight-update session is already open") as second:
+        engine.begin_weight_update()
+    assert second.value.status == 400
+    engine.end_weight_update()
+
+
+def test_flush_cache_answers_plain_text_without_a_content_type(served):
+    engine, _ = served
+    assert engine.request("/flush_cache", {}) == FLUSH_CACHE_OK
+    engine.flush_cache()
+    with urllib.request.urlopen(engine.base_url + "/flush_cache?timeout=1", data=b"") as response:
+        assert response.status == 200 and response.headers.get("Content-Type") is None
+        assert response.read().decode() == FLUSH_CACHE_OK
+
+
+def _generate_in_thread(engine: HttpEngine, results: list, request: GenerateRequest | None = None) -> threading.Thread:
+    request = request or GenerateRequest([5, 17, 42], GREEDY)
+    thread = threading.Thread(target=lambda: results.extend(engine.generate(request)))
+    thread.start()
+    return thread
+
+
+def _wait_decoding(backend: ReferenceBackend, timeout_s: float = 30.0) -> None:
+    """Until one request is decoding (held at its first token by the pause)."""
+    deadline = time.monotonic() + timeout_s
+    while backend._decoding != 1:
+        assert time.monotonic() < deadline, "no request started decoding"
+        time.sleep(0.01)
+
+
+def test_flush_is_refused_while_a_request_is_held_in_place_and_accepted_under_retract(served):
+    engine, backend = served
+    uninterrupted = engine.generate(GenerateRequest([5, 17, 42], GREEDY))[0].output_ids
+    engine.pause_generation("in_place")
+    results: list = []
+    thread = _generate_in_thread(engine, results)
+    _wait_decoding(backend)
+    with pytest.raises(EngineRequestError) as refused:
+        engine.flush_cache()
+    assert refused.value.status == 400 and refused.value.body == FLUSH_CACHE_FAILED
+    engine.pause_generation("retract")
+    engine.flush_cache()  # the held request dropped its cache: it re-prefills when generation continues
+    engine.continue_generation()
+    thread.join(60)
+    assert results[0].output_ids == uninterrupted and results[0].finish_reason.type == "length"
+
+
+def test_weight_updates_with_dp_above_1_fail_the_dp_assertion(hf_dir):
+    for engine, _ in _serve(hf_dir, dp_size=2):
+        engine.begin_weight_update()
+        with pytest.raises(EngineRequestError) as failed:
+            engine.update_weights_from_tensor(_tensor_update(3.0))
+        assert failed.value.status == 500 and failed.value.body == "Internal Server Error"
+
+
+def test_syncer_wraps_a_tensor_sync_in_one_session(served):
+    engine, backend = served
+    syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=1 << 20)
+    for step in (1, 2):
+        named = [(name, torch.full_like(p, float(step))) for name, p in backend.params.items() if p.dim() == 1]
+        syncer.sync(named, f"step-{step}")
+        assert all(torch.equal(backend.params[name], t) for name, t in named)
+    assert not backend._session and backend.weight_version == "step-2"
+    syncer.close()
+
+
+def test_abort_follows_sglangs_rid_registry(served):
+    """Unknown rids are ignored (also when the request arrives later); n > 1 registers only ``{rid}_{i}``."""
+    engine, backend = served
+    engine.request("/abort_request", {"rid": "later", "abort_all": False})
+    (early,) = engine.generate(GenerateRequest([5, 17, 42], GREEDY, rid="later"))
+    assert early.finish_reason.type == "length"
+
+    two = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, n=2)
+    for target, expected in (("g", "length"), ("g_1", "abort")):
+        engine.pause_generation("in_place")
+        results: list = []
+        thread = _generate_in_thread(engine, results, GenerateRequest([5], two, rid="g"))
+        _wait_decoding(backend)
+        engine.request("/abort_request", {"rid": target, "abort_all": False})
+        engine.continue_generation()
+        thread.join(60)
+        assert {r.finish_reason.type for r in results} == {expected}, target
+
+
+def test_a_failed_sync_closes_the_session_and_keeps_generation_paused(served):
+    """A bucket the engine refuses (an unknown tensor name) fails the sync; a retried sync can begin again."""
+    engine, backend = served
+    syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=1 << 20)
+    with pytest.raises(EngineRequestError, match="not a weight of this model"):
+        syncer.sync([("model.no_such.weight", torch.zeros(3))], "broken")
+    assert not backend._session and backend._paused
+    syncer.sync([(NORM, torch.full((32,), 7.0))], "retried")
+    assert not backend._session and not backend._paused and backend.weight_version == "retried"
+    syncer.close()
