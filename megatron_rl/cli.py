@@ -48,7 +48,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from megatron_rl.data.preparation import resolve_reward
 
     try:
-        cfg, warnings = load_recipe(args.recipe, args.overrides)
+        cfg, warnings = load_recipe(args.recipe, args.overrides, require_files=args.strict)
         resolve_reward(cfg.data)
     except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -106,8 +106,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from megatron_rl.plan.report import render_plan
 
     try:
-        cfg, _ = load_recipe(args.recipe, args.overrides)
-        arch = read_architecture(cfg.model.path, cfg.model.random_init)
+        cfg, _ = load_recipe(args.recipe, args.overrides, require_files=False)
+        arch = read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -215,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("recipe", help="recipe YAML file")
     validate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-6")
+    validate.add_argument(
+        "--strict",
+        action="store_true",
+        help="also refuse files the recipe reads that are not here (weights, data), as `train` does",
+    )
     validate.set_defaults(handler=_cmd_validate)
 
     prepare = commands.add_parser(

@@ -3,7 +3,10 @@
 Each check is a small named function taking the recipe (and the model's
 :class:`QwenArchitecture`) and returning :class:`Finding` objects; a finding names the
 dotted field, what is wrong and how to fix it. Errors stop the run; warnings are
-printed and the run goes on.
+printed and the run goes on. ``needed`` findings name files the recipe reads that are
+not on this machine (weights, data): ``validate`` and ``plan`` report them as warnings,
+so a layout can be checked before downloading anything; ``validate --strict`` and
+``train`` refuse them.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megatron_rl.config.hf_config import QwenArchitecture
+from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE, QwenArchitecture
 from megatron_rl.config.layout import trainer_layout
+from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.schema import RunConfig
 
 
@@ -23,7 +27,7 @@ from megatron_rl.config.schema import RunConfig
 class Finding:
     """One problem of a recipe: the dotted field it concerns and a message with the fix."""
 
-    level: Literal["error", "warning"]
+    level: Literal["error", "warning", "needed"]
     field: str
     message: str
 
@@ -37,6 +41,10 @@ def _error(field: str, message: str) -> Finding:
 
 def _warning(field: str, message: str) -> Finding:
     return Finding("warning", field, message)
+
+
+def _needed(field: str, message: str) -> Finding:
+    return Finding("needed", field, f"{message}: needed before training")
 
 
 Check = Callable[[RunConfig, QwenArchitecture], Iterator[Finding]]
@@ -270,7 +278,15 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     for key in ("train_files", "val_files"):
         for path in getattr(cfg.data, key):
             if not Path(path).is_file():
-                yield _error(f"data.{key}", f"no such file: {path!r}")
+                yield _needed(f"data.{key}", f"no such file: {path!r}")
+    model = cfg.model
+    if model.path is not None:
+        if not has_hf_config(model.path):
+            yield _needed("model.path", f"no config.json in {model.path!r}")
+        if not has_hf_weights(model.path):
+            yield _needed("model.path", f"no weights ({SINGLE_FILE} or {INDEX_FILE}) in {model.path!r}")
+    if model.config_fallback is not None and not Path(model.config_fallback).is_file():
+        yield _error("model.config_fallback", f"no such file: {model.config_fallback!r}")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         yield _error("checkpoint.resume", f"{resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
@@ -298,7 +314,10 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
+_LEVEL_ORDER = {"error": 0, "needed": 1, "warning": 2}
+
+
 def check_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Finding]:
-    """Run every cross-field check; errors first, then warnings, each in check order."""
+    """Run every cross-field check; errors first, then files needed before training, then warnings."""
     findings = [finding for check in CHECKS for finding in check(cfg, arch)]
-    return sorted(findings, key=lambda f: f.level != "error")
+    return sorted(findings, key=lambda f: _LEVEL_ORDER[f.level])

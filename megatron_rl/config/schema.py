@@ -37,11 +37,19 @@ class ModelConfig(Section):
     tokenizer: str | None = Field(
         None, description="Tokenizer directory; defaults to `path`. Not needed with a synthetic data task."
     )
+    config_fallback: str | None = Field(
+        None,
+        description="A config.json file that `validate` and `plan` read while `path` has none yet (before the "
+        "weights are downloaded), e.g. recipes/models/qwen3_30b_a3b/config.json; relative to the working "
+        "directory. Training always reads `path`.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelConfig:
         if (self.path is None) == (self.random_init is None):
             raise ValueError("set exactly one of model.path (a Hugging Face checkpoint) or model.random_init")
+        if self.config_fallback is not None and self.path is None:
+            raise ValueError("model.config_fallback stands in for model.path's config.json: set model.path")
         return self
 
 

@@ -17,7 +17,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def _load(overrides: list[str], *more: str):
-    return load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", [*overrides, *more])[0]
+    return load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", [*overrides, *more], require_files=False)[0]
 
 
 def test_colocated_engines_share_every_trainer_bundle(qwen3_30b_overrides: list[str]) -> None:

@@ -82,7 +82,7 @@ def test_micro_batches_in_flight() -> None:
 
 @pytest.mark.parametrize("tp, heads_per_gpu", [(2, 2), (4, 1), (8, 1)])  # 4 KV heads; replicated beyond tp 4
 def test_kv_cache_arithmetic(qwen3_30b_overrides: list[str], tp: int, heads_per_gpu: int) -> None:
-    cfg = load_recipe(RECIPE, [*qwen3_30b_overrides, f"rollout.tp={tp}", "rollout.ep=2"])[0]
+    cfg = load_recipe(RECIPE, [*qwen3_30b_overrides, f"rollout.tp={tp}", "rollout.ep=2"], require_files=False)[0]
     engine = engine_plan(ARCH_30B, cfg, 80 * GIB)
     assert engine.kv_bytes_per_token == 2 * 48 * heads_per_gpu * 128 * 2
     assert engine.kv_pool_bytes == 0.7 * 80 * GIB - engine.weight_bytes
@@ -114,7 +114,7 @@ def test_plan_30b_recipe_fits_and_prints_totals(qwen3_30b_overrides: list[str], 
         "FITS",
     ):
         assert line in out, line
-    cfg = load_recipe(RECIPE, qwen3_30b_overrides)[0]
+    cfg = load_recipe(RECIPE, qwen3_30b_overrides, require_files=False)[0]
     total = plan_memory(cfg, ARCH_30B, 80.0).stages[0].total / GIB
     assert 55 < total < 70, total  # 33.1 GiB exact state + ~28 GiB estimated working memory
 
