@@ -11,6 +11,7 @@ so a layout can be checked before downloading anything; ``validate --strict`` an
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,6 +61,14 @@ def _check_attention_vs_tp(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[F
             f"{tp} does not divide the model's {arch.num_query_groups} key/value heads; "
             f"use a tp that divides {arch.num_query_groups}",
         )
+    if arch.ffn_hidden_size % tp:
+        yield _error("parallel.tp", f"{tp} does not divide the model's intermediate_size ({arch.ffn_hidden_size})")
+    if cfg.parallel.cp > 1:
+        yield _error(
+            "parallel.cp",
+            f"{cfg.parallel.cp}: context parallelism is not supported (the actor does not split sequences over CP "
+            "ranks, and seq-mean losses need whole rows on a rank); use parallel.cp=1",
+        )
 
 
 def _check_expert_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
@@ -70,6 +79,11 @@ def _check_expert_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
         return
     if arch.num_experts % par.ep:
         yield _error("parallel.ep", f"{par.ep} does not divide the model's {arch.num_experts} experts")
+    if arch.moe_ffn_hidden_size % par.expert_tp:
+        yield _error(
+            "parallel.etp",
+            f"expert tp {par.expert_tp} does not divide the model's moe_intermediate_size ({arch.moe_ffn_hidden_size})",
+        )
     if par.tp > 1 and not par.sequence_parallel:
         yield _error(
             "parallel.sequence_parallel", "Megatron-core needs sequence parallelism for MoE with tp > 1: set it true"
@@ -120,6 +134,12 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
     rollout, cluster = cfg.rollout, cfg.cluster
     if rollout.engine == "sglang" and cluster.gpus_per_node == 0:
         yield _error("rollout.engine", "SGLang needs GPUs; use engine 'reference' on CPU")
+    if rollout.engine == "reference" and (rollout.tp, rollout.ep, rollout.dp) != (1, 1, 1):
+        yield _error(
+            "rollout.tp",
+            f"the reference engine is one process: rollout.tp, rollout.ep and rollout.dp must be 1 "
+            f"(got {rollout.tp}, {rollout.ep}, {rollout.dp}); more engines come from cluster.cpu_engines on CPU",
+        )
     if rollout.tp % rollout.ep:
         yield _error("rollout.ep", f"engine ep ({rollout.ep}) must divide engine tp ({rollout.tp})")
     if arch.num_attention_heads % rollout.tp:
@@ -295,6 +315,8 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
 def _check_logging(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     if "wandb" in cfg.logging.sinks and cfg.logging.wandb_project is None:
         yield _error("logging.wandb_project", "required when logging.sinks includes 'wandb'")
+    if "wandb" in cfg.logging.sinks and importlib.util.find_spec("wandb") is None:
+        yield _error("logging.sinks", "'wandb' needs the wandb package (pip install wandb), or drop the sink")
 
 
 CHECKS: tuple[Check, ...] = (

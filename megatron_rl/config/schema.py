@@ -108,7 +108,7 @@ class AlgorithmConfig(Section):
         None, description="Divisor of seq-mean-token-sum-norm; defaults to rollout.max_response_length."
     )
     policy_loss: Literal["ppo_clip", "gspo"] = Field("ppo_clip", description="Policy-gradient loss.")
-    clip_low: PositiveFloat = Field(0.2, description="Lower PPO clip: ratio >= 1 - clip_low.")
+    clip_low: PositiveFloat = Field(0.2, le=1.0, description="Lower PPO clip: ratio >= 1 - clip_low (at most 1).")
     clip_high: PositiveFloat = Field(0.2, description="Upper PPO clip: ratio <= 1 + clip_high (DAPO: 0.28).")
     clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (> 1), or off.")
     use_kl_loss: bool = Field(False, description="Add a KL(policy || reference) loss term.")
@@ -165,7 +165,9 @@ class WeightSyncConfig(Section):
     """How trained weights reach the engines."""
 
     transport: Literal["auto", "tensor", "distributed", "disk"] = Field(
-        "auto", description="auto: tensor when colocated, distributed when disaggregated."
+        "auto",
+        description="auto: tensor when colocated, distributed when disaggregated; disk writes safetensors under "
+        "runs/<name>/weight_sync (a filesystem every node shares) for /update_weights_from_disk.",
     )
     bucket_size_mb: PositiveInt = Field(512, description="Size of each transfer bucket in MiB.")
 

@@ -10,6 +10,7 @@ the driver does not receive the same tensors world-size times.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import ray
 import torch
@@ -57,6 +58,8 @@ class TrainerWorker:
             clients,
             engine_world_sizes=[tp_ranks] * len(clients),
             master_address=ray.util.get_node_ip_address(),
+            disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
+            hf_config_dir=hf_dir,
         )
         self._rank = dist.get_rank()
         self._hf_dir = hf_dir
