@@ -63,6 +63,12 @@ def _check_attention_vs_tp(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[F
         )
     if arch.ffn_hidden_size % tp:
         yield _error("parallel.tp", f"{tp} does not divide the model's intermediate_size ({arch.ffn_hidden_size})")
+    if cfg.parallel.sequence_parallel != (tp > 1):
+        yield _error(
+            "parallel.sequence_parallel",
+            f"{cfg.parallel.sequence_parallel}: the trainer runs sequence parallelism exactly when tp > 1 "
+            f"(tp is {tp}); set it to {str(tp > 1).lower()}",
+        )
     if cfg.parallel.cp > 1:
         yield _error(
             "parallel.cp",
@@ -233,6 +239,11 @@ def _check_preset(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
             )
         if not algo.dynamic_sampling.enable:
             yield _error("algorithm.dynamic_sampling.enable", f"DAPO samples dynamically; {fix}")
+        if algo.dynamic_sampling.metric != "acc":
+            yield _error(
+                "algorithm.dynamic_sampling.metric",
+                f"DAPO keeps groups with 0 < #correct < G (metric acc), got {algo.dynamic_sampling.metric!r}; {fix}",
+            )
         if not (algo.overlong.enable or algo.overlong.filter_truncated):
             yield _warning("algorithm.overlong", "DAPO shapes or filters overlong responses; both are off")
     elif algo.preset == "drgrpo":
@@ -256,6 +267,11 @@ def _check_loss_terms(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findin
         yield _warning("algorithm.kl_coef", "use_kl_loss is on with coefficient 0: the KL term does nothing")
     if not algo.use_kl_loss and algo.kl_coef > 0.0:
         yield _warning("algorithm.kl_coef", "ignored because use_kl_loss is false")
+    if algo.loss_norm_constant is not None and algo.loss_agg_mode != "seq-mean-token-sum-norm":
+        yield _error(
+            "algorithm.loss_norm_constant",
+            f"only seq-mean-token-sum-norm divides by a constant (loss_agg_mode is {algo.loss_agg_mode!r}); unset it",
+        )
     if algo.clip_c is not None and algo.policy_loss != "ppo_clip":
         yield _error("algorithm.clip_c", f"dual clip applies to ppo_clip only, not {algo.policy_loss!r}")
     if algo.dynamic_sampling.enable and cfg.rollout.n_samples_per_prompt < 2:
@@ -265,7 +281,15 @@ def _check_loss_terms(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findin
 
 
 def _check_sampling_temperature(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
-    temperature = cfg.rollout.temperature
+    rollout = cfg.rollout
+    if rollout.top_p != 1.0 or rollout.top_k != -1:
+        yield _error(
+            "rollout.top_p" if rollout.top_p != 1.0 else "rollout.top_k",
+            f"top_p {rollout.top_p}, top_k {rollout.top_k}: the trainer's log-probs (old, current, and the "
+            "rollout/train importance ratio) are of the untruncated softmax, so truncated sampling would train on "
+            "the wrong distribution; use top_p 1.0 and top_k -1",
+        )
+    temperature = rollout.temperature
     if not 0.0 < temperature < math.inf:
         yield _error(
             "rollout.temperature",

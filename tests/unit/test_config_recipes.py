@@ -54,8 +54,8 @@ def test_base_recipe_values_are_inherited_and_overridden() -> None:
 
 
 def test_override_parses_scientific_notation_as_float() -> None:
-    cfg, _ = load_recipe(TINY, ["train.lr=1e-6", "rollout.top_k=5"])
-    assert cfg.train.lr == pytest.approx(1e-6) and cfg.rollout.top_k == 5
+    cfg, _ = load_recipe(TINY, ["train.lr=1e-6", "train.val_interval=5"])
+    assert cfg.train.lr == pytest.approx(1e-6) and cfg.train.val_interval == 5
 
 
 def test_override_sets_list_and_creates_missing_section() -> None:
@@ -332,3 +332,28 @@ def test_train_refuses_absent_files_before_starting_anything(tmp_path: Path, mon
     _fresh_clone(tmp_path, monkeypatch)
     assert main(["train", "recipes/qwen3_30b_a3b_dapo.yaml"]) == 1
     assert "no weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),  # tp 1
+        (["parallel.tp=2", "parallel.ep=1"], "parallel.sequence_parallel"),  # MoE needs it too
+        (["algorithm.loss_norm_constant=12"], "algorithm.loss_norm_constant"),  # token-mean
+        (["rollout.top_p=0.9"], "rollout.top_p"),
+        (["rollout.top_k=5"], "rollout.top_k"),
+        (["algorithm.dynamic_sampling.metric=score"], "algorithm.dynamic_sampling.metric"),  # preset dapo
+    ],
+)
+def test_options_the_trainer_would_ignore_are_refused(overrides: list[str], field: str) -> None:
+    assert field in [problem.split(":", 1)[0] for problem in _problems(TINY, *overrides)]
+
+
+def test_score_filtering_is_allowed_outside_the_dapo_preset() -> None:
+    cfg, _ = load_recipe(TINY, ["algorithm.preset=custom", "algorithm.dynamic_sampling.metric=score"])
+    assert cfg.algorithm.dynamic_sampling.metric == "score"
+
+
+def test_dapo_recipe_warms_up_over_the_papers_20_rollout_steps(qwen3_30b_overrides: list[str]) -> None:
+    cfg, _ = load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", qwen3_30b_overrides, require_files=False)
+    assert cfg.train.warmup_steps == 20 and cfg.algorithm.dynamic_sampling.metric == "acc"
