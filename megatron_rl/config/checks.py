@@ -274,6 +274,17 @@ def _check_loss_terms(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findin
         )
     if algo.clip_c is not None and algo.policy_loss != "ppo_clip":
         yield _error("algorithm.clip_c", f"dual clip applies to ppo_clip only, not {algo.policy_loss!r}")
+    gen_batch = algo.dynamic_sampling.gen_batch_prompts
+    if gen_batch is not None and gen_batch < cfg.train.prompts_per_step:
+        yield _error(
+            "algorithm.dynamic_sampling.gen_batch_prompts",
+            f"{gen_batch} is smaller than train.prompts_per_step ({cfg.train.prompts_per_step}): a generation batch "
+            "must hold a whole step (larger over-samples)",
+        )
+    if gen_batch is not None and not algo.dynamic_sampling.enable:
+        yield _error(
+            "algorithm.dynamic_sampling.gen_batch_prompts", "over-sampling needs dynamic sampling on (enable: true)"
+        )
     if algo.dynamic_sampling.enable and cfg.rollout.n_samples_per_prompt < 2:
         yield _error("algorithm.dynamic_sampling.enable", "needs rollout.n_samples_per_prompt >= 2")
     if algo.routing_replay and not arch.is_moe:

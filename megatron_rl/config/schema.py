@@ -97,6 +97,11 @@ class DynamicSamplingConfig(Section):
         "metric=score).",
     )
     max_gen_batches: PositiveInt = Field(10, description="Generation batches per step before giving up.")
+    gen_batch_prompts: PositiveInt | None = Field(
+        None,
+        description="Prompts per generation batch; more than train.prompts_per_step over-samples (the surplus "
+        "is aborted once the step is full). Defaults to train.prompts_per_step.",
+    )
     on_exhausted: Literal["error", "train_partial"] = Field(
         "error",
         description="When max_gen_batches is hit short of a full step: stop with an error, or train on the groups "

@@ -3,8 +3,8 @@
 Per step (:meth:`RolloutManager.generate_step`):
 
 1. take a generation batch of prompt indices from the sampler (its batch size
-   is the generation batch; make it larger than ``prompts_per_step`` to
-   over-sample);
+   is the generation batch, ``algorithm.dynamic_sampling.gen_batch_prompts`` in
+   a recipe; larger than ``prompts_per_step`` over-samples);
 2. send one ``/generate`` request per prompt with ``n`` samples, spread
    round-robin over the engines, at most ``max_concurrent_requests`` per
    engine in flight;

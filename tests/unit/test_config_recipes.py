@@ -343,6 +343,7 @@ def test_train_refuses_absent_files_before_starting_anything(tmp_path: Path, mon
         (["rollout.top_p=0.9"], "rollout.top_p"),
         (["rollout.top_k=5"], "rollout.top_k"),
         (["algorithm.dynamic_sampling.metric=score"], "algorithm.dynamic_sampling.metric"),  # preset dapo
+        (["algorithm.dynamic_sampling.gen_batch_prompts=8"], "algorithm.dynamic_sampling.gen_batch_prompts"),
     ],
 )
 def test_options_the_trainer_would_ignore_are_refused(overrides: list[str], field: str) -> None:
@@ -357,3 +358,8 @@ def test_score_filtering_is_allowed_outside_the_dapo_preset() -> None:
 def test_dapo_recipe_warms_up_over_the_papers_20_rollout_steps(qwen3_30b_overrides: list[str]) -> None:
     cfg, _ = load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", qwen3_30b_overrides, require_files=False)
     assert cfg.train.warmup_steps == 20 and cfg.algorithm.dynamic_sampling.metric == "acc"
+
+
+def test_over_sampling_is_a_recipe_field() -> None:
+    cfg, _ = load_recipe(TINY, ["algorithm.dynamic_sampling.gen_batch_prompts=24"])
+    assert cfg.algorithm.dynamic_sampling.gen_batch_prompts == 24
