@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.parallel.errors import RankFailedError
+from megatron_rl.plan.placement import PlacementError
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import ParallelSizes
@@ -256,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_library_warnings()
     try:
         return args.handler(args)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError, RankFailedError) as error:
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, RankFailedError, PlacementError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
