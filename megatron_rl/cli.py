@@ -136,6 +136,38 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    """Step 1 of the shrunk recipe, then a resume to step 2; exit 0 when both ran."""
+    import shutil
+
+    from megatron_rl.config.smoke import SMOKE_STEPS, smoke_recipe
+    from megatron_rl.orchestration.driver import train
+
+    try:
+        cfg, _ = load_recipe(args.recipe, args.overrides, require_files=False)
+        arch = read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback)
+        changes = smoke_recipe(cfg, arch)
+        overrides = [*args.overrides, *(change.override for change in changes)]
+        smoke, warnings = load_recipe(args.recipe, overrides)
+        first, _ = load_recipe(args.recipe, [*overrides, "train.steps=1"])
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"# smoke: {args.recipe} {' '.join(args.overrides)}".rstrip())
+    for change in changes:
+        print(f"# smoke: {change}")
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    _silence_library_warnings()
+    print(_layout_summary(smoke), flush=True)
+    shutil.rmtree(smoke.run_dir, ignore_errors=True)
+    train(first)
+    print(f"# smoke: resuming from step 1 to step {SMOKE_STEPS}", flush=True)
+    train(smoke)
+    print(f"# smoke passed: {SMOKE_STEPS} steps with a resume; metrics {smoke.log_dir}/metrics.jsonl")
+    return 0
+
+
 def _parallel_sizes(args: argparse.Namespace) -> ParallelSizes:
     from megatron_rl.parallel.distributed import ParallelSizes
 
@@ -244,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="recipe YAML file")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=4")
     train.set_defaults(handler=_cmd_train)
+
+    smoke = commands.add_parser(
+        "smoke",
+        help="run a recipe's own settings for 2 steps on CPU (toy model of its architecture, its kinds of "
+        "parallelism on <= 4 ranks, reference engine, fp32, generated prompts when its data is absent)",
+    )
+    smoke.add_argument("recipe", help="recipe YAML file")
+    smoke.add_argument("overrides", nargs="*", help="dotted overrides applied before shrinking")
+    smoke.set_defaults(handler=_cmd_smoke)
 
     _add_checkpoint_commands(commands)
     return parser
