@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.parallel.errors import RankFailedError
+from megatron_rl.plan.placement import PlacementError
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import ParallelSizes
@@ -48,7 +49,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from megatron_rl.data.preparation import resolve_reward
 
     try:
-        cfg, warnings = load_recipe(args.recipe, args.overrides)
+        cfg, warnings = load_recipe(args.recipe, args.overrides, require_files=args.strict)
         resolve_reward(cfg.data)
     except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -106,8 +107,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from megatron_rl.plan.report import render_plan
 
     try:
-        cfg, _ = load_recipe(args.recipe, args.overrides)
-        arch = read_architecture(cfg.model.path, cfg.model.random_init)
+        cfg, _ = load_recipe(args.recipe, args.overrides, require_files=False)
+        arch = read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -132,6 +133,38 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(_layout_summary(cfg), flush=True)
     checkpoints = train(cfg)
     print(f"# done: {cfg.train.steps} steps; metrics {cfg.log_dir}/metrics.jsonl; checkpoints {checkpoints}")
+    return 0
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    """Step 1 of the shrunk recipe, then a resume to step 2; exit 0 when both ran."""
+    import shutil
+
+    from megatron_rl.config.smoke import SMOKE_STEPS, smoke_recipe
+    from megatron_rl.orchestration.driver import train
+
+    try:
+        cfg, _ = load_recipe(args.recipe, args.overrides, require_files=False)
+        arch = read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback)
+        changes = smoke_recipe(cfg, arch)
+        overrides = [*args.overrides, *(change.override for change in changes)]
+        smoke, warnings = load_recipe(args.recipe, overrides)
+        first, _ = load_recipe(args.recipe, [*overrides, "train.steps=1"])
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"# smoke: {args.recipe} {' '.join(args.overrides)}".rstrip())
+    for change in changes:
+        print(f"# smoke: {change}")
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    _silence_library_warnings()
+    print(_layout_summary(smoke), flush=True)
+    shutil.rmtree(smoke.run_dir, ignore_errors=True)
+    train(first)
+    print(f"# smoke: resuming from step 1 to step {SMOKE_STEPS}", flush=True)
+    train(smoke)
+    print(f"# smoke passed: {SMOKE_STEPS} steps with a resume; metrics {smoke.log_dir}/metrics.jsonl")
     return 0
 
 
@@ -215,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("recipe", help="recipe YAML file")
     validate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-6")
+    validate.add_argument(
+        "--strict",
+        action="store_true",
+        help="also refuse files the recipe reads that are not here (weights, data), as `train` does",
+    )
     validate.set_defaults(handler=_cmd_validate)
 
     prepare = commands.add_parser(
@@ -239,6 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=4")
     train.set_defaults(handler=_cmd_train)
 
+    smoke = commands.add_parser(
+        "smoke",
+        help="run a recipe's own settings for 2 steps on CPU (toy model of its architecture, its kinds of "
+        "parallelism on <= 4 ranks, reference engine, fp32, generated prompts when its data is absent)",
+    )
+    smoke.add_argument("recipe", help="recipe YAML file")
+    smoke.add_argument("overrides", nargs="*", help="dotted overrides applied before shrinking")
+    smoke.set_defaults(handler=_cmd_smoke)
+
     _add_checkpoint_commands(commands)
     return parser
 
@@ -251,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_library_warnings()
     try:
         return args.handler(args)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError, RankFailedError) as error:
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, RankFailedError, PlacementError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

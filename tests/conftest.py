@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.hf_configs import QWEN3_30B_A3B
+from tests.hf_configs import QWEN3_30B_A3B_CONFIG_FILE
 
 
 @pytest.fixture
 def qwen3_30b_overrides(tmp_path: Path) -> list[str]:
-    """Overrides pointing the 30B recipes at a config-only Qwen3-30B-A3B checkpoint and empty data files."""
-    ckpt = tmp_path / "Qwen3-30B-A3B"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
-    train.touch(), val.touch()
-    return [f"model.path={ckpt}", f"data.train_files=[{train}]", f"data.val_files=[{val}]"]
+    """Overrides making the 30B recipes independent of the working directory and of any download.
+
+    ``model.path`` is an empty directory (nothing downloaded) and ``model.config_fallback`` the
+    shipped Qwen3-30B-A3B config.json by absolute path; load with ``require_files=False``.
+    """
+    return [f"model.path={tmp_path / 'Qwen3-30B-A3B'}", f"model.config_fallback={QWEN3_30B_A3B_CONFIG_FILE}"]

@@ -1,28 +1,7 @@
 """Published Hugging Face configs used by tests (only their math fields; no weights)."""
 
-QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B config.json, its math fields
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "moe_intermediate_size": 768,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "rope_scaling": None,
-    "max_position_embeddings": 40960,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "use_sliding_window": False,
-    "sliding_window": None,
-    "torch_dtype": "bfloat16",
-}
+import json
+from pathlib import Path
+
+QWEN3_30B_A3B_CONFIG_FILE = Path(__file__).resolve().parents[1] / "recipes/models/qwen3_30b_a3b/config.json"
+QWEN3_30B_A3B = json.loads(QWEN3_30B_A3B_CONFIG_FILE.read_text())  # the shipped copy of Qwen/Qwen3-30B-A3B's

@@ -5,7 +5,7 @@
   sharded over data parallel. With bf16 parameters (GPU) the optimizer keeps
   fp32 master copies; with fp32 parameters (CPU tests) it updates them directly.
 * Gradient clipping by global norm (``train.grad_clip``; None disables it).
-* ``OptimizerParamScheduler``: linear warmup over ``train.warmup_steps``
+* ``OptimizerParamScheduler``: linear warmup over ``train.warmup_steps`` rollout steps (their updates)
   updates, then constant or cosine decay to ``train.min_lr`` at the last
   update. :func:`step_optimizer` advances the schedule BEFORE each update, so
   update k (1-based) uses the schedule's value at k: the first warmup update
@@ -70,23 +70,31 @@ def build_optimizer(
     return OptimizerBundle(optimizer, build_scheduler(optimizer, train))
 
 
+def updates_per_step(train: TrainConfig) -> int:
+    """Optimizer updates of one rollout step: mini-batches x PPO epochs."""
+    return train.mini_batches_per_step * train.ppo_epochs
+
+
 def build_scheduler(
     optimizer: MegatronOptimizer | torch.optim.Optimizer, train: TrainConfig
 ) -> OptimizerParamScheduler:
     """The LR / weight-decay schedule spanning the run's updates.
 
-    The run has ``train.steps * train.ppo_epochs * train.mini_batches_per_step`` updates. On
-    resume the recipe's schedule settings win over the checkpoint's (a run extended with more
-    ``train.steps`` decays over the new total) and the checkpoint supplies the update count.
+    The run has ``train.steps * train.ppo_epochs * train.mini_batches_per_step`` updates;
+    ``train.warmup_steps`` counts rollout steps, so the warmup spans that many steps' updates
+    (:func:`updates_per_step` each). On resume the recipe's schedule settings win over the
+    checkpoint's (a run extended with more ``train.steps`` decays over the new total) and the
+    checkpoint supplies the update count.
     """
-    num_updates = train.steps * train.ppo_epochs * train.mini_batches_per_step
+    num_updates = train.steps * updates_per_step(train)
+    warmup_updates = train.warmup_steps * updates_per_step(train)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if train.warmup_steps else train.lr,
+        init_lr=0.0 if warmup_updates else train.lr,
         max_lr=train.lr,
         min_lr=train.min_lr,
-        lr_warmup_steps=train.warmup_steps,
-        lr_decay_steps=max(num_updates, train.warmup_steps + 1),
+        lr_warmup_steps=warmup_updates,
+        lr_decay_steps=max(num_updates, warmup_updates + 1),
         lr_decay_style=train.lr_schedule,
         start_wd=train.weight_decay,
         end_wd=train.weight_decay,

@@ -94,16 +94,14 @@ def actor_config_overrides(
     the actor's loss function returns the loss times that count, so the
     result is exactly the aggregated loss of ``megatron_rl.algorithms``).
 
+    Routing replay works with every recompute setting (recomputed forwards replay from
+    Megatron's REPLAY_BACKWARD queue, :mod:`megatron_rl.actor.routing_replay`).
+
     Raises:
-        ValueError: routing replay on a dense model or together with full
-            recompute (a recomputed forward would need each micro-batch's
-            experts again, which Megatron's REPLAY_BACKWARD queue does not
-            order for pipelined schedules); FP8 where it cannot run.
+        ValueError: routing replay on a dense model; FP8 where it cannot run.
     """
     if routing_replay and not is_moe:
         raise ValueError("algorithm.routing_replay needs a MoE model; this model has no experts")
-    if routing_replay and train.recompute == "full":
-        raise ValueError("algorithm.routing_replay does not work with train.recompute=full; use selective or none")
     fields: dict[str, Any] = {
         "calculate_per_token_loss": True,
         "finalize_model_grads_func": finalize_model_grads,

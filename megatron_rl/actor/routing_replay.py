@@ -13,6 +13,17 @@ each one its slice of the batch's ``routed_experts`` [B, S, L, K]:
   ``[r * S / tp, (r + 1) * S / tp)``. The slice is laid out the same way.
   A packed micro-batch is the stream [1, T] (``packing``): the experts are
   packed like the tokens (pad tokens get experts ``0..K-1``) and sliced along T.
+
+Recomputation (``train.recompute: full``) runs each layer's forward again
+during the backward pass, when pipelined schedules have already given the
+routers the next micro-batch's targets. Megatron's ``REPLAY_BACKWARD`` action
+serves that: every ``set_target_indices`` also appends the targets to the
+router's FIFO, and a router in ``REPLAY_BACKWARD`` pops the oldest. Only the
+routers of the chunk that runs the micro-batch get its targets, in the
+schedule's forward order, and they switch to ``REPLAY_BACKWARD`` as soon as
+that forward returns; backward passes (and their recomputation) run in the
+same micro-batch order per chunk (1F1B and interleaved), so each recomputed
+forward pops exactly the experts its original forward replayed.
 """
 
 from __future__ import annotations
@@ -34,11 +45,10 @@ class RoutingReplay:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], *, sequence_parallel: bool) -> None:
         routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
-        self._replays: list[tuple[int, RouterReplay]] = [
-            (router.layer_number - 1, router.router_replay) for router in routers if router.router_replay is not None
-        ]
+        self._replays = _router_replays(chunks)
         if routers and not self._replays:
             raise ValueError("routing replay needs the model built with moe_enable_routing_replay=True")
+        self._by_chunk: dict[int, list[tuple[int, RouterReplay]]] = {}
         self._sequence_parallel = sequence_parallel
 
     @property
@@ -64,19 +74,32 @@ class RoutingReplay:
                 f"routed_experts has {num_layers} layers; the model routes in layer {max(self.layer_indices)} (0-based)"
             )
 
-    def set_micro_batch(self, batch: ActorBatch, layout: PackedLayout | None = None) -> None:
-        """Give every router of this rank its experts for ``batch``'s forward pass (see :meth:`check_batch`).
+    def set_micro_batch(self, batch: ActorBatch, chunk: torch.nn.Module, layout: PackedLayout | None = None) -> None:
+        """Give the routers of ``chunk`` their experts for ``batch``'s forward pass (see :meth:`check_batch`).
 
+        ``chunk``: the model chunk (as the schedule passes it) about to run ``batch``;
         ``layout``: the micro-batch runs packed with this layout (None: padded [B, S]).
         """
         self.check_batch(batch)
+        replays = self._chunk_replays(chunk)
         experts_BSLK = batch.routed_experts
         if layout is not None:
             distinct_K = torch.arange(experts_BSLK.shape[-1], dtype=experts_BSLK.dtype, device=experts_BSLK.device)
             experts_BSLK = pack_tokens(experts_BSLK, layout, fill=distinct_K)
         local_BSLK = self._local_positions(experts_BSLK)
-        for layer, replay in self._replays:
+        for layer, replay in replays:
             replay.set_target_indices(local_BSLK[:, :, layer].transpose(0, 1).reshape(-1, local_BSLK.shape[-1]))
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def forward_done(self, chunk: torch.nn.Module) -> None:
+        """``chunk``'s forward of the micro-batch returned: its routers replay from the FIFO in recomputation."""
+        for _, replay in self._chunk_replays(chunk):
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def _chunk_replays(self, chunk: torch.nn.Module) -> list[tuple[int, RouterReplay]]:
+        if id(chunk) not in self._by_chunk:
+            self._by_chunk[id(chunk)] = _router_replays([chunk])
+        return self._by_chunk[id(chunk)]
 
     def _local_positions(self, experts_BSLK: torch.Tensor) -> torch.Tensor:
         if not self._sequence_parallel:
@@ -87,12 +110,20 @@ class RoutingReplay:
 
     @contextmanager
     def replaying(self) -> Iterator[None]:
-        """Routers replay given experts inside the block; their targets are cleared on exit."""
-        for _, replay in self._replays:
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        """One schedule call replays (targets come from :meth:`set_micro_batch`); all replay state is cleared on exit."""
         try:
             yield
         finally:
             for _, replay in self._replays:
                 replay.clear_router_replay_action()
                 replay.clear_indices()
+
+
+def _router_replays(modules: Sequence[torch.nn.Module]) -> list[tuple[int, RouterReplay]]:
+    """(0-based layer, RouterReplay) of every replaying router inside ``modules``, in model order."""
+    return [
+        (module.layer_number - 1, module.router_replay)
+        for root in modules
+        for module in root.modules()
+        if isinstance(module, TopKRouter) and module.router_replay is not None
+    ]

@@ -3,8 +3,8 @@
 :func:`run_schedule` feeds :class:`ActorBatch` micro-batches through
 ``get_forward_backward_func`` (no pipelining, 1F1B or interleaved, as the
 parallel state dictates), forward-only or forward-backward. Per micro-batch it
-sets the routers' replay targets (when replaying) right before the model's
-forward, turns the last stage's vocab-parallel logits into [B, S] token
+sets the routers' replay targets (when replaying) right before the model
+chunk's forward and hands them to recomputation right after it, turns the last stage's vocab-parallel logits into [B, S] token
 log-probs and entropies of softmax(logits / temperature), and hands them to
 ``loss_fn``. This is the only path from logits to log-probs in the actor (old,
 current and reference log-probs, entropy), so all of them see the temperature.
@@ -106,8 +106,10 @@ def run_schedule(
     def forward_step(data_iterator, model):
         item: _ModelInput = next(data_iterator)
         if replay is not None:
-            replay.set_micro_batch(item.micro_batch, item.layout)
+            replay.set_micro_batch(item.micro_batch, model, item.layout)
         logits = model(item.input_ids, item.position_ids, None, packed_seq_params=item.packed_seq_params)
+        if replay is not None:
+            replay.forward_done(model)
 
         def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> Any:
             if item.layout is None:

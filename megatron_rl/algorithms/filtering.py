@@ -2,9 +2,11 @@
 
 Shape legend: B responses.
 
-A group whose responses all score the same (all right, all wrong) has zero
-advantage everywhere and contributes no gradient; DAPO drops such groups and
-over-samples to refill the batch (arXiv 2503.14476, section 3.2).
+A group whose responses are all right or all wrong carries no learning signal;
+DAPO keeps a group only when 0 < #correct < G and over-samples to refill the
+batch (arXiv 2503.14476, section 3.2). The filter takes any per-response
+values: correctness as 0/1 (the paper's accuracy filter, the rollout manager's
+default) or the shaped scores (verl's ``metric=score``).
 """
 
 from __future__ import annotations

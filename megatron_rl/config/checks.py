@@ -3,19 +3,24 @@
 Each check is a small named function taking the recipe (and the model's
 :class:`QwenArchitecture`) and returning :class:`Finding` objects; a finding names the
 dotted field, what is wrong and how to fix it. Errors stop the run; warnings are
-printed and the run goes on.
+printed and the run goes on. ``needed`` findings name files the recipe reads that are
+not on this machine (weights, data): ``validate`` and ``plan`` report them as warnings,
+so a layout can be checked before downloading anything; ``validate --strict`` and
+``train`` refuse them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megatron_rl.config.hf_config import QwenArchitecture
+from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE, QwenArchitecture
 from megatron_rl.config.layout import trainer_layout
+from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.schema import RunConfig
 
 
@@ -23,7 +28,7 @@ from megatron_rl.config.schema import RunConfig
 class Finding:
     """One problem of a recipe: the dotted field it concerns and a message with the fix."""
 
-    level: Literal["error", "warning"]
+    level: Literal["error", "warning", "needed"]
     field: str
     message: str
 
@@ -39,6 +44,10 @@ def _warning(field: str, message: str) -> Finding:
     return Finding("warning", field, message)
 
 
+def _needed(field: str, message: str) -> Finding:
+    return Finding("needed", field, f"{message}: needed before training")
+
+
 Check = Callable[[RunConfig, QwenArchitecture], Iterator[Finding]]
 
 
@@ -52,6 +61,20 @@ def _check_attention_vs_tp(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[F
             f"{tp} does not divide the model's {arch.num_query_groups} key/value heads; "
             f"use a tp that divides {arch.num_query_groups}",
         )
+    if arch.ffn_hidden_size % tp:
+        yield _error("parallel.tp", f"{tp} does not divide the model's intermediate_size ({arch.ffn_hidden_size})")
+    if cfg.parallel.sequence_parallel != (tp > 1):
+        yield _error(
+            "parallel.sequence_parallel",
+            f"{cfg.parallel.sequence_parallel}: the trainer runs sequence parallelism exactly when tp > 1 "
+            f"(tp is {tp}); set it to {str(tp > 1).lower()}",
+        )
+    if cfg.parallel.cp > 1:
+        yield _error(
+            "parallel.cp",
+            f"{cfg.parallel.cp}: context parallelism is not supported (the actor does not split sequences over CP "
+            "ranks, and seq-mean losses need whole rows on a rank); use parallel.cp=1",
+        )
 
 
 def _check_expert_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
@@ -62,6 +85,11 @@ def _check_expert_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
         return
     if arch.num_experts % par.ep:
         yield _error("parallel.ep", f"{par.ep} does not divide the model's {arch.num_experts} experts")
+    if arch.moe_ffn_hidden_size % par.expert_tp:
+        yield _error(
+            "parallel.etp",
+            f"expert tp {par.expert_tp} does not divide the model's moe_intermediate_size ({arch.moe_ffn_hidden_size})",
+        )
     if par.tp > 1 and not par.sequence_parallel:
         yield _error(
             "parallel.sequence_parallel", "Megatron-core needs sequence parallelism for MoE with tp > 1: set it true"
@@ -112,6 +140,12 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
     rollout, cluster = cfg.rollout, cfg.cluster
     if rollout.engine == "sglang" and cluster.gpus_per_node == 0:
         yield _error("rollout.engine", "SGLang needs GPUs; use engine 'reference' on CPU")
+    if rollout.engine == "reference" and (rollout.tp, rollout.ep, rollout.dp) != (1, 1, 1):
+        yield _error(
+            "rollout.tp",
+            f"the reference engine is one process: rollout.tp, rollout.ep and rollout.dp must be 1 "
+            f"(got {rollout.tp}, {rollout.ep}, {rollout.dp}); more engines come from cluster.cpu_engines on CPU",
+        )
     if rollout.tp % rollout.ep:
         yield _error("rollout.ep", f"engine ep ({rollout.ep}) must divide engine tp ({rollout.tp})")
     if arch.num_attention_heads % rollout.tp:
@@ -205,6 +239,11 @@ def _check_preset(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
             )
         if not algo.dynamic_sampling.enable:
             yield _error("algorithm.dynamic_sampling.enable", f"DAPO samples dynamically; {fix}")
+        if algo.dynamic_sampling.metric != "acc":
+            yield _error(
+                "algorithm.dynamic_sampling.metric",
+                f"DAPO keeps groups with 0 < #correct < G (metric acc), got {algo.dynamic_sampling.metric!r}; {fix}",
+            )
         if not (algo.overlong.enable or algo.overlong.filter_truncated):
             yield _warning("algorithm.overlong", "DAPO shapes or filters overlong responses; both are off")
     elif algo.preset == "drgrpo":
@@ -228,8 +267,24 @@ def _check_loss_terms(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findin
         yield _warning("algorithm.kl_coef", "use_kl_loss is on with coefficient 0: the KL term does nothing")
     if not algo.use_kl_loss and algo.kl_coef > 0.0:
         yield _warning("algorithm.kl_coef", "ignored because use_kl_loss is false")
+    if algo.loss_norm_constant is not None and algo.loss_agg_mode != "seq-mean-token-sum-norm":
+        yield _error(
+            "algorithm.loss_norm_constant",
+            f"only seq-mean-token-sum-norm divides by a constant (loss_agg_mode is {algo.loss_agg_mode!r}); unset it",
+        )
     if algo.clip_c is not None and algo.policy_loss != "ppo_clip":
         yield _error("algorithm.clip_c", f"dual clip applies to ppo_clip only, not {algo.policy_loss!r}")
+    gen_batch = algo.dynamic_sampling.gen_batch_prompts
+    if gen_batch is not None and gen_batch < cfg.train.prompts_per_step:
+        yield _error(
+            "algorithm.dynamic_sampling.gen_batch_prompts",
+            f"{gen_batch} is smaller than train.prompts_per_step ({cfg.train.prompts_per_step}): a generation batch "
+            "must hold a whole step (larger over-samples)",
+        )
+    if gen_batch is not None and not algo.dynamic_sampling.enable:
+        yield _error(
+            "algorithm.dynamic_sampling.gen_batch_prompts", "over-sampling needs dynamic sampling on (enable: true)"
+        )
     if algo.dynamic_sampling.enable and cfg.rollout.n_samples_per_prompt < 2:
         yield _error("algorithm.dynamic_sampling.enable", "needs rollout.n_samples_per_prompt >= 2")
     if algo.routing_replay and not arch.is_moe:
@@ -237,7 +292,15 @@ def _check_loss_terms(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findin
 
 
 def _check_sampling_temperature(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
-    temperature = cfg.rollout.temperature
+    rollout = cfg.rollout
+    if rollout.top_p != 1.0 or rollout.top_k != -1:
+        yield _error(
+            "rollout.top_p" if rollout.top_p != 1.0 else "rollout.top_k",
+            f"top_p {rollout.top_p}, top_k {rollout.top_k}: the trainer's log-probs (old, current, and the "
+            "rollout/train importance ratio) are of the untruncated softmax, so truncated sampling would train on "
+            "the wrong distribution; use top_p 1.0 and top_k -1",
+        )
+    temperature = rollout.temperature
     if not 0.0 < temperature < math.inf:
         yield _error(
             "rollout.temperature",
@@ -309,7 +372,15 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     for key in ("train_files", "val_files"):
         for path in getattr(cfg.data, key):
             if not Path(path).is_file():
-                yield _error(f"data.{key}", f"no such file: {path!r}")
+                yield _needed(f"data.{key}", f"no such file: {path!r}")
+    model = cfg.model
+    if model.path is not None:
+        if not has_hf_config(model.path):
+            yield _needed("model.path", f"no config.json in {model.path!r}")
+        if not has_hf_weights(model.path):
+            yield _needed("model.path", f"no weights ({SINGLE_FILE} or {INDEX_FILE}) in {model.path!r}")
+    if model.config_fallback is not None and not Path(model.config_fallback).is_file():
+        yield _error("model.config_fallback", f"no such file: {model.config_fallback!r}")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         yield _error("checkpoint.resume", f"{resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
@@ -318,6 +389,8 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
 def _check_logging(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     if "wandb" in cfg.logging.sinks and cfg.logging.wandb_project is None:
         yield _error("logging.wandb_project", "required when logging.sinks includes 'wandb'")
+    if "wandb" in cfg.logging.sinks and importlib.util.find_spec("wandb") is None:
+        yield _error("logging.sinks", "'wandb' needs the wandb package (pip install wandb), or drop the sink")
 
 
 CHECKS: tuple[Check, ...] = (
@@ -338,7 +411,10 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
+_LEVEL_ORDER = {"error": 0, "needed": 1, "warning": 2}
+
+
 def check_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Finding]:
-    """Run every cross-field check; errors first, then warnings, each in check order."""
+    """Run every cross-field check; errors first, then files needed before training, then warnings."""
     findings = [finding for check in CHECKS for finding in check(cfg, arch)]
-    return sorted(findings, key=lambda f: f.level != "error")
+    return sorted(findings, key=lambda f: _LEVEL_ORDER[f.level])

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# The weight files of a Hugging Face directory: one file, or shards listed by an index.
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class UnsupportedConfigError(ValueError):

@@ -130,31 +130,40 @@ def _format_validation_error(exc: ValidationError) -> list[str]:
     return problems
 
 
-def validate_recipe_tree(tree: Mapping[str, Any], source: str) -> tuple[RunConfig, list[Finding]]:
+def validate_recipe_tree(
+    tree: Mapping[str, Any], source: str, *, require_files: bool = True
+) -> tuple[RunConfig, list[Finding]]:
     """Validate a recipe dict into a :class:`RunConfig` and run the cross-field checks.
 
     Returns the config and the warnings; raises :class:`RecipeError` listing every
     error (schema errors first; cross-field checks run only on a valid schema).
+    ``require_files``: files the recipe reads that are absent here (weights, data) are
+    errors (training, ``validate --strict``); otherwise they are returned as warnings
+    ("needed before training") and the model's architecture may come from
+    ``model.config_fallback`` (``validate``, ``plan``).
     """
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as exc:
         raise RecipeError(_format_validation_error(exc), source) from None
     try:
-        arch = read_architecture(cfg.model.path, cfg.model.random_init)
+        arch = read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback)
     except ModelSourceError as exc:
         raise RecipeError([str(exc)], source) from None
     findings = check_recipe(cfg, arch)
-    errors = [str(f) for f in findings if f.level == "error"]
+    stopping = {"error", "needed"} if require_files else {"error"}
+    errors = [str(f) for f in findings if f.level in stopping]
     if errors:
         raise RecipeError(errors, source)
-    return cfg, [f for f in findings if f.level == "warning"]
+    return cfg, [f for f in findings if f.level not in stopping]
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> tuple[RunConfig, list[Finding]]:
+def load_recipe(
+    path: str | Path, overrides: Sequence[str] = (), *, require_files: bool = True
+) -> tuple[RunConfig, list[Finding]]:
     """Load, override and validate a recipe file; see :func:`validate_recipe_tree`."""
     tree = apply_overrides(read_recipe_tree(path), overrides)
-    return validate_recipe_tree(tree, str(path))
+    return validate_recipe_tree(tree, str(path), require_files=require_files)
 
 
 def recipe_to_yaml(cfg: RunConfig) -> str:

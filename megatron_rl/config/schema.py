@@ -37,11 +37,19 @@ class ModelConfig(Section):
     tokenizer: str | None = Field(
         None, description="Tokenizer directory; defaults to `path`. Not needed with a synthetic data task."
     )
+    config_fallback: str | None = Field(
+        None,
+        description="A config.json file that `validate` and `plan` read while `path` has none yet (before the "
+        "weights are downloaded), e.g. recipes/models/qwen3_30b_a3b/config.json; relative to the working "
+        "directory. Training always reads `path`.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelConfig:
         if (self.path is None) == (self.random_init is None):
             raise ValueError("set exactly one of model.path (a Hugging Face checkpoint) or model.random_init")
+        if self.config_fallback is not None and self.path is None:
+            raise ValueError("model.config_fallback stands in for model.path's config.json: set model.path")
         return self
 
 
@@ -54,7 +62,10 @@ class ParallelConfig(Section):
     cp: PositiveInt = Field(1, description="Context-parallel size.")
     ep: PositiveInt = Field(1, description="Expert-parallel size.")
     etp: PositiveInt | None = Field(None, description="Expert tensor-parallel size; defaults to `tp`.")
-    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (required for MoE with tp > 1).")
+    sequence_parallel: bool = Field(
+        False,
+        description="Megatron sequence parallelism: the trainer runs it exactly when tp > 1, so set it to tp > 1.",
+    )
 
     @property
     def expert_tp(self) -> int:
@@ -76,8 +87,21 @@ class OverlongConfig(Section):
 class DynamicSamplingConfig(Section):
     """DAPO dynamic sampling: drop zero-variance groups and over-sample until the step is full."""
 
-    enable: bool = Field(False, description="Drop groups whose scores all agree and generate more batches.")
+    enable: bool = Field(
+        False, description="Drop groups without a learning signal (see `metric`) and generate more batches."
+    )
+    metric: Literal["acc", "score"] = Field(
+        "acc",
+        description="What must vary inside a group for it to be kept: `acc` (the DAPO paper: 0 < #correct < G; "
+        "shaped scores such as the overlong penalty do not count) or `score` (the shaped scores, verl's "
+        "metric=score).",
+    )
     max_gen_batches: PositiveInt = Field(10, description="Generation batches per step before giving up.")
+    gen_batch_prompts: PositiveInt | None = Field(
+        None,
+        description="Prompts per generation batch; more than train.prompts_per_step over-samples (the surplus "
+        "is aborted once the step is full). Defaults to train.prompts_per_step.",
+    )
     on_exhausted: Literal["error", "train_partial"] = Field(
         "error",
         description="When max_gen_batches is hit short of a full step: stop with an error, or train on the groups "
@@ -93,14 +117,18 @@ class AlgorithmConfig(Section):
         description="The algorithm this recipe claims to be; settings that contradict it are errors. "
         "Use `custom` for ablations.",
     )
-    advantage_estimator: Literal["grpo"] = Field("grpo", description="Group-relative advantage estimator.")
+    advantage_estimator: Literal["grpo"] = Field(
+        "grpo", description="Group-relative advantage estimator (the driver takes it from the algorithms' registry)."
+    )
     norm_adv_by_std: bool = Field(True, description="Divide advantages by the group std (off for Dr.GRPO).")
     loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses become the step loss.")
     loss_norm_constant: PositiveInt | None = Field(
-        None, description="Divisor of seq-mean-token-sum-norm; defaults to rollout.max_response_length."
+        None,
+        description="Divisor of seq-mean-token-sum-norm (set only with that mode); defaults to "
+        "rollout.max_response_length.",
     )
     policy_loss: Literal["ppo_clip", "gspo"] = Field("ppo_clip", description="Policy-gradient loss.")
-    clip_low: PositiveFloat = Field(0.2, description="Lower PPO clip: ratio >= 1 - clip_low.")
+    clip_low: PositiveFloat = Field(0.2, le=1.0, description="Lower PPO clip: ratio >= 1 - clip_low (at most 1).")
     clip_high: PositiveFloat = Field(0.2, description="Upper PPO clip: ratio <= 1 + clip_high (DAPO: 0.28).")
     clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (> 1), or off.")
     use_kl_loss: bool = Field(False, description="Add a KL(policy || reference) loss term.")
@@ -138,8 +166,14 @@ class RolloutConfig(Section):
         description="Sampling temperature of the training rollouts, finite and > 0 (a recipe check): the trainer's "
         "log-probs, entropy and KL are those of softmax(logits / temperature).",
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling mass. Training rollouts need 1.0 (a recipe check): the trainer's log-probs "
+        "are of the untruncated softmax.",
+    )
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it (required for training rollouts).")
 
     @field_validator("top_k")
     @classmethod
@@ -163,7 +197,9 @@ class WeightSyncConfig(Section):
     """How trained weights reach the engines."""
 
     transport: Literal["auto", "tensor", "distributed", "disk"] = Field(
-        "auto", description="auto: tensor when colocated, distributed when disaggregated."
+        "auto",
+        description="auto: tensor when colocated, distributed when disaggregated; disk writes safetensors under "
+        "runs/<name>/weight_sync (a filesystem every node shares) for /update_weights_from_disk.",
     )
     bucket_size_mb: PositiveInt = Field(512, description="Size of each transfer bucket in MiB.")
 
@@ -228,7 +264,12 @@ class TrainConfig(Section):
     lr: PositiveFloat = Field(1e-6, description="Peak learning rate.")
     min_lr: float = Field(0.0, ge=0.0, description="Final learning rate of the cosine schedule.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warmup.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup in optimizer updates.")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Linear warmup, in rollout steps (each is mini_batches_per_step x ppo_epochs optimizer updates; "
+        "the schedule warms up over all of them). DAPO's paper: 20.",
+    )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, gt=0.0, lt=1.0, description="Adam beta1.")
     adam_beta2: float = Field(0.999, gt=0.0, lt=1.0, description="Adam beta2.")

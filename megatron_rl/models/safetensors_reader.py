@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE
 
 
 class CheckpointTensorError(KeyError):

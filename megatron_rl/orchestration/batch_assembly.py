@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from megatron_rl.actor.step_data import StepData
-from megatron_rl.algorithms import grpo_advantages, length_bias_metrics
+from megatron_rl.algorithms import get_advantage_estimator, length_bias_metrics
 from megatron_rl.orchestration.trainer_group import ShardReceipt
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 
@@ -26,11 +26,28 @@ def _samples(groups: list[RolloutGroup]) -> list[RolloutSample]:
     return [sample for group in groups for sample in group.samples]
 
 
-def group_advantages(groups: list[RolloutGroup], *, norm_by_std: bool) -> torch.Tensor:
-    """[B] GRPO advantages of every sample (Dr.GRPO when ``norm_by_std`` is False), groups told apart by uid."""
+def group_advantages(groups: list[RolloutGroup], *, estimator: str = "grpo", norm_by_std: bool) -> torch.Tensor:
+    """[B] advantages of every sample by the registered ``estimator`` (``grpo``: Dr.GRPO when ``norm_by_std``
+    is False), groups told apart by uid."""
     samples = _samples(groups)
     uids = [group.uid for group in groups for _ in group.samples]
-    return grpo_advantages(torch.tensor([s.score for s in samples], dtype=torch.float32), uids, norm_by_std)
+    scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
+    return get_advantage_estimator(estimator)(scores, uids, norm_by_std)
+
+
+def trim_to_even_split(groups: list[RolloutGroup], unit: int) -> list[RolloutGroup]:
+    """The longest prefix of ``groups`` whose response count is a multiple of ``unit`` (possibly empty).
+
+    ``unit`` is mini-batches x data-parallel ranks: every mini-batch must split evenly over the
+    ranks. A full step always splits (a recipe check); a partial one (dynamic sampling's
+    ``on_exhausted: train_partial``) is trimmed here.
+    """
+    total, keep = 0, 0
+    for count, group in enumerate(groups, start=1):
+        total += len(group.samples)
+        if total % unit == 0:
+            keep = count
+    return groups[:keep]
 
 
 def assemble_step_data(

@@ -48,8 +48,10 @@ from megatron_rl.orchestration.batch_assembly import (
     delivery_metrics,
     group_advantages,
     rollout_metrics,
+    trim_to_even_split,
 )
 from megatron_rl.orchestration.resources import RunResources, start_run
+from megatron_rl.rollout.groups import RolloutGroup
 
 
 def should_validate(train: TrainConfig, step: int) -> bool:
@@ -75,12 +77,30 @@ class PhaseTimer:
         self.seconds[f"time/{phase}_s"] = time.perf_counter() - start
 
 
+def finished_run_notice(cfg: RunConfig, checkpoint: Path, step: int) -> str | None:
+    """What to print instead of starting anything when ``checkpoint`` (at ``step``) already ends the run."""
+    if step < cfg.train.steps:
+        return None
+    return (
+        f"# {cfg.name} is finished: {checkpoint} holds step {step} of train.steps={cfg.train.steps}; nothing to do.\n"
+        f"# To continue it, raise train.steps (e.g. train.steps={step + cfg.train.steps}); to start over, set "
+        "checkpoint.resume=none (or another checkpoint.dir)."
+    )
+
+
 def train(cfg: RunConfig) -> Path:
-    """Run (or continue) the recipe's RL job to ``train.steps``; returns the checkpoint directory."""
+    """Run (or continue) the recipe's RL job to ``train.steps``; returns the checkpoint directory.
+
+    A run whose checkpoint already holds ``train.steps`` says so and returns before Ray starts.
+    """
     resume_from = checkpoint_to_resume(cfg)
     state = load_trainer_state(resume_from) if resume_from else TrainerState(step=0, sampler={}, weight_version=0)
     if resume_from:
         check_same_model(cfg, resume_from)
+        notice = finished_run_notice(cfg, resume_from, state.step)
+        if notice is not None:
+            print(notice, flush=True)
+            return Path(cfg.checkpoint_dir)
     run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
     try:
         if resume_from:
@@ -102,32 +122,51 @@ def train(cfg: RunConfig) -> Path:
 
 
 def train_one_step(run: RunResources, step: int) -> dict[str, float]:
-    """Generate -> advantages -> shard -> train (old/ref log-probs on the ranks) -> sync -> validate; metrics."""
+    """Generate -> advantages -> shard -> train (old/ref log-probs on the ranks) -> sync -> validate; metrics.
+
+    A partial step (dynamic sampling's ``train_partial``) trains on the groups that split evenly
+    over mini-batches x DP ranks (``rollout/groups_trimmed`` counts the rest); a step left with
+    no group skips its update (``train/update_skipped`` is 1) and the run goes on.
+    """
     cfg, timer, started = run.cfg, PhaseTimer(), time.perf_counter()
     run.hand_over.to_rollout(timer)
     with timer("generate"):
         rollout = run.rollout.generate_step()
     run.hand_over.to_training(timer)
-    with timer("shard"):
-        advantages = group_advantages(rollout.groups, norm_by_std=cfg.algorithm.norm_adv_by_std)
-        step_data = assemble_step_data(rollout.groups, advantages, expert_dtype=run.expert_dtype)
-        shards = step_data.shard(run.trainers.data_parallel_size, cfg.train.mini_batches_per_step)
-    with timer("train"):
-        actor_metrics, receipts = run.trainers.train_step(shards)
+    unit = cfg.train.mini_batches_per_step * run.trainers.data_parallel_size
+    groups = trim_to_even_split(rollout.groups, unit)
+    metrics = rollout.metrics | {
+        "rollout/groups_trimmed": float(len(rollout.groups) - len(groups)),
+        "train/update_skipped": float(not groups),
+    }
+    if rollout.groups:
+        metrics |= rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
+    tokens = 0.0
+    if groups:
+        train_metrics, tokens = _train_on(run, groups, timer)
+        metrics |= train_metrics
     run.hand_over.sync_weights(step, timer)
     run.hand_over.to_rollout(timer)
-    metrics = rollout.metrics | rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
-    metrics |= {f"actor/{name}": value for name, value in actor_metrics.items()}
-    metrics |= delivery_metrics(step_data, receipts, data_parallel_size=len(shards))
     if should_validate(cfg.train, step):
         with timer("validate"):
             metrics |= validate(run)
     step_seconds = time.perf_counter() - started
-    return (
-        metrics
-        | timer.seconds
-        | {"time/step_s": step_seconds, "perf/tokens_per_s": step_data.num_tokens / step_seconds}
-    )
+    return metrics | timer.seconds | {"time/step_s": step_seconds, "perf/tokens_per_s": tokens / step_seconds}
+
+
+def _train_on(run: RunResources, groups: list[RolloutGroup], timer: PhaseTimer) -> tuple[dict[str, float], float]:
+    """Advantages, one shard per DP rank, and the update (old/ref log-probs on the ranks); metrics and tokens."""
+    algorithm = run.cfg.algorithm
+    with timer("shard"):
+        advantages = group_advantages(
+            groups, estimator=algorithm.advantage_estimator, norm_by_std=algorithm.norm_adv_by_std
+        )
+        step_data = assemble_step_data(groups, advantages, expert_dtype=run.expert_dtype)
+        shards = step_data.shard(run.trainers.data_parallel_size, run.cfg.train.mini_batches_per_step)
+    with timer("train"):
+        actor_metrics, receipts = run.trainers.train_step(shards)
+    metrics = {f"actor/{name}": value for name, value in actor_metrics.items()}
+    return metrics | delivery_metrics(step_data, receipts, data_parallel_size=len(shards)), float(step_data.num_tokens)
 
 
 def validate(run: RunResources) -> dict[str, float]:

@@ -10,9 +10,9 @@ from ray.util import placement_group
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_rl.plan.placement import PlacementError
 
-class PlacementError(RuntimeError):
-    """The cluster cannot hold the requested bundles; the message says what was asked and what exists."""
+__all__ = ["PlacementError", "RankSlot", "check_capacity", "create_rank_slots", "engine_gpu_ids"]
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,31 @@ def bundle_resources(num_gpus: float, num_cpus: float) -> dict[str, float]:
     return {"CPU": num_cpus} | ({"GPU": num_gpus} if num_gpus > 0 else {})
 
 
+def check_capacity(num_bundles: int, bundle: dict[str, float], cluster: dict[str, float]) -> None:
+    """Raise :class:`PlacementError` naming what was asked and what the cluster has, if it cannot hold it."""
+    short = {
+        key: (num_bundles * amount, cluster.get(key, 0.0))
+        for key, amount in bundle.items()
+        if num_bundles * amount > cluster.get(key, 0.0) + 1e-9
+    }
+    if short:
+        asked = ", ".join(f"{key} {need:g} (has {has:g})" for key, (need, has) in short.items())
+        raise PlacementError(
+            f"the run needs {num_bundles} bundles of {bundle}, and the Ray cluster is too small: {asked}; "
+            "lower cluster.cpu_trainer_ranks / cluster.cpu_engines (CPU) or the parallel sizes, or add nodes"
+        )
+
+
 def create_rank_slots(
     num_ranks: int, *, num_gpus: float, num_cpus: float, timeout_s: float = 120.0, name: str = ""
 ) -> tuple[PlacementGroup, list[RankSlot]]:
     """Reserve one bundle per rank (PACK strategy) and return the slots sorted by (node IP, GPU ids).
 
-    Raises :class:`PlacementError` within ``timeout_s`` when the cluster cannot hold the bundles.
+    Raises :class:`PlacementError` at once when the cluster's total resources cannot hold the
+    bundles (:func:`check_capacity`), and within ``timeout_s`` when they exist but stay taken.
     """
     bundle = bundle_resources(num_gpus, num_cpus)
+    check_capacity(num_ranks, bundle, ray.cluster_resources())
     group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK", name=name)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:

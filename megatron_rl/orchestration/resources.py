@@ -225,8 +225,10 @@ def start_trainers(
 
 
 def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine]) -> RolloutManager:
-    """The training rollout: ``prompts_per_step`` prompts per generation batch, sampler seeded by ``train.seed``."""
-    sampler = PromptSampler(len(data.train), cfg.train.prompts_per_step, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    """The training rollout: ``dynamic_sampling.gen_batch_prompts`` (default ``prompts_per_step``) prompts per
+    generation batch, sampler seeded by ``train.seed``."""
+    batch = cfg.algorithm.dynamic_sampling.gen_batch_prompts or cfg.train.prompts_per_step
+    sampler = PromptSampler(len(data.train), batch, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return RolloutManager(
         engines,
         data.train,

@@ -60,7 +60,7 @@ class TrainerWorker:
             clients,
             engine_world_sizes=[tp_ranks] * len(clients),
             master_address=ray.util.get_node_ip_address(),
-            disk_dir=Path(cfg.run_dir) / "weight_sync",
+            disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
             hf_config_dir=hf_dir,
         )
         self._rank = dist.get_rank()

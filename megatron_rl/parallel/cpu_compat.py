@@ -30,6 +30,13 @@ applies exactly these patches, process-wide and idempotently:
    :class:`_CpuRNGStatesTracker`, which forks the CPU generator instead of a
    CUDA generator (Megatron reads and writes CUDA RNG states directly for
    dropout and weight initialisation).
+6. Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (activation
+   recomputation saves and restores "all" RNG states around each recomputed
+   forward) read and write nothing of CUDA: the getter returns the CPU
+   generator's state, the setter does nothing (the CPU state is restored
+   next to it by ``torch.set_rng_state``); and the backward of Megatron's
+   ``CheckpointFunction``, which runs the recomputed forward inside autograd
+   backward, runs under the mode of (2) (the ``device="cuda"`` causal mask).
 
 Not patched, avoided by configuration instead (see ``megatron_rl.models``):
 
@@ -64,6 +71,9 @@ PATCHED_ATTRIBUTES: tuple[str, ...] = (
     "torch.cuda.current_stream",
     "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER",
     "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER_INITIALIZED",
+    "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+    "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+    "megatron.core.tensor_parallel.random.CheckpointFunction.backward",
 )
 """Attributes that :func:`enable` replaces (besides the global function mode)."""
 
@@ -173,6 +183,12 @@ def enable() -> None:
     originals["current_stream"] = torch.cuda.current_stream
     originals["tracker"] = mcore_random._CUDA_RNG_STATE_TRACKER
     originals["tracker_initialized"] = mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    originals["get_cuda_rng_state"] = mcore_random._get_cuda_rng_state
+    originals["set_cuda_rng_state"] = mcore_random._set_cuda_rng_state
+    originals["checkpoint_backward"] = vars(mcore_random.CheckpointFunction)["backward"]
+    mcore_random._get_cuda_rng_state = _get_cpu_rng_state
+    mcore_random._set_cuda_rng_state = _ignore_rng_state
+    mcore_random.CheckpointFunction.backward = staticmethod(_recompute_on_cpu)
     torch.cuda.current_device = _current_device
     torch.cuda.synchronize = _synchronize
     torch.cuda.current_stream = _current_stream
@@ -197,6 +213,22 @@ def disable() -> None:
     torch.cuda.current_stream = originals["current_stream"]
     mcore_random._CUDA_RNG_STATE_TRACKER = originals["tracker"]
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = originals["tracker_initialized"]
+    mcore_random._get_cuda_rng_state = originals["get_cuda_rng_state"]
+    mcore_random._set_cuda_rng_state = originals["set_cuda_rng_state"]
+    mcore_random.CheckpointFunction.backward = originals["checkpoint_backward"]
+
+
+def _recompute_on_cpu(ctx: Any, *grads: torch.Tensor) -> Any:
+    with _CudaToCpuMode():
+        return _state["originals"]["checkpoint_backward"].__func__(ctx, *grads)
+
+
+def _get_cpu_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _ignore_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def is_enabled() -> bool:

@@ -14,9 +14,9 @@ positions in that order, so what shares a node is contiguous:
   smaller share of the first of them (slime shares bundles the same way).
 - GPU, disaggregated: the same bundles; the trainer ranks take the first
   ``world_size`` whole, the engines group the rest ``k`` at a time.
-- CPU: one ``{CPU: 0.5}`` bundle per trainer rank, then one per engine (there is
+- CPU: one ``{CPU: 0.4}`` bundle per trainer rank, then one per engine (there is
   no device to share; ``colocated`` still selects the memory hand-over and the
-  tensor transport).
+  tensor transport): 4 trainer ranks and an engine fit a 2-core machine.
 
 Validation (:mod:`megatron_rl.config.checks`) guarantees that ``k`` divides the GPUs
 per node and the engines' GPU count (hence the trainer's too), so no engine's bundles
@@ -31,12 +31,17 @@ from dataclasses import dataclass
 
 from megatron_rl.config import RunConfig, engine_layout, trainer_layout
 
-CPU_BUNDLE_CPUS = 0.5
-"""Ray CPUs per bundle on CPU recipes (a scheduling token: the processes share the machine's cores)."""
+CPU_BUNDLE_CPUS = 0.4
+"""Ray CPUs per bundle on CPU recipes (a scheduling token: the processes share the machine's cores); 4 trainer
+ranks plus one engine take 2.0, so they fit a 2-core machine."""
 COLOCATED_TRAINER_SHARE = 0.5
 """Share of a colocated bundle's GPU and CPU a trainer rank's actor takes."""
 ENGINE_HOST_SHARE = 0.25
 """Share of its first bundle's GPU and CPU an engine host actor takes (GPU recipes)."""
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the requested bundles; the message says what was asked and what exists."""
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,16 @@
 Per step (:meth:`RolloutManager.generate_step`):
 
 1. take a generation batch of prompt indices from the sampler (its batch size
-   is the generation batch; make it larger than ``prompts_per_step`` to
-   over-sample);
+   is the generation batch, ``algorithm.dynamic_sampling.gen_batch_prompts`` in
+   a recipe; larger than ``prompts_per_step`` over-samples);
 2. send one ``/generate`` request per prompt with ``n`` samples, spread
    round-robin over the engines, at most ``max_concurrent_requests`` per
    engine in flight;
 3. as each group comes back, score it in the reward worker processes, add the
    DAPO overlong penalty (and zero the loss mask of truncated responses when
    overlong filtering is on), and, with dynamic sampling, drop it when its
-   scores do not vary (``algorithms.groups_with_signal``);
+   correctness (``metric: acc``, the default) or scores (``metric: score``) do not
+   vary (:func:`group_has_signal`);
 4. groups are kept in submission order, whatever order they come back in (so
    a step's groups depend only on the prompts and the engines' outputs); once
    ``prompts_per_step`` are kept, abort every later request still in flight
@@ -120,6 +121,16 @@ class _OrderedSelection:
                 self.cutoff = self._settled
 
 
+def group_has_signal(group: RolloutGroup, metric: str) -> bool:
+    """Whether dynamic sampling keeps ``group``: its responses' ``metric`` values differ.
+
+    ``acc``: correctness (the DAPO paper's 0 < #correct < G; shaped scores such as the overlong
+    penalty are no signal); ``score``: the shaped scores.
+    """
+    values = [float(s.correct) for s in group.samples] if metric == "acc" else group.scores
+    return bool(groups_with_signal(torch.tensor(values), [0] * len(values)).all())
+
+
 class RolloutManager:
     """Generates, scores, shapes and filters groups for training steps (see the module docstring).
 
@@ -201,10 +212,7 @@ class RolloutManager:
         return RolloutGroup(uid=uid, prompt_index=item.index, samples=samples)
 
     def _has_signal(self, group: RolloutGroup) -> bool:
-        if not self.dynamic_sampling.enable:
-            return True
-        scores = torch.tensor(group.scores)
-        return bool(groups_with_signal(scores, [0] * len(scores)).all())
+        return not self.dynamic_sampling.enable or group_has_signal(group, self.dynamic_sampling.metric)
 
     def _run_batch(self, indices: list[int], kept: list[RolloutGroup], counts: dict[str, int], bar: _Progress) -> None:
         serial = self._next_serial()
@@ -263,7 +271,7 @@ class RolloutManager:
         if len(kept) < self.prompts_per_step and self.dynamic_sampling.on_exhausted == "error":
             raise RolloutExhaustedError(
                 f"dynamic sampling kept {len(kept)} of {self.prompts_per_step} groups after {gen_batches} generation "
-                f"batches ({counts['dropped']} dropped with identical scores); raise "
+                f"batches ({counts['dropped']} dropped without signal); raise "
                 "algorithm.dynamic_sampling.max_gen_batches or set on_exhausted: train_partial"
             )
         return RolloutStep(kept, self._metrics(kept, counts, gen_batches, time.perf_counter() - start))

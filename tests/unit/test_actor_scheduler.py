@@ -39,3 +39,15 @@ def test_an_unchanged_recipe_resumes_to_the_same_learning_rate() -> None:
     optimizer, resumed = _scheduler(steps=10)
     resumed.load_state_dict(saved.state_dict())
     assert optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
+
+
+def test_warmup_counts_rollout_steps_each_of_mini_batches_times_epochs_updates() -> None:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    train = TrainConfig(
+        steps=100, lr=1.0, warmup_steps=20, mini_batches_per_step=16, ppo_epochs=2, prompts_per_step=512
+    )
+    scheduler = build_scheduler(optimizer, train)
+    assert scheduler.lr_warmup_steps == 20 * 16 * 2
+    for _ in range(16 * 2):  # the first rollout step
+        scheduler.step(increment=1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1 / 20)

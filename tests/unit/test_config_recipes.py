@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,9 @@ def test_shipped_tiny_recipes_validate(recipe: str) -> None:
 
 @pytest.mark.parametrize("recipe", ["qwen3_30b_a3b_dapo", "qwen3_30b_a3b_drgrpo"])
 def test_shipped_qwen3_30b_recipes_validate(recipe: str, qwen3_30b_overrides: list[str]) -> None:
-    cfg, warnings = load_recipe(RECIPES / f"{recipe}.yaml", qwen3_30b_overrides)
+    cfg, warnings = load_recipe(RECIPES / f"{recipe}.yaml", qwen3_30b_overrides, require_files=False)
     assert cfg.parallel.ep == 8 and cfg.cluster.nodes * cfg.cluster.gpus_per_node == 32
-    assert warnings == []
+    assert {w.level for w in warnings} == {"needed"}  # the weights; nothing else to warn about
 
 
 def test_qwen3_30b_recipe_rejects_tp8_against_four_kv_heads(qwen3_30b_overrides: list[str]) -> None:
@@ -53,8 +54,8 @@ def test_base_recipe_values_are_inherited_and_overridden() -> None:
 
 
 def test_override_parses_scientific_notation_as_float() -> None:
-    cfg, _ = load_recipe(TINY, ["train.lr=1e-6", "rollout.top_k=5"])
-    assert cfg.train.lr == pytest.approx(1e-6) and cfg.rollout.top_k == 5
+    cfg, _ = load_recipe(TINY, ["train.lr=1e-6", "train.val_interval=5"])
+    assert cfg.train.lr == pytest.approx(1e-6) and cfg.train.val_interval == 5
 
 
 def test_override_sets_list_and_creates_missing_section() -> None:
@@ -223,9 +224,12 @@ def test_model_path_without_config_json(tmp_path: Path) -> None:
     assert problem.startswith("model.path: no config.json")
 
 
-def test_missing_data_file_is_named(qwen3_30b_overrides: list[str]) -> None:
-    problems = _problems(RECIPES / "qwen3_30b_a3b_dapo.yaml", *qwen3_30b_overrides, "data.val_files=[nowhere.parquet]")
-    assert "data.val_files: no such file: 'nowhere.parquet'" in problems
+def test_missing_data_file_is_needed_before_training(qwen3_30b_overrides: list[str]) -> None:
+    overrides = [*qwen3_30b_overrides, "data.val_files=[nowhere.parquet]"]
+    _, warnings = load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", overrides, require_files=False)
+    assert "data.val_files: no such file: 'nowhere.parquet': needed before training" in map(str, warnings)
+    problems = _problems(RECIPES / "qwen3_30b_a3b_dapo.yaml", *overrides)
+    assert "data.val_files: no such file: 'nowhere.parquet': needed before training" in problems
 
 
 def test_wandb_sink_without_a_project_is_rejected() -> None:
@@ -309,10 +313,11 @@ def test_colocated_ipc_across_nodes_is_refused_naming_the_alternatives(qwen3_30b
 
 
 def test_colocated_ipc_on_one_node_and_disaggregated_broadcast_across_nodes_validate(qwen3_30b_overrides):
-    load_recipe(QWEN3_30B, [*qwen3_30b_overrides, "cluster.nodes=1", "weight_sync.transport=auto"])
+    load_recipe(QWEN3_30B, [*qwen3_30b_overrides, "cluster.nodes=1", "weight_sync.transport=auto"], require_files=False)
     load_recipe(
         QWEN3_30B,
         [*qwen3_30b_overrides, "rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=auto"],
+        require_files=False,
     )
 
 
@@ -326,6 +331,79 @@ def test_mxfp8_is_refused_on_hopper_and_accepted_on_blackwell(qwen3_30b_override
     (problem,) = [p for p in _problems(QWEN3_30B, *fp8) if p.startswith("train.fp8_recipe:")]
     assert "compute capability >= 10.0" in problem and "'hopper' (H100/H200, 9.0)" in problem
     assert "train.fp8_recipe=blockwise" in problem
-    cfg, _ = load_recipe(QWEN3_30B, [*fp8, "cluster.gpu_arch=blackwell"])
+    cfg, _ = load_recipe(QWEN3_30B, [*fp8, "cluster.gpu_arch=blackwell"], require_files=False)
     assert cfg.train.fp8_recipe == "mxfp8"
-    load_recipe(QWEN3_30B, [*qwen3_30b_overrides, "train.precision=fp8", "train.fp8_recipe=blockwise"])
+    load_recipe(
+        QWEN3_30B, [*qwen3_30b_overrides, "train.precision=fp8", "train.fp8_recipe=blockwise"], require_files=False
+    )
+
+
+def _fresh_clone(tmp_path: Path, monkeypatch) -> list[str]:
+    """A copy of recipes/ as the working directory, with nothing downloaded; the recipe paths in it."""
+    shutil.copytree(RECIPES, tmp_path / "recipes")
+    monkeypatch.chdir(tmp_path)
+    return sorted(str(path.relative_to(tmp_path)) for path in (tmp_path / "recipes").glob("*.yaml"))
+
+
+def test_every_shipped_recipe_validates_and_plans_without_downloads(tmp_path: Path, monkeypatch, capsys) -> None:
+    recipes = _fresh_clone(tmp_path, monkeypatch)
+    assert len(recipes) >= 5
+    for recipe in recipes:
+        assert main(["validate", recipe]) == 0, capsys.readouterr().err
+        assert main(["plan", recipe]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+
+
+def test_strict_validate_names_every_absent_file(tmp_path: Path, monkeypatch, capsys) -> None:
+    _fresh_clone(tmp_path, monkeypatch)
+    recipe = "recipes/qwen3_30b_a3b_dapo.yaml"
+    assert main(["validate", recipe]) == 0
+    needed = [
+        "data.train_files: no such file: 'data/dapo-math-17k.parquet': needed before training",
+        "data.val_files: no such file: 'data/aime-2024.parquet': needed before training",
+        "model.path: no config.json in 'checkpoints/Qwen3-30B-A3B': needed before training",
+        "model.path: no weights (model.safetensors or model.safetensors.index.json) in "
+        "'checkpoints/Qwen3-30B-A3B': needed before training",
+    ]
+    err = capsys.readouterr().err
+    assert all(f"warning: {line}" in err for line in needed), err
+    assert main(["validate", "--strict", recipe]) == 1
+    err = capsys.readouterr().err
+    assert "4 problem(s)" in err and all(f"  - {line}" in err for line in needed), err
+
+
+def test_train_refuses_absent_files_before_starting_anything(tmp_path: Path, monkeypatch, capsys) -> None:
+    _fresh_clone(tmp_path, monkeypatch)
+    assert main(["train", "recipes/qwen3_30b_a3b_dapo.yaml"]) == 1
+    assert "no weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),  # tp 1
+        (["parallel.tp=2", "parallel.ep=1"], "parallel.sequence_parallel"),  # MoE needs it too
+        (["algorithm.loss_norm_constant=12"], "algorithm.loss_norm_constant"),  # token-mean
+        (["rollout.top_p=0.9"], "rollout.top_p"),
+        (["rollout.top_k=5"], "rollout.top_k"),
+        (["algorithm.dynamic_sampling.metric=score"], "algorithm.dynamic_sampling.metric"),  # preset dapo
+        (["algorithm.dynamic_sampling.gen_batch_prompts=8"], "algorithm.dynamic_sampling.gen_batch_prompts"),
+    ],
+)
+def test_options_the_trainer_would_ignore_are_refused(overrides: list[str], field: str) -> None:
+    assert field in [problem.split(":", 1)[0] for problem in _problems(TINY, *overrides)]
+
+
+def test_score_filtering_is_allowed_outside_the_dapo_preset() -> None:
+    cfg, _ = load_recipe(TINY, ["algorithm.preset=custom", "algorithm.dynamic_sampling.metric=score"])
+    assert cfg.algorithm.dynamic_sampling.metric == "score"
+
+
+def test_dapo_recipe_warms_up_over_the_papers_20_rollout_steps(qwen3_30b_overrides: list[str]) -> None:
+    cfg, _ = load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", qwen3_30b_overrides, require_files=False)
+    assert cfg.train.warmup_steps == 20 and cfg.algorithm.dynamic_sampling.metric == "acc"
+
+
+def test_over_sampling_is_a_recipe_field() -> None:
+    cfg, _ = load_recipe(TINY, ["algorithm.dynamic_sampling.gen_batch_prompts=24"])
+    assert cfg.algorithm.dynamic_sampling.gen_batch_prompts == 24

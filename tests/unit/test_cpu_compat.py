@@ -10,6 +10,10 @@ from megatron_rl.parallel import cpu_compat
 def _snapshot() -> dict[str, object]:
     attributes = {f"torch.cuda.{k}": v for k, v in vars(torch.cuda).items()}
     attributes |= {f"megatron.core.tensor_parallel.random.{k}": v for k, v in vars(mcore_random).items()}
+    checkpoint_function = vars(mcore_random.CheckpointFunction)
+    attributes |= {
+        f"megatron.core.tensor_parallel.random.CheckpointFunction.{k}": v for k, v in checkpoint_function.items()
+    }
     return attributes
 
 

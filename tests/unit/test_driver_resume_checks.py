@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
+from megatron_rl.checkpoint import TrainerState
+from megatron_rl.checkpoint.commit import commit_checkpoint, staging_dir
 from megatron_rl.checkpoint.layout import HF_METADATA_DIR
 from megatron_rl.checkpoint.run_checkpoint import check_same_model
+from megatron_rl.checkpoint.trainer_state import save_trainer_state
+from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
+from megatron_rl.orchestration.driver import finished_run_notice
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe_cpu_dapo.yaml"
 
@@ -33,3 +39,31 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(tmp_path: Pa
         check_same_model(load_recipe(RECIPE)[0], checkpoint)
     assert "hidden_size: 128 saved, 64 in the recipe" in str(error.value)
     assert "num_experts: 8 saved, 4 in the recipe" in str(error.value)
+
+
+def _finished_run(tmp_path: Path, step: int) -> list[str]:
+    """Overrides of the tiny recipe whose checkpoint directory holds a committed checkpoint at ``step``."""
+    root = tmp_path / "checkpoints"
+    staged = staging_dir(root, step)  # created empty
+    save_trainer_state(staged, TrainerState(step=step, sampler={}, weight_version=step))
+    metadata = staged / HF_METADATA_DIR
+    metadata.mkdir()
+    cfg = load_recipe(RECIPE)[0]
+    (metadata / "config.json").write_text(json.dumps(dict(cfg.model.random_init) | {"torch_dtype": "float32"}))
+    commit_checkpoint(root, step)
+    return [f"checkpoint.dir={root}", f"logging.dir={tmp_path / 'logs'}"]
+
+
+def test_a_finished_run_says_so_before_starting_anything(tmp_path: Path, capsys) -> None:
+    overrides = _finished_run(tmp_path, 100)
+    started = time.perf_counter()
+    assert main(["train", str(RECIPE), *overrides]) == 0
+    assert time.perf_counter() - started < 5  # no Ray, no ranks, no engines
+    out = capsys.readouterr().out
+    assert "holds step 100 of train.steps=100; nothing to do" in out
+    assert "raise train.steps (e.g. train.steps=200)" in out and "checkpoint.resume=none" in out
+
+
+def test_an_unfinished_run_gets_no_notice(tmp_path: Path) -> None:
+    cfg = load_recipe(RECIPE, _finished_run(tmp_path, 50))[0]
+    assert finished_run_notice(cfg, Path(cfg.checkpoint_dir), 50) is None

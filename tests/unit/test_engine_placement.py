@@ -9,7 +9,13 @@ import pytest
 from megatron_rl.config import RecipeError, load_recipe
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.orchestration.engine_host import EngineSpec, build_engine, first_visible_index
-from megatron_rl.orchestration.placement_group import RankSlot, engine_gpu_ids
+from megatron_rl.orchestration.placement_group import (
+    PlacementError,
+    RankSlot,
+    bundle_resources,
+    check_capacity,
+    engine_gpu_ids,
+)
 from megatron_rl.plan.placement import ActorResources, plan_run_placement
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
 
@@ -17,7 +23,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def _load(overrides: list[str], *more: str):
-    return load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", [*overrides, *more])[0]
+    return load_recipe(RECIPES / "qwen3_30b_a3b_dapo.yaml", [*overrides, *more], require_files=False)[0]
 
 
 def test_colocated_engines_share_every_trainer_bundle(qwen3_30b_overrides: list[str]) -> None:
@@ -117,3 +123,20 @@ def test_reference_host_runs_on_cpu_or_its_first_gpu() -> None:
     for engine, device in ((on_cpu, "cpu"), (on_gpu, "cuda:1")):
         command = engine.process.command
         assert command[command.index("--device") + 1] == device and command[command.index("--host") + 1] == "h"
+
+
+def test_four_cpu_trainer_ranks_and_an_engine_fit_two_cores() -> None:
+    cfg, _ = load_recipe(
+        RECIPES / "tiny_moe_cpu_dapo.yaml",
+        ["cluster.cpu_trainer_ranks=4", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    )
+    plan = plan_run_placement(cfg)
+    assert plan.num_bundles == 5 and plan.num_bundles * plan.bundle.num_cpus <= 2.0
+    check_capacity(plan.num_bundles, bundle_resources(0.0, plan.bundle.num_cpus), {"CPU": 2.0})
+
+
+def test_a_shortage_names_what_was_asked_and_what_the_cluster_has() -> None:
+    with pytest.raises(PlacementError, match=r"6 bundles of \{'CPU': 0.4\}.*too small: CPU 2.4 \(has 2\)"):
+        check_capacity(6, {"CPU": 0.4}, {"CPU": 2.0})
+    with pytest.raises(PlacementError, match=r"GPU 32 \(has 8\)"):
+        check_capacity(32, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 64.0, "GPU": 8.0})

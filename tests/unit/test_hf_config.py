@@ -126,3 +126,24 @@ def test_qwen3_30b_a3b_maps_at_a_production_layout():
 def test_disagreeing_expert_count_spellings_are_refused():
     with pytest.raises(UnsupportedConfigError, match="disagree"):
         parse_hf_config(QWEN3_30B_A3B | {"num_local_experts": 64})
+
+
+def test_shipped_qwen3_30b_a3b_config_holds_the_published_values():
+    arch = parse_hf_config(QWEN3_30B_A3B)
+    assert (arch.architecture, arch.hidden_size, arch.num_layers, arch.vocab_size) == (
+        "Qwen3MoeForCausalLM",
+        2048,
+        48,
+        151936,
+    )
+    assert (arch.num_attention_heads, arch.num_query_groups, arch.head_dim) == (32, 4, 128)
+    assert (arch.num_experts, arch.moe_router_topk, arch.moe_ffn_hidden_size, arch.ffn_hidden_size) == (
+        128,
+        8,
+        768,
+        6144,
+    )
+    assert arch.moe_layer_pattern == (1,) * 48 and arch.norm_topk_prob and not arch.tie_word_embeddings
+    assert (arch.rope_theta, arch.max_position_embeddings, arch.rms_norm_eps) == (1e6, 40960, 1e-6)
+    assert (QWEN3_30B_A3B["bos_token_id"], QWEN3_30B_A3B["eos_token_id"]) == (151643, 151645)
+    assert QWEN3_30B_A3B["torch_dtype"] == "bfloat16"

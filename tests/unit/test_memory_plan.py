@@ -82,7 +82,7 @@ def test_micro_batches_in_flight() -> None:
 
 @pytest.mark.parametrize("tp, heads_per_gpu", [(2, 2), (4, 1), (8, 1)])  # 4 KV heads; replicated beyond tp 4
 def test_kv_cache_arithmetic(qwen3_30b_overrides: list[str], tp: int, heads_per_gpu: int) -> None:
-    cfg = load_recipe(RECIPE, [*qwen3_30b_overrides, f"rollout.tp={tp}", "rollout.ep=2"])[0]
+    cfg = load_recipe(RECIPE, [*qwen3_30b_overrides, f"rollout.tp={tp}", "rollout.ep=2"], require_files=False)[0]
     engine = engine_plan(ARCH_30B, cfg, 80 * GIB)
     assert engine.kv_bytes_per_token == 2 * 48 * heads_per_gpu * 128 * 2
     assert engine.kv_pool_bytes == 0.7 * 80 * GIB - engine.weight_bytes
@@ -114,10 +114,10 @@ def test_plan_30b_recipe_fits_and_prints_totals(qwen3_30b_overrides: list[str], 
         "FITS",
     ):
         assert line in out, line
-    cfg = load_recipe(RECIPE, qwen3_30b_overrides)[0]
+    cfg = load_recipe(RECIPE, qwen3_30b_overrides, require_files=False)[0]
     total = plan_memory(cfg, ARCH_30B, 80.0).stages[0].total / GIB
     assert 40 < total < 50, total  # 33.1 GiB exact state + ~13 GiB estimated working memory
-    unchunked = load_recipe(RECIPE, [*qwen3_30b_overrides, "train.logprob_chunk_tokens=0"])[0]
+    unchunked = load_recipe(RECIPE, [*qwen3_30b_overrides, "train.logprob_chunk_tokens=0"], require_files=False)[0]
     saved = plan_memory(unchunked, ARCH_30B, 80.0).stages[0].total / GIB - total
     # The softmax workspace of 24,576 - 4,096 tokens x 38,016 columns (151,936 padded to 152,064, / TP 4) at 21.1 B.
     assert saved == pytest.approx((24_576 - 4_096) * 38_016 * 21.1 / GIB, rel=1e-9)
@@ -152,8 +152,9 @@ def test_plan_gpu_memory_option(qwen3_30b_overrides: list[str], capsys) -> None:
 
 def test_reference_weights_are_counted_where_they_live(qwen3_30b_overrides: list[str]) -> None:
     kl = [*qwen3_30b_overrides, "algorithm.preset=custom", "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.001"]
-    host = plan_memory(load_recipe(RECIPE, kl)[0], ARCH_30B, 80.0)
-    device = plan_memory(load_recipe(RECIPE, [*kl, "algorithm.reference_placement=device"])[0], ARCH_30B, 80.0)
+    host = plan_memory(load_recipe(RECIPE, kl, require_files=False)[0], ARCH_30B, 80.0)
+    device_kl = [*kl, "algorithm.reference_placement=device"]
+    device = plan_memory(load_recipe(RECIPE, device_kl, require_files=False)[0], ARCH_30B, 80.0)
     parameters = host.stages[0].parameter_bytes
     assert device.stages[0].total - host.stages[0].total == parameters
     # Colocated: the trainer state is offloaded to the host either way; the host copy of the reference is extra.

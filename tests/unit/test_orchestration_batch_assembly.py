@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.orchestration.batch_assembly import assemble_step_data, group_advantages, rollout_metrics
+from megatron_rl.orchestration.batch_assembly import (
+    assemble_step_data,
+    group_advantages,
+    rollout_metrics,
+    trim_to_even_split,
+)
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 
 
@@ -124,3 +129,24 @@ def test_rollout_metrics_report_reward_accuracy_and_length_bias() -> None:
     assert set(rollout_metrics(_groups(), max_response_length=3, prefix="val")) == {
         k.replace("train/", "val/") for k in metrics
     }
+
+
+def _uniform_groups(count: int, size: int) -> list[RolloutGroup]:
+    return [RolloutGroup(f"g{i}", i, [_sample([1], [2], 1.0) for _ in range(size)]) for i in range(count)]
+
+
+def test_a_partial_step_is_trimmed_to_what_splits_over_mini_batches_and_dp() -> None:
+    groups = _uniform_groups(501, 16)  # 501 groups of 16 at 16 mini-batches x DP 8: 128 responses a unit
+    kept = trim_to_even_split(groups, 16 * 8)
+    assert len(kept) == 496 and kept == groups[:496] and 496 * 16 % 128 == 0
+    assert trim_to_even_split(_uniform_groups(3, 8), 16) == _uniform_groups(3, 8)[:2]
+    assert trim_to_even_split(_uniform_groups(1, 8), 16) == []
+    assert trim_to_even_split([], 16) == []
+
+
+def test_the_advantage_estimator_comes_from_the_registry() -> None:
+    assert torch.equal(
+        group_advantages(_groups(), estimator="grpo", norm_by_std=True), group_advantages(_groups(), norm_by_std=True)
+    )
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; registered: \\('grpo',\\)"):
+        group_advantages(_groups(), estimator="nope", norm_by_std=True)

@@ -1,0 +1,192 @@
+"""Shrink a recipe to a CPU smoke run of its own settings (`megatron-rl smoke`).
+
+:func:`smoke_recipe` takes a validated recipe and returns the dotted overrides that make it
+run on a 2-core CPU machine in seconds, each with the reason, while keeping what the recipe
+is about: its algorithm (preset, loss mode, advantages, clipping, KL, dynamic sampling and
+its metric, overlong shaping and filtering, TIS, routing replay), recompute, mini-batches and
+PPO epochs, placement and weight-sync transport, and every kind of parallelism it uses:
+
+- model: the same architecture at toy width (hidden 64, 4 heads over 2 KV heads, the same
+  layer kinds: dense layers stay dense, MoE layers MoE), experts reduced to 4 (or 2 x ep),
+  top-k kept where it fits (at most half the experts), enough layers for pp x vpp;
+- layout: tp, pp, vpp, ep, etp each kept at 2 when the recipe uses them (tp > 1 with
+  sequence parallelism), data parallelism 2 when the recipe has it and the ranks stay <= 4;
+- hardware: CPU ranks, one reference engine instead of SGLang, fp32 instead of bf16 / fp8;
+- data: the synthetic successor task (generated prompts, its tokenizer and reward) when the
+  recipe's data files are not here; 4 prompts a step, short prompts and responses;
+- run: 2 steps, a checkpoint after each (the smoke runs step 1, then resumes to step 2).
+
+Imports neither torch nor Ray: the overrides are checked by ``validate`` like any others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config.hf_config import QwenArchitecture
+from megatron_rl.config.layout import trainer_layout
+from megatron_rl.config.schema import RunConfig
+
+MAX_CPU_RANKS = 4
+SMOKE_STEPS = 2
+
+
+@dataclass(frozen=True)
+class Change:
+    """One override of the smoke run: ``field=value``, and why."""
+
+    field: str
+    value: Any
+    reason: str
+
+    @property
+    def override(self) -> str:
+        """The dotted override, YAML-parsable (lists and mappings in flow style)."""
+        return f"{self.field}={_yaml_scalar(self.value)}"
+
+    def __str__(self) -> str:
+        return f"{self.override}  # {self.reason}"
+
+
+def _yaml_scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_scalar(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_scalar(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _shrunk_layout(cfg: RunConfig) -> dict[str, int | None]:
+    par = cfg.parallel
+    tp = 2 if par.tp > 1 else 1
+    pp = 2 if par.pp > 1 else 1
+    vpp = 2 if par.vpp is not None else None
+    ep = 2 if par.ep > 1 else 1
+    etp = None if par.etp is None else (2 if par.etp > 1 else 1)
+    model_parallel = tp * pp
+    expert_parallel = (tp if etp is None else etp) * ep * pp
+    had_dp = trainer_layout(par, cfg.cluster, cfg.rollout).dp > 1
+    world = model_parallel * (2 if had_dp and model_parallel * 2 <= MAX_CPU_RANKS else 1)
+    while world % expert_parallel:
+        world *= 2
+    return {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp, "world": world}
+
+
+def _toy_model(arch: QwenArchitecture, layout: dict[str, int | None]) -> dict[str, Any]:
+    stages = layout["pp"] * (layout["vpp"] or 1)
+    has_dense = not all(arch.moe_layer_pattern)
+    layers = max(2, stages)
+    config: dict[str, Any] = {
+        "architectures": [arch.architecture],
+        "vocab_size": 32,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+    }
+    if arch.is_moe:
+        experts = max(4, 2 * layout["ep"])
+        config |= {
+            "num_experts": experts,
+            "num_experts_per_tok": min(arch.moe_router_topk, experts // 2),
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": arch.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0] if has_dense else [],
+        }
+    return config
+
+
+def _data_present(cfg: RunConfig) -> bool:
+    files = [*cfg.data.train_files, *cfg.data.val_files]
+    return cfg.data.synthetic is not None or (bool(files) and all(Path(f).is_file() for f in files))
+
+
+def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
+    """The overrides turning ``cfg`` into its CPU smoke run (see the module docstring), in a fixed order.
+
+    ``arch``: the recipe's architecture (from its config.json or ``model.config_fallback``). The
+    run writes under ``runs/smoke-<name>``.
+    """
+    run_dir = f"runs/smoke-{cfg.name}"
+    layout = _shrunk_layout(cfg)
+    changes = [
+        Change("name", f"smoke-{cfg.name}", "own run directory"),
+        Change("model.path", None, "toy model at random init"),
+        Change("model.config_fallback", None, "toy model at random init"),
+        Change("model.tokenizer", None, "toy model at random init"),
+        Change("model.random_init", _toy_model(arch, layout), f"{arch.architecture} at toy width"),
+        Change("cluster.nodes", 1, "one CPU machine"),
+        Change("cluster.gpus_per_node", 0, "CPU ranks"),
+        Change("cluster.cpu_trainer_ranks", layout["world"], "every kind of parallelism kept, at most 4 ranks"),
+        Change("cluster.cpu_engines", 1, "one engine"),
+        Change("parallel.tp", layout["tp"], "kept if used"),
+        Change("parallel.sequence_parallel", layout["tp"] > 1, "with tp > 1"),
+        Change("parallel.pp", layout["pp"], "kept if used"),
+        Change("parallel.vpp", layout["vpp"], "kept if used"),
+        Change("parallel.ep", layout["ep"], "kept if used"),
+        Change("parallel.etp", layout["etp"], "kept if used"),
+        Change("rollout.engine", "reference", "SGLang needs GPUs"),
+        Change("rollout.tp", 1, "the reference engine is one process"),
+        Change("rollout.ep", 1, "the reference engine is one process"),
+        Change("rollout.dp", 1, "the reference engine is one process"),
+        Change("rollout.num_gpus", None, "no GPUs"),
+        Change("rollout.n_samples_per_prompt", 8, "small groups"),
+        Change("rollout.max_prompt_length", 16, "toy lengths"),
+        Change("rollout.max_response_length", 12, "toy lengths"),
+        Change("rollout.max_concurrent_requests", 16, "toy batch"),
+        Change("rollout.startup_timeout_s", 120.0, "CPU engine"),
+        Change("train.precision", "fp32", "CPU"),
+        Change("train.fp8_recipe", None, "CPU"),
+        Change("train.steps", SMOKE_STEPS, "smoke"),
+        Change("train.prompts_per_step", 4, "toy batch"),
+        Change("train.mini_batches_per_step", min(cfg.train.mini_batches_per_step, 2), "kept if > 1, at most 2"),
+        Change("train.max_tokens_per_micro_batch", 64, "several micro-batches"),
+        Change("train.warmup_steps", min(cfg.train.warmup_steps, 1), "within 2 steps"),
+        Change("train.lr", 1.0e-3, "toy model"),
+        Change("train.val_interval", SMOKE_STEPS, "validate before and after"),
+        Change("train.val_samples_per_prompt", 1, "toy validation"),
+        Change("checkpoint.dir", None, f"under {run_dir}"),
+        Change("checkpoint.interval", 1, "checkpoint every step; the second step resumes from the first"),
+        Change("checkpoint.resume", "auto", "resume from the first step"),
+        Change("logging.dir", None, f"under {run_dir}"),
+        Change("logging.sinks", ["console", "jsonl"], "no external services"),
+        Change("data.reward_num_workers", 1, "2 cores"),
+    ]
+    algo = cfg.algorithm
+    if algo.overlong.enable or algo.overlong.filter_truncated:
+        changes.append(Change("algorithm.overlong.buffer_length", 4, "within the toy response length"))
+    if algo.loss_norm_constant is not None:
+        changes.append(Change("algorithm.loss_norm_constant", None, "defaults to the toy response length"))
+    if algo.dynamic_sampling.enable:
+        changes += [
+            Change(
+                "algorithm.dynamic_sampling.gen_batch_prompts", 16, "over-sample: a random-init model rarely has signal"
+            ),
+            Change("algorithm.dynamic_sampling.on_exhausted", "train_partial", "a random-init model"),
+        ]
+    if not _data_present(cfg):
+        changes += [
+            Change("data.train_files", [], "the recipe's data files are not here"),
+            Change("data.val_files", [], "the recipe's data files are not here"),
+            Change(
+                "data.synthetic",
+                {"task": "successor", "num_train": 256, "num_val": 8, "prompt_format": "text"},
+                "generated prompts",
+            ),
+            Change("data.reward", "synthetic_successor", "the generated task's reward"),
+            Change("data.apply_chat_template", False, "plain prompts"),
+        ]
+    return changes

@@ -1,0 +1,52 @@
+"""The smoke run's overrides keep what a recipe is about and shrink the rest (megatron_rl.config.smoke)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rl.config import load_recipe, read_architecture
+from megatron_rl.config.smoke import smoke_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def _smoke(recipe: str, overrides: list[str]):
+    cfg, _ = load_recipe(RECIPES / recipe, overrides, require_files=False)
+    changes = smoke_recipe(cfg, read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback))
+    smoke, _ = load_recipe(RECIPES / recipe, [*overrides, *(change.override for change in changes)])
+    return cfg, smoke, {change.field for change in changes}
+
+
+def test_the_30b_dapo_recipe_keeps_its_algorithm_and_kinds_of_parallelism(qwen3_30b_overrides: list[str]) -> None:
+    cfg, smoke, changed = _smoke("qwen3_30b_a3b_dapo.yaml", qwen3_30b_overrides)
+    assert smoke.algorithm.model_dump(exclude={"overlong", "dynamic_sampling"}) == cfg.algorithm.model_dump(
+        exclude={"overlong", "dynamic_sampling"}
+    )
+    assert smoke.algorithm.routing_replay and smoke.train.recompute == "full" and smoke.algorithm.overlong.enable
+    assert smoke.algorithm.dynamic_sampling.metric == "acc" and smoke.weight_sync == cfg.weight_sync
+    par = smoke.parallel
+    assert (par.tp, par.sequence_parallel, par.ep, par.pp, smoke.cluster.cpu_trainer_ranks) == (2, True, 2, 1, 4)
+    model = smoke.model.random_init
+    assert model["architectures"] == ["Qwen3MoeForCausalLM"] and model["num_experts_per_tok"] == 2
+    assert (smoke.rollout.engine, smoke.train.precision, smoke.cluster.gpus_per_node) == ("reference", "fp32", 0)
+    assert smoke.data.synthetic is not None and "algorithm.clip_high" not in changed
+    assert smoke.train.mini_batches_per_step == 2 and smoke.train.steps == 2
+
+
+def test_pipeline_and_virtual_stages_are_kept() -> None:
+    _, smoke, _ = _smoke(
+        "tiny_moe_cpu_grpo.yaml",
+        [
+            "parallel.pp=2",
+            "parallel.vpp=2",
+            "parallel.ep=1",
+            "cluster.cpu_trainer_ranks=2",
+            "model.random_init.num_hidden_layers=4",
+        ],
+    )
+    assert (smoke.parallel.pp, smoke.parallel.vpp, smoke.model.random_init["num_hidden_layers"]) == (2, 2, 4)
+
+
+def test_a_recipe_with_its_data_here_keeps_it() -> None:
+    cfg, smoke, changed = _smoke("tiny_moe_cpu_dapo.yaml", [])
+    assert smoke.data.synthetic == cfg.data.synthetic and "data.synthetic" not in changed

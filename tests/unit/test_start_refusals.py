@@ -1,0 +1,270 @@
+"""One source of truth for refusals: whatever the trainer, models, engines, weight sync or driver
+refuse at start because of the recipe, `validate` refuses first, naming the field.
+
+Every ``raise`` in those packages is listed here (found with ``ast``, so a new one fails
+:func:`test_every_raise_is_classified` until it is added): either as a start-time refusal
+caused by the recipe, with overrides that make the runtime raise it and the field `validate`
+names, or as not caused by the recipe (a runtime state, an internal contract, the machine),
+with the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import RecipeError, load_recipe
+from megatron_rl.config.loading import read_recipe_tree
+from tests.hf_configs import QWEN3_30B_A3B_CONFIG_FILE
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl"
+RECIPES = PACKAGE.parent / "recipes"
+SCANNED = ("actor", "models", "rollout", "weight_sync", "orchestration", "parallel")
+TINY = "tiny_moe_cpu_dapo.yaml"
+QWEN_30B = "qwen3_30b_a3b_dapo.yaml"
+DENSE = "model.random_init.architectures=[Qwen3ForCausalLM]"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A raise the recipe can cause at start; ``overrides`` cause it, ``field`` is what validate names."""
+
+    path: str
+    fragment: str
+    overrides: tuple[str, ...]
+    field: str
+    recipe: str = TINY
+
+
+START_REFUSALS = (
+    Refusal(
+        "actor/precision.py",
+        "needs compute capability >= 10.0",
+        ("train.precision=fp8", "train.fp8_recipe=mxfp8"),
+        "train.fp8_recipe",
+        QWEN_30B,
+    ),
+    Refusal(
+        "actor/policy_actor.py",
+        "temperature must be a finite number",
+        ("rollout.temperature=0.0",),
+        "rollout.temperature",
+    ),
+    Refusal("actor/precision.py", "needs train.fp8_recipe", ("train.precision=fp8",), "train.fp8_recipe", QWEN_30B),
+    Refusal(
+        "actor/precision.py",
+        "needs Transformer Engine",
+        ("train.precision=fp8", "train.fp8_recipe=delayed"),
+        "train.precision",
+    ),
+    Refusal(
+        "actor/precision.py",
+        "routing_replay needs a MoE model",
+        (DENSE, "parallel.ep=1", "algorithm.routing_replay=true"),
+        "algorithm.routing_replay",
+    ),
+    Refusal("actor/packing.py", "context parallelism", ("parallel.cp=2",), "parallel.cp"),
+    Refusal("models/forward.py", "context parallelism", ("parallel.cp=2",), "parallel.cp"),
+    Refusal(
+        "models/megatron_config.py",
+        "must divide num_attention_heads",
+        ("parallel.tp=4", "parallel.sequence_parallel=true", "parallel.ep=1", "cluster.cpu_trainer_ranks=4"),
+        "parallel.tp",
+    ),
+    Refusal(
+        "models/megatron_config.py",
+        "must divide intermediate_size",
+        (
+            "model.random_init.intermediate_size=129",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.ep=1",
+        ),
+        "parallel.tp",
+    ),
+    Refusal(
+        "models/megatron_config.py",
+        "must divide num_hidden_layers",
+        ("model.random_init.num_hidden_layers=3", "parallel.pp=2", "parallel.ep=1"),
+        "parallel.pp",
+    ),
+    Refusal(
+        "models/megatron_config.py",
+        "must divide num_experts",
+        ("parallel.ep=3", "cluster.cpu_trainer_ranks=3"),
+        "parallel.ep",
+    ),
+    Refusal(
+        "models/megatron_config.py",
+        "must divide moe_intermediate_size",
+        ("model.random_init.moe_intermediate_size=63", "parallel.etp=2", "parallel.ep=1"),
+        "parallel.etp",
+    ),
+    Refusal("models/megatron_config.py", "needs a MoE model", (DENSE,), "parallel.ep"),
+    Refusal(
+        "models/safetensors_reader.py",
+        "has neither",
+        ("model.random_init=null", "model.path={config_only}"),
+        "model.path",
+    ),
+    Refusal("parallel/distributed.py", "must be >= 1", ("parallel.tp=0",), "parallel.tp"),
+    Refusal("parallel/distributed.py", "needs pp >= 2", ("parallel.vpp=2",), "parallel.vpp"),
+    Refusal(
+        "parallel/distributed.py",
+        "not divisible by tp*pp*cp",
+        ("parallel.ep=1", "parallel.pp=2", "cluster.cpu_trainer_ranks=3"),
+        "parallel",
+    ),
+    Refusal("parallel/distributed.py", "not divisible by etp*ep*pp", ("cluster.cpu_trainer_ranks=3",), "parallel.ep"),
+    Refusal("rollout/manager.py", "needs at least one engine", ("cluster.cpu_engines=0",), "cluster.cpu_engines"),
+    Refusal(
+        "rollout/reference/server.py", "no config.json", ("model.random_init=null", "model.path={empty}"), "model.path"
+    ),
+    Refusal("rollout/reference/backend.py", "the reference engine has 1 TP rank", ("rollout.tp=2",), "rollout.tp"),
+    Refusal(
+        "rollout/scoring.py", "num_workers must be >= 1", ("data.reward_num_workers=0",), "data.reward_num_workers"
+    ),
+    Refusal(
+        "rollout/sglang_engine.py", "an engine spanning nodes", ("rollout.tp=8", "rollout.dp=2"), "rollout.tp", QWEN_30B
+    ),
+    Refusal(
+        "orchestration/placement_group.py",
+        "engines spanning nodes",
+        ("rollout.tp=2", "rollout.dp=3"),
+        "rollout.tp",
+        QWEN_30B,
+    ),
+    Refusal(
+        "weight_sync/buckets.py",
+        "bucket_bytes must be >= 1",
+        ("weight_sync.bucket_size_mb=0",),
+        "weight_sync.bucket_size_mb",
+    ),
+    Refusal(
+        "actor/batch_partition.py",
+        "equal mini-batches",
+        ("train.mini_batches_per_step=3",),
+        "train.mini_batches_per_step",
+    ),
+)
+
+# (path, fragment of the raise; "" for every raise of the file) -> why the recipe does not cause it.
+NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
+    ("actor/batch.py", ""): "tensor shape contract of ActorBatch between driver and actor",
+    ("actor/loss.py", ""): "the driver always sets old/reference log-probs and advantages before training",
+    ("actor/packing.py", "row lengths"): "internal contract of the packer",
+    ("actor/packing.py", "cannot pack"): "internal contract of the packer",
+    ("actor/policy_actor.py", "initialize_parallel"): "call order inside the trainer worker",
+    ("actor/policy_actor.py", "keeps no reference weights"): "the actor keeps them whenever use_kl_loss asks",
+    ("actor/routing_replay.py", ""): "the actor sets moe_enable_routing_replay and the engines return routed experts "
+    "whenever algorithm.routing_replay is on",
+    ("models/forward.py", "same [batch, sequence] shape"): "internal contract of the schedule",
+    ("models/hf_files.py", ""): "`convert --out` argument, not a recipe field",
+    ("models/mcore_checkpoint.py", ""): "checkpoint contents",
+    ("models/safetensors_reader.py", "CheckpointTensorError"): "checkpoint contents",
+    ("models/weight_map.py", ""): "internal: every parameter the builder makes is mapped",
+    ("rollout/manager.py", "generation batch"): "the driver sizes the sampler from train.prompts_per_step",
+    ("rollout/manager.py", "RolloutExhaustedError"): "runtime outcome of dynamic sampling (algorithm.dynamic_sampling)",
+    ("rollout/reference/backend.py", "EngineStateError"): "engine state at request time",
+    ("rollout/reference/backend.py", "GenerationAborted"): "an aborted request",
+    ("rollout/reference/backend.py", "names, dtypes and shapes"): "wire-format contract of a weight update",
+    ("rollout/reference/backend.py", "no *.safetensors"): "disk weight update contents, written by the trainer",
+    ("rollout/reference/backend.py", "weight elements"): "disk weight update contents, written by the trainer",
+    ("rollout/reference/backend.py", "WeightUpdateRefused"): "the weight-update protocol's state at request time "
+    "(session, groups, flush), as SGLang refuses it",
+    ("rollout/reference/server.py", "timeout must be >= 0"): "a request argument of /flush_cache",
+    ("actor/step_data.py", "mini_batch_sizes"): "internal contract of StepData",
+    ("actor/step_data.py", "must have shape"): "internal contract of StepData",
+    ("actor/step_data.py", "does not split into train.mini_batches_per_step"): "validate's batch divisibility "
+    "check makes every full step split; the driver trims a partial one first",
+    ("actor/step_data.py", "does not split over"): "validate's batch divisibility check makes every full step "
+    "split; the driver trims a partial one first",
+    ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
+    ("weight_sync/transports.py", "before begin()"): "call order inside the syncer",
+    ("orchestration/trainer_group.py", "shards for"): "the driver shards by the group's own DP size",
+    ("orchestration/trainer_group.py", "trained on other samples"): "a delivery check at run time",
+    ("rollout/reference/weights.py", ""): "weight update contents, written by the trainer's exporter",
+    ("rollout/protocol.py", ""): "wire-format checks of engine requests and responses",
+    ("rollout/http_engine.py", ""): "engine failures and timeouts at run time",
+    ("rollout/server_process.py", ""): "platform (Linux) and process state",
+    ("rollout/sglang_engine.py", "must be"): "ports and GPU ids come from the placement, not the recipe",
+    ("weight_sync/syncer.py", ""): "the trainer worker always passes master_address, disk_dir and hf_config_dir",
+    ("weight_sync/weight_group.py", ""): "internal: rank and backend come from the transport",
+    ("weight_sync/tensor_serialization.py", ""): "payload contents at run time",
+    ("orchestration/batch_assembly.py", ""): "internal contract between rollout manager and driver",
+    ("orchestration/memory_handover.py", ""): "call order of the colocated hand-over",
+    ("orchestration/placement_group.py", "PlacementError"): "the Ray cluster's free resources, not the recipe",
+    ("orchestration/worker_group.py", ""): "internal call contract",
+    ("orchestration/engine_host.py", ""): "GPU visibility of the process and engine start-up failures",
+    ("parallel/device.py", ""): "process environment (LOCAL_RANK, CUDA_VISIBLE_DEVICES)",
+    ("parallel/local_launch.py", ""): "re-raises a rank's failure",
+    ("parallel/cpu_compat.py", ""): "internal to the CPU compatibility layer",
+}
+
+
+def _raises() -> list[tuple[str, str]]:
+    """(path under megatron_rl/, source of the raise statement) of every raise with an exception."""
+    found = []
+    for package in SCANNED:
+        for file in sorted((PACKAGE / package).rglob("*.py")):
+            source = file.read_text()
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.Raise) and node.exc is not None and not isinstance(node.exc, ast.Name):
+                    found.append(
+                        (str(file.relative_to(PACKAGE)), " ".join(ast.get_source_segment(source, node).split()))
+                    )
+    return found
+
+
+def _specific(path: str, statement: str) -> list[object]:
+    refusals = [r for r in START_REFUSALS if r.path == path and r.fragment in statement]
+    reasons = [key for key in NOT_FROM_THE_RECIPE if key[0] == path and key[1] and key[1] in statement]
+    return [*refusals, *reasons]
+
+
+def test_every_raise_is_classified() -> None:
+    unclassified = []
+    for path, statement in _raises():
+        if not _specific(path, statement) and (path, "") not in NOT_FROM_THE_RECIPE:
+            unclassified.append(f"{path}: {statement}")
+    assert unclassified == [], "classify each new raise in START_REFUSALS or NOT_FROM_THE_RECIPE"
+
+
+def test_no_classification_is_stale() -> None:
+    raises = _raises()
+    for refusal in START_REFUSALS:
+        assert any(p == refusal.path and refusal.fragment in s for p, s in raises), refusal
+    for path, fragment in NOT_FROM_THE_RECIPE:
+        assert any(p == path and fragment in s for p, s in raises), (path, fragment)
+
+
+@pytest.fixture
+def model_dirs(tmp_path: Path) -> dict[str, str]:
+    """An empty directory, and one holding only a config.json (no weights)."""
+    empty, config_only = tmp_path / "empty", tmp_path / "config_only"
+    empty.mkdir(), config_only.mkdir()
+    tiny_config = read_recipe_tree(RECIPES / TINY)["model"]["random_init"]
+    (config_only / "config.json").write_text(json.dumps(tiny_config))
+    return {"empty": str(empty), "config_only": str(config_only)}
+
+
+def _recipe_overrides(recipe: str) -> list[str]:
+    return [f"model.config_fallback={QWEN3_30B_A3B_CONFIG_FILE}"] if recipe == QWEN_30B else []
+
+
+@pytest.mark.parametrize("recipe", [TINY, QWEN_30B])
+def test_the_recipes_the_refusals_start_from_are_valid(recipe: str) -> None:
+    load_recipe(RECIPES / recipe, _recipe_overrides(recipe), require_files=False)
+
+
+@pytest.mark.parametrize("refusal", START_REFUSALS, ids=lambda r: f"{r.path}:{r.fragment}")
+def test_validate_refuses_what_the_runtime_would(refusal: Refusal, model_dirs: dict[str, str]) -> None:
+    overrides = [*_recipe_overrides(refusal.recipe), *(o.format(**model_dirs) for o in refusal.overrides)]
+    with pytest.raises(RecipeError) as info:
+        load_recipe(RECIPES / refusal.recipe, overrides, require_files=refusal.recipe == TINY)
+    fields = [problem.split(":", 1)[0] for problem in info.value.problems]
+    assert refusal.field in fields, info.value.problems
