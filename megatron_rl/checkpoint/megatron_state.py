@@ -160,6 +160,7 @@ def save_megatron_state(
         target.mkdir(parents=True, exist_ok=True)
         torch.save(scheduler.state_dict(), Path(checkpoint_dir) / SCHEDULER_FILE)
     dist.barrier()
+    initialize_empty_adam_state(_optimizer_parts(optimizer))  # a run saved before its first update
     model_state = _model_state(chunks)
     parts = _sharded_optimizer_parts(optimizer, model_state, is_loading=False)
     state = model_state | {"optimizer": _layout_free_optimizer_state(parts)}

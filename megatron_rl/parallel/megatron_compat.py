@@ -8,7 +8,7 @@ Adam) and ``tests/e2e/test_exact_resume.py`` (bitwise resume).
 
 | workaround | megatron-core | defect |
 | --- | --- | --- |
-| :func:`initialize_empty_adam_state` | 0.19.2 | loading into a fresh torch Adam asserts on a missing ``step`` |
+| :func:`initialize_empty_adam_state` | 0.19.2 | saving or loading a torch Adam that has not stepped yet asserts on a missing ``step`` |
 | :func:`step_hidden_while_setting_param_state` | 0.19.2 | resharded load into torch Adam raises ``KeyError: 'step'`` (a method swapped while loading) |
 | :func:`unshare_adam_steps` | 0.19.2 | the restored ``step`` is one tensor shared by all parameters |
 
@@ -35,8 +35,10 @@ def initialize_empty_adam_state(parts: Sequence[MegatronOptimizer]) -> None:
 
     Megatron's distributed optimizer reads ``state[p]["step"]`` when building the sharded state
     dict to load into; without Transformer Engine or apex it uses torch's Adam, whose state is
-    empty until the first step (megatron-core 0.19.2 then fails ``assert len(steps) == 1``). The
-    values are placeholders: loading overwrites all of them.
+    empty until the first step (megatron-core 0.19.2 then fails ``assert len(steps) == 1``, on
+    load and also on a save before the first update, e.g. after steps whose dynamic sampling
+    kept nothing). The values are the state torch's Adam starts from (a CPU step of 0.0, zero
+    moments), so an update after them is the update of a fresh optimizer; loading overwrites them.
     """
     for adam in _torch_adams(parts):
         for group in adam.param_groups:

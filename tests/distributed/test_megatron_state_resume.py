@@ -63,6 +63,11 @@ def _train_save_train(rank, world_size, sizes, hf_dir, ckpt_dir, batch) -> _Run:
     return _step_from_checkpoint(actor, batch, resave_dir=ckpt_dir)
 
 
+def _save_before_training_then_train(rank, world_size, sizes, hf_dir, ckpt_dir, batch) -> _Run:
+    actor = _actor(sizes, hf_dir, load_weights=True)
+    return _step_from_checkpoint(actor, batch, resave_dir=ckpt_dir)
+
+
 def _load_train(rank, world_size, sizes, hf_dir, ckpt_dir, batch, resave_dir=None) -> _Run:
     actor = _actor(sizes, hf_dir, load_weights=False)
     load_megatron_state(actor.chunks, actor.optimizer.optimizer, actor.optimizer.scheduler, ckpt_dir)
@@ -133,6 +138,17 @@ def test_resume_at_the_same_layout_continues_bitwise(setup, tmp_path: Path) -> N
     assert resumed.lr == straight.lr
     assert resumed.loss == straight.loss
     assert straight.weights_after_step.keys() == resumed.weights_after_step.keys()
+    for name, weight in straight.weights_after_step.items():
+        assert torch.equal(resumed.weights_after_step[name], weight), name
+
+
+def test_a_checkpoint_before_the_first_update_saves_and_resumes_bitwise(setup, tmp_path: Path) -> None:
+    """Steps whose dynamic sampling kept nothing update nothing: the run still checkpoints and resumes."""
+    hf_dir, batch = setup
+    sizes = ParallelSizes(ep=2)
+    straight = run_distributed(_save_before_training_then_train, 2, sizes, hf_dir, tmp_path, batch)[0]
+    resumed = run_distributed(_load_train, 2, sizes, hf_dir, tmp_path, batch)[0]
+    assert resumed.lr == straight.lr and resumed.loss == straight.loss
     for name, weight in straight.weights_after_step.items():
         assert torch.equal(resumed.weights_after_step[name], weight), name
 
