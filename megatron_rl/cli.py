@@ -140,13 +140,22 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     """Step 1 of the shrunk recipe, then a resume to step 2; exit 0 when both ran."""
     import shutil
 
-    from megatron_rl.config.smoke import SMOKE_STEPS, smoke_recipe
+    from megatron_rl.config.smoke import SMOKE_STEPS, SMOKE_TASK, generated_data_paths, smoke_recipe
+    from megatron_rl.data.synthetic_task import write_synthetic_dataset
+    from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
     from megatron_rl.orchestration.driver import train
 
     try:
         cfg, _ = load_recipe(args.recipe, args.overrides, require_files=False)
         arch = read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback)
         changes = smoke_recipe(cfg, arch)
+        shutil.rmtree(f"runs/smoke-{cfg.name}", ignore_errors=True)
+        generated = generated_data_paths(cfg)
+        if generated is not None:
+            save_synthetic_tokenizer(generated.tokenizer_dir)
+            write_synthetic_dataset(
+                Path(generated.train_file).parent, task=SMOKE_TASK, prompt_format="chat", num_train=256, num_val=8
+            )
         overrides = [*args.overrides, *(change.override for change in changes)]
         smoke, warnings = load_recipe(args.recipe, overrides)
         first, _ = load_recipe(args.recipe, [*overrides, "train.steps=1"])
@@ -160,7 +169,6 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     _silence_library_warnings()
     print(_layout_summary(smoke), flush=True)
-    shutil.rmtree(smoke.run_dir, ignore_errors=True)
     train(first)
     print(f"# smoke: resuming from step 1 to step {SMOKE_STEPS}", flush=True)
     train(smoke)

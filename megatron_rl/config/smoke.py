@@ -12,8 +12,12 @@ PPO epochs, placement and weight-sync transport, and every kind of parallelism i
 - layout: tp, pp, vpp, ep, etp each kept at 2 when the recipe uses them (tp > 1 with
   sequence parallelism), data parallelism 2 when the recipe has it and the ranks stay <= 4;
 - hardware: CPU ranks, one reference engine instead of SGLang, fp32 instead of bf16 / fp8;
-- data: the synthetic successor task (generated prompts, its tokenizer and reward) when the
-  recipe's data files are not here; 4 prompts a step, short prompts and responses;
+- data: for a recipe that reads data files (absent here, or present but tokenized for the real
+  model), generated prompts in its data format:
+  verl-layout parquet files with chat-message prompts (the synthetic successor task, written
+  by the caller into :func:`generated_data_paths`), read through the recipe's own parquet
+  path and chat-template setting, with the task's tokenizer and reward (the recipe's reward
+  cannot score the toy task); 4 prompts a step, short prompts and responses;
 - run: 2 steps, a checkpoint after each (the smoke runs step 1, then resumes to step 2).
 
 Imports neither torch nor Ray: the overrides are checked by ``validate`` like any others.
@@ -31,6 +35,8 @@ from megatron_rl.config.schema import RunConfig
 
 MAX_CPU_RANKS = 4
 SMOKE_STEPS = 2
+SMOKE_TASK = "successor"
+"""The synthetic task whose prompts stand in for absent data (its files: ``<task>_train|val.parquet``)."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +115,30 @@ def _toy_model(arch: QwenArchitecture, layout: dict[str, int | None]) -> dict[st
     return config
 
 
-def _data_present(cfg: RunConfig) -> bool:
-    files = [*cfg.data.train_files, *cfg.data.val_files]
-    return cfg.data.synthetic is not None or (bool(files) and all(Path(f).is_file() for f in files))
+def _data_absent(cfg: RunConfig) -> bool:
+    return any(not Path(f).is_file() for f in [*cfg.data.train_files, *cfg.data.val_files])
+
+
+@dataclass(frozen=True)
+class GeneratedData:
+    """Where the smoke run's generated prompts and their tokenizer go (the caller writes them)."""
+
+    train_file: str
+    val_file: str
+    tokenizer_dir: str
+
+
+def generated_data_paths(cfg: RunConfig) -> GeneratedData | None:
+    """Paths of the generated data for a recipe that reads files; None for a synthetic task.
+
+    Files present here are replaced too: their tokenizer is the real model's, too large for the toy one.
+    """
+    if cfg.data.synthetic is not None:
+        return None
+    directory = f"runs/smoke-{cfg.name}/generated"
+    return GeneratedData(
+        f"{directory}/{SMOKE_TASK}_train.parquet", f"{directory}/{SMOKE_TASK}_val.parquet", f"{directory}/tokenizer"
+    )
 
 
 def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
@@ -126,7 +153,6 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
         Change("name", f"smoke-{cfg.name}", "own run directory"),
         Change("model.path", None, "toy model at random init"),
         Change("model.config_fallback", None, "toy model at random init"),
-        Change("model.tokenizer", None, "toy model at random init"),
         Change("model.random_init", _toy_model(arch, layout), f"{arch.architecture} at toy width"),
         Change("cluster.nodes", 1, "one CPU machine"),
         Change("cluster.gpus_per_node", 0, "CPU ranks"),
@@ -144,7 +170,7 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
         Change("rollout.dp", 1, "the reference engine is one process"),
         Change("rollout.num_gpus", None, "no GPUs"),
         Change("rollout.n_samples_per_prompt", 8, "small groups"),
-        Change("rollout.max_prompt_length", 16, "toy lengths"),
+        Change("rollout.max_prompt_length", 24, "toy lengths (chat-template prompts included)"),
         Change("rollout.max_response_length", 12, "toy lengths"),
         Change("rollout.max_concurrent_requests", 16, "toy batch"),
         Change("rollout.startup_timeout_s", 120.0, "CPU engine"),
@@ -177,16 +203,21 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
             ),
             Change("algorithm.dynamic_sampling.on_exhausted", "train_partial", "a random-init model"),
         ]
-    if not _data_present(cfg):
+    generated = generated_data_paths(cfg)
+    if generated is None:
+        changes.append(Change("model.tokenizer", None, "the recipe's own data brings its tokenizer"))
+    else:
+        why = (
+            "the recipe's data files are not here"
+            if _data_absent(cfg)
+            else "the recipe's data needs its model's tokenizer"
+        ) + ": generated prompts in its format (verl parquet, chat messages)"
         changes += [
-            Change("data.train_files", [], "the recipe's data files are not here"),
-            Change("data.val_files", [], "the recipe's data files are not here"),
-            Change(
-                "data.synthetic",
-                {"task": "successor", "num_train": 256, "num_val": 8, "prompt_format": "text"},
-                "generated prompts",
-            ),
-            Change("data.reward", "synthetic_successor", "the generated task's reward"),
-            Change("data.apply_chat_template", False, "plain prompts"),
+            Change("data.train_files", [generated.train_file], why),
+            Change("data.val_files", [generated.val_file], why),
+            Change("data.prompt_key", "prompt", "the generated files' column"),
+            Change("data.answer_key", "reward_model.ground_truth", "the generated files' column"),
+            Change("model.tokenizer", generated.tokenizer_dir, "the generated task's tokenizer"),
+            Change("data.reward", f"synthetic_{SMOKE_TASK}", "the generated task's reward"),
         ]
     return changes

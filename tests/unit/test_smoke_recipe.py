@@ -13,7 +13,9 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 def _smoke(recipe: str, overrides: list[str]):
     cfg, _ = load_recipe(RECIPES / recipe, overrides, require_files=False)
     changes = smoke_recipe(cfg, read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback))
-    smoke, _ = load_recipe(RECIPES / recipe, [*overrides, *(change.override for change in changes)])
+    smoke, _ = load_recipe(
+        RECIPES / recipe, [*overrides, *(change.override for change in changes)], require_files=False
+    )
     return cfg, smoke, {change.field for change in changes}
 
 
@@ -29,7 +31,10 @@ def test_the_30b_dapo_recipe_keeps_its_algorithm_and_kinds_of_parallelism(qwen3_
     model = smoke.model.random_init
     assert model["architectures"] == ["Qwen3MoeForCausalLM"] and model["num_experts_per_tok"] == 2
     assert (smoke.rollout.engine, smoke.train.precision, smoke.cluster.gpus_per_node) == ("reference", "fp32", 0)
-    assert smoke.data.synthetic is not None and "algorithm.clip_high" not in changed
+    assert smoke.data.train_files == ["runs/smoke-qwen3-30b-a3b-dapo/generated/successor_train.parquet"]
+    assert smoke.data.apply_chat_template == cfg.data.apply_chat_template and smoke.data.synthetic is None
+    assert smoke.model.tokenizer == "runs/smoke-qwen3-30b-a3b-dapo/generated/tokenizer"
+    assert "algorithm.clip_high" not in changed
     assert smoke.train.mini_batches_per_step == 2 and smoke.train.steps == 2
 
 
