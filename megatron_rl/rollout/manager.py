@@ -85,39 +85,46 @@ class _OrderedSelection:
 
     A group at position p is kept when it has signal and fewer than ``needed`` groups were kept before it;
     once the step is full at position p, ``cutoff`` becomes p + 1 and later positions are surplus (aborted).
+    The counts are of the settled positions too, so they do not depend on timing either: ``dropped``
+    (settled groups without signal), ``samples`` (the responses of settled groups, kept or dropped) and,
+    after :meth:`finish`, ``aborted`` (every position past the cutoff, and settled requests an engine aborted).
     """
 
     def __init__(self, size: int, kept: list[RolloutGroup], needed: int, counts: dict[str, int]) -> None:
         self.cutoff = size
+        self._size = size
         self._kept, self._needed, self._counts = kept, needed, counts
-        self._outcomes: dict[int, RolloutGroup | None] = {}
+        self._outcomes: dict[int, tuple[RolloutGroup | None, bool]] = {}
         self._settled = 0
 
     def discard(self, position: int) -> None:
-        """The request at ``position`` was aborted or is surplus."""
-        self._counts["aborted"] += 1
-        self._outcomes[position] = None
+        """The request at ``position`` was aborted or is surplus (past the cutoff: counted by :meth:`finish`)."""
+        if position < self.cutoff:
+            self._outcomes[position] = (None, False)
+            self._settle()
+
+    def decide(self, position: int, group: RolloutGroup, has_signal: bool) -> None:
+        """The scored group at ``position``; dynamic sampling drops it when it has no signal."""
+        self._outcomes[position] = (group, has_signal)
         self._settle()
 
-    def decide(self, position: int, group: RolloutGroup | None) -> None:
-        """The scored group at ``position``, or None when dynamic sampling drops it."""
-        if position >= self.cutoff:
-            self._counts["aborted"] += 1
-            return
-        if group is None:
-            self._counts["dropped"] += 1
-        self._outcomes[position] = group
-        self._settle()
+    def finish(self) -> None:
+        """The batch is over: positions past the cutoff count as aborted."""
+        self._counts["aborted"] += self._size - self.cutoff
 
     def _settle(self) -> None:
         while self._settled < self.cutoff and self._settled in self._outcomes:
-            group = self._outcomes.pop(self._settled)
+            group, has_signal = self._outcomes.pop(self._settled)
             self._settled += 1
             if group is None:
+                self._counts["aborted"] += 1
+                continue
+            self._counts["samples"] += len(group.samples)
+            if not has_signal:
+                self._counts["dropped"] += 1
                 continue
             self._kept.append(group)
             if len(self._kept) >= self._needed:
-                self._counts["aborted"] += sum(g is not None for p, g in self._outcomes.items() if p >= self._settled)
                 self.cutoff = self._settled
 
 
@@ -239,15 +246,16 @@ class RolloutManager:
                         uid,
                         results,
                     )
-                    counts["samples"] += len(results)
                 else:
                     position, item, uid, results = scoring.pop(future)
                     group = self._group(item, uid, results, future.result())
-                    selection.decide(position, group if self._has_signal(group) else None)
+                    if position < selection.cutoff:
+                        selection.decide(position, group, self._has_signal(group))
             bar.update(len(kept), f"rollout: {len(kept)}/{self.prompts_per_step} groups")
             for position, _, uid, engine in generating.values():
                 if position >= selection.cutoff:
                     engine.abort(uid)
+        selection.finish()
 
     def _next_serial(self) -> int:
         """Serial number of the sampler's next prompt (epoch * dataset size + position): resume-safe request ids."""

@@ -23,7 +23,13 @@ import torch
 
 from tests.e2e.tiny_runs import RUN, megatron_contents, read_metrics, run_env, run_train, train_command
 
-OVERRIDES = ["train.steps=4", "train.prompts_per_step=4", "train.val_interval=2", "checkpoint.interval=2"]
+OVERRIDES = [
+    "train.steps=4",
+    "train.prompts_per_step=4",
+    "algorithm.dynamic_sampling.gen_batch_prompts=16",
+    "train.val_interval=2",
+    "checkpoint.interval=2",
+]
 OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
 WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
 
@@ -66,6 +72,7 @@ def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path) -> None
 
     straight_metrics, resumed_metrics = _metrics(straight / RUN), _metrics(resumed / RUN)
     assert [r["step"] for r in resumed_metrics] == [0, 1, 2, 3, 4]
+    assert all(r["train/update_skipped"] == 0.0 for r in straight_metrics[1:])  # every step updated the weights
     for expected, actual in zip(straight_metrics, resumed_metrics, strict=True):
         assert actual == expected, f"step {expected['step']} differs"
     final = [megatron_contents(run / RUN / "checkpoints" / "step_000004", tmp_path) for run in (straight, resumed)]

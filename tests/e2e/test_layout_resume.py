@@ -17,7 +17,13 @@ import torch
 
 from tests.e2e.tiny_runs import RUN, full_tensors, read_metrics, run_train
 
-COMMON = ["train.steps=3", "train.prompts_per_step=4", "train.val_interval=0", "logging.sinks=[jsonl]"]
+COMMON = [
+    "train.steps=3",
+    "train.prompts_per_step=4",
+    "algorithm.dynamic_sampling.gen_batch_prompts=16",
+    "train.val_interval=0",
+    "logging.sinks=[jsonl]",
+]
 COMMON += ["checkpoint.interval=1", "checkpoint.keep_last=3"]
 TP2 = ["parallel.tp=2", "parallel.ep=1", "parallel.sequence_parallel=true"]
 PP2 = ["parallel.pp=2", "parallel.ep=1"]

@@ -21,7 +21,13 @@ import pytest
 import ray
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERRIDES = ["train.steps=2", "train.prompts_per_step=4", "train.val_interval=2", "checkpoint.interval=0"]
+OVERRIDES = [
+    "train.steps=2",
+    "train.prompts_per_step=4",
+    "algorithm.dynamic_sampling.gen_batch_prompts=16",
+    "train.val_interval=2",
+    "checkpoint.interval=0",
+]
 OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
 WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
 HAND_OVER_PHASES = {
@@ -79,6 +85,7 @@ def test_colocated_hand_over_learns_exactly_as_disaggregated_engines(tmp_path: P
         assert set(record) & HAND_OVER_PHASES == {"time/weight_sync_s"}
     assert _learned(colocated_records) == _learned(disaggregated_records)
     assert colocated_records[2]["actor/mismatch_abs_max"] < 1e-3  # engines generate with the synced weights
+    assert all(r["train/update_skipped"] == 0.0 for r in colocated_records[1:])  # both steps trained
     for engine in ("reference0", "reference1"):
         addresses = _weight_group_addresses(tmp_path / "disaggregated", engine)
         assert addresses and set(addresses) == {ray.util.get_node_ip_address()}, addresses

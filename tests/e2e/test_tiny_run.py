@@ -42,7 +42,13 @@ STEP_KEYS = {
 @pytest.mark.slow
 def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
-    command += ["train.steps=3", "train.prompts_per_step=4", "train.val_interval=3", "checkpoint.interval=2"]
+    command += [
+        "train.steps=3",
+        "train.prompts_per_step=4",
+        "algorithm.dynamic_sampling.gen_batch_prompts=16",
+        "train.val_interval=3",
+        "checkpoint.interval=2",
+    ]
     command += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]", "checkpoint.export_hf=true"]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -53,6 +59,8 @@ def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> 
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert {"val/reward_mean", "val/accuracy"} <= set(records[0]) and "val/reward_mean" in records[3]
     for record in records[1:]:
+        # At random init few groups have 0 < #correct < G; over-sampling 16 prompts finds them, so every step trains.
+        assert record["train/update_skipped"] == 0.0, record
         assert set(record) >= STEP_KEYS, f"step {record['step']} lacks {sorted(STEP_KEYS - set(record))}"
         assert record["actor/mismatch_abs_max"] < 1e-3  # trainer and engine hold the same weights
         # DP 2: each rank received exactly half of the step's samples (the trainer group checks the ids) and
