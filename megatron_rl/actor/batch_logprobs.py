@@ -22,8 +22,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.batch_partition import dp_shard, padded_micro_batches, plan_micro_batches
-from megatron_rl.actor.packing import PackingRule, padded_sequence_multiple
+from megatron_rl.actor.batch_partition import dp_shard, local_micro_batches
+from megatron_rl.actor.packing import PackingRule
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.schedule import run_schedule
 from megatron_rl.actor.token_logprobs import TokenLogProbs
@@ -35,7 +35,7 @@ class ForwardOptions:
 
     ``max_tokens_per_micro_batch``: the token budget of a micro-batch; ``replay``: routing
     replay, or None for the model's own routing (the reference policy); ``fp8_recipe`` (None
-    without FP8) sets the padded length's alignment (:func:`padded_sequence_multiple`).
+    without FP8) sets the padded length's alignment (``packing.padded_sequence_multiple``).
     """
 
     vocab_size: int
@@ -59,12 +59,7 @@ def local_log_probs(
     group the same). The values are on the last pipeline stage, where the loss uses them; other
     stages get zeros. Nothing is communicated but the micro-batch count and shape (MAX over DP).
     """
-    dp_group = parallel_state.get_data_parallel_group()
-    plan = plan_micro_batches(local.lengths.tolist(), options.max_tokens_per_micro_batch, dp_group)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    micro_batches = padded_micro_batches(
-        local, plan, dp_group, seq_multiple=padded_sequence_multiple(tp=tp, fp8_recipe=options.fp8_recipe)
-    )
+    plan, micro_batches = local_micro_batches(local, options.max_tokens_per_micro_batch, options.fp8_recipe)
 
     def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs) -> TokenLogProbs:
         return current

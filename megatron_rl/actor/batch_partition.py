@@ -21,8 +21,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.packing import padded_sequence_multiple
 from megatron_rl.data.balancing import balance_across_dp
 from megatron_rl.data.micro_batching import token_budget_micro_batches
 from megatron_rl.parallel.device import select_device
@@ -79,6 +81,20 @@ def padded_micro_batches(
     rows, seq_length = _max_over([rows, seq_length], group)
     seq_length = -(-seq_length // seq_multiple) * seq_multiple
     return [_trimmed(batch.select(part), seq_length).padded(rows, seq_length) for part in plan]
+
+
+def local_micro_batches(
+    local: ActorBatch, max_tokens_per_micro_batch: int, fp8_recipe: str | None
+) -> tuple[list[list[int]], list[ActorBatch]]:
+    """This DP rank's rows ``local`` as (plan, padded micro-batches), steps 3 and 4 above.
+
+    The count and the padded shape are agreed over the data-parallel group; the length is a
+    multiple of the TP size times the FP8 token alignment (``fp8_recipe``, None without FP8).
+    """
+    dp_group = parallel_state.get_data_parallel_group()
+    plan = plan_micro_batches(local.lengths.tolist(), max_tokens_per_micro_batch, dp_group)
+    multiple = padded_sequence_multiple(tp=parallel_state.get_tensor_model_parallel_world_size(), fp8_recipe=fp8_recipe)
+    return plan, padded_micro_batches(local, plan, dp_group, seq_multiple=multiple)
 
 
 def _trimmed(batch: ActorBatch, seq_length: int) -> ActorBatch:

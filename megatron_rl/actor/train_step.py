@@ -22,11 +22,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.batch_partition import dp_shard, padded_micro_batches, plan_micro_batches, split_mini_batches
+from megatron_rl.actor.batch_partition import dp_shard, local_micro_batches, split_mini_batches
 from megatron_rl.actor.loss import actor_loss, count_step, megatron_loss
 from megatron_rl.actor.metrics import MetricsAccumulator
 from megatron_rl.actor.optimizer import OptimizerBundle, step_optimizer
-from megatron_rl.actor.packing import PackingRule, padded_sequence_multiple
+from megatron_rl.actor.packing import PackingRule
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.schedule import run_schedule
 from megatron_rl.actor.token_logprobs import TokenLogProbs
@@ -79,20 +79,11 @@ def train_on_local_rows(
     ]
 
 
-def _local_micro_batches(context: StepContext, local: ActorBatch) -> list[ActorBatch]:
-    dp_group = parallel_state.get_data_parallel_group()
-    plan = plan_micro_batches(local.lengths.tolist(), context.train.max_tokens_per_micro_batch, dp_group)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    fp8_recipe = context.train.fp8_recipe if context.train.precision == "fp8" else None
-    return padded_micro_batches(
-        local, plan, dp_group, seq_multiple=padded_sequence_multiple(tp=tp, fp8_recipe=fp8_recipe)
-    )
-
-
 def update_on_mini_batch(context: StepContext, local: ActorBatch) -> dict[str, float]:
     """One optimizer update on this DP rank's rows ``local`` of a mini-batch; metrics as in ``PolicyActor.train_step``."""
     started = time.perf_counter()
-    micro_batches = _local_micro_batches(context, local)
+    fp8_recipe = context.train.fp8_recipe if context.train.precision == "fp8" else None
+    _, micro_batches = local_micro_batches(local, context.train.max_tokens_per_micro_batch, fp8_recipe)
     counts = count_step(micro_batches, parallel_state.get_data_parallel_group())
     accumulator = MetricsAccumulator()
 

@@ -81,14 +81,16 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
     ``resume_step`` is the step the run continues after (-1 for a fresh run); metric records
     logged after it are dropped. The caller must :meth:`~RunResources.close` the result.
     """
+    arch = read_architecture(cfg.model.path, cfg.model.random_init)
     data = prepare_data(
         cfg.data,
         tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-        model_vocab_size=_vocab_size(cfg),
+        model_vocab_size=arch.vocab_size,
         max_prompt_length=cfg.rollout.max_prompt_length,
         work_dir=f"{cfg.run_dir}/data",
     )
-    run = RunResources(cfg, data, initial_weights(cfg, data.tokenizer), expert_dtype=_expert_dtype(cfg))
+    expert_dtype = expert_index_dtype(max(1, arch.num_experts))  # what a step's routed experts travel in
+    run = RunResources(cfg, data, initial_weights(cfg, data.tokenizer), expert_dtype=expert_dtype)
     try:
         start_ray(cfg)
         plan = plan_run_placement(cfg)
@@ -113,15 +115,6 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         run.close()
         raise
     return run
-
-
-def _vocab_size(cfg: RunConfig) -> int:
-    return read_architecture(cfg.model.path, cfg.model.random_init).vocab_size
-
-
-def _expert_dtype(cfg: RunConfig) -> torch.dtype:
-    """The dtype a step's routed experts travel in (uint8 up to 256 experts)."""
-    return expert_index_dtype(max(1, read_architecture(cfg.model.path, cfg.model.random_init).num_experts))
 
 
 def initial_weights(cfg: RunConfig, tokenizer: transformers.PreTrainedTokenizerBase) -> Path:
