@@ -114,6 +114,7 @@ class WeightSyncer:
             self.transport.finish(version)
             _barrier()
         except BaseException:
+            self.transport.settle()
             if session:
                 _on_controller(self.engines, _abandon)
             raise

@@ -11,8 +11,9 @@ the syncer's controller opens and closes.
 
 - :class:`TensorTransport` (colocated): ``/update_weights_from_tensor`` with
   IPC handles: CUDA tensors as they are (their device named by UUID), CPU tensors
-  packed into one reused shared-memory buffer per rank (one copy, the model's
-  storage untouched). CUDA IPC handles open only on the sender's node: the
+  packed into two reused shared-memory buffers per rank, used in turn (one copy,
+  the model's storage untouched). One bucket is in flight while the next is
+  gathered and packed. CUDA IPC handles open only on the sender's node: the
   recipe check refuses colocated engines on nodes without the sending rank.
 - :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
   broadcast group with every engine rank (engine ``i`` at rank offset
@@ -32,9 +33,10 @@ the syncer's controller opens and closes.
 from __future__ import annotations
 
 import abc
+import logging
 import shutil
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -61,6 +63,8 @@ from megatron_rl.weight_sync.weight_group import (
 )
 
 ALIGN_BYTES = 64
+
+logger = logging.getLogger(__name__)
 
 
 def _rank() -> int:
@@ -95,43 +99,61 @@ class WeightTransport(abc.ABC):
     def finish(self, version: str) -> None:  # noqa: B027 (optional hook)
         """End a sync (collective for transports that need it)."""
 
+    def settle(self) -> None:  # noqa: B027 (optional hook)
+        """After a failed sync: return once nothing this rank sent is still in flight (errors are logged)."""
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release resources held across syncs."""
 
 
 class TensorTransport(WeightTransport):
-    """Colocated engines: IPC handles through ``/update_weights_from_tensor``.
+    """Colocated engines: IPC handles through ``/update_weights_from_tensor``, one bucket in flight.
 
     ``engine_tp_sizes[i]`` payloads go to engine ``i``, one serialization per TP rank
     (the same memory; each rank opens its own payload, so each releases the reference
     its serialization took, as SGLang's own client does). CUDA tensors name their
     device by UUID, so an engine numbering the node's GPUs differently opens the right one.
+
+    Pipelined: :meth:`send_bucket` posts its bucket from a background thread and returns;
+    the caller prepares (gathers, packs) bucket k+1 while the engines load bucket k. The
+    next :meth:`send_bucket` and :meth:`finish` wait for the bucket in flight (re-raising its
+    failure), so the engines receive buckets in order, one at a time, and every bucket is
+    loaded when :meth:`finish` returns. CPU buckets are packed into two reused shared-memory
+    buffers used in turn (2 x the largest bucket): packing bucket k+1 never writes the memory
+    the engines are reading. CUDA buckets are sent as they are and kept alive until loaded.
     """
+
+    NUM_BUFFERS = 2
 
     def __init__(self, engines: Sequence[RolloutEngine], engine_tp_sizes: Sequence[int] | None = None) -> None:
         self.engines = list(engines)
         self.engine_tp_sizes = list(engine_tp_sizes or [1] * len(self.engines))
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None] * self.NUM_BUFFERS
+        self._next_buffer = 0
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-tensor")
+        self._in_flight: Future[None] | None = None
 
     def _shareable(self, bucket: list[NamedTensor]) -> list[NamedTensor]:
+        """The bucket as tensors the engines can open: CUDA ones as they are, CPU ones packed into shared memory."""
         if all(t.is_cuda for _, t in bucket):
             return [(name, t.contiguous()) for name, t in bucket]
         offsets, total = [], 0
         for _, tensor in bucket:
             offsets.append(total)
             total += -(-tensor_bytes(tensor) // ALIGN_BYTES) * ALIGN_BYTES
-        if self._buffer is None or self._buffer.numel() < total:
-            self._buffer = torch.empty(total, dtype=torch.uint8).share_memory_()
+        index = self._next_buffer
+        self._next_buffer = (index + 1) % self.NUM_BUFFERS
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < total:
+            buffer = self._buffers[index] = torch.empty(total, dtype=torch.uint8).share_memory_()
         shared = []
         for (name, tensor), offset in zip(bucket, offsets, strict=True):
-            view = self._buffer[offset : offset + tensor_bytes(tensor)].view(tensor.dtype).view(tensor.shape)
+            view = buffer[offset : offset + tensor_bytes(tensor)].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
             shared.append((name, view))
         return shared
 
-    def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
-        shared = self._shareable(bucket)
-
+    def _post(self, shared: list[NamedTensor], version: str) -> None:
         def update(index: int, engine: RolloutEngine) -> None:
             payloads = [serialize_named_tensors(shared) for _ in range(self.engine_tp_sizes[index])]
             request = UpdateWeightsFromTensorRequest(payloads, flush_cache=False, weight_version=version)
@@ -139,8 +161,31 @@ class TensorTransport(WeightTransport):
 
         _on_every_engine(self.engines, update)
 
+    def _wait(self) -> None:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
+        shared = self._shareable(bucket)
+        self._wait()
+        self._in_flight = self._sender.submit(self._post, shared, version)
+
+    def finish(self, version: str) -> None:
+        self._wait()
+
+    def settle(self) -> None:
+        try:
+            self._wait()
+        except Exception as error:  # the sync's own failure is what the caller raises
+            logger.warning("a weight bucket in flight also failed: %s", error)
+
     def close(self) -> None:
-        self._buffer = None
+        try:
+            self._wait()
+        finally:
+            self._sender.shutdown(wait=True)
+            self._buffers = [None] * self.NUM_BUFFERS
 
 
 class DistributedTransport(WeightTransport):

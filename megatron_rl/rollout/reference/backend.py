@@ -45,6 +45,7 @@ from megatron_rl.rollout.protocol import (
     encode_routed_experts,
 )
 from megatron_rl.rollout.reference.generator import GenerationAborted, RouterRecorder, generate_samples
+from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
 from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors
 from megatron_rl.weight_sync.weight_group import (
@@ -101,6 +102,7 @@ class ReferenceBackend:
         self._released: set[str] = set()
         self._shapes: dict[str, torch.Size] = {}
         self._groups: dict[str, WeightGroup] = {}
+        self._shared_buffers = SharedBufferMappings()
 
     def generate(self, request: GenerateRequest) -> dict | list[dict]:
         """SGLang ``/generate`` answer: one dict per sample (a list when n > 1)."""
@@ -285,6 +287,7 @@ class ReferenceBackend:
             if not self._session:
                 raise WeightUpdateRefused("no weight-update session is open; call begin_weight_update() first")
             self._session = False
+            self._shared_buffers.end_sync()
 
     def update_from_tensor(self, payloads: list[str], version: str | None, flush: bool = False) -> None:
         """Load one serialized bucket (this engine has one rank, so exactly one payload); inside a session."""
@@ -293,7 +296,9 @@ class ReferenceBackend:
             self._require_session("update_weights_from_tensor")
             if len(payloads) != 1:
                 raise ValueError(f"the reference engine has 1 TP rank; got {len(payloads)} serialized_named_tensors")
-            self._load(deserialize_named_tensors(payloads[0]), version, flush)
+            named_tensors = deserialize_named_tensors(payloads[0])
+            self._shared_buffers.hold(named_tensors)
+            self._load(named_tensors, version, flush)
 
     def init_group(self, request: InitWeightsUpdateGroupRequest) -> None:
         """Join the trainer's broadcast group as rank ``rank_offset``; blocks other weight requests until it forms."""

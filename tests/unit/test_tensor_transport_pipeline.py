@@ -1,0 +1,161 @@
+"""The tensor transport keeps one bucket in flight while it packs the next, without changing what arrives.
+
+- buckets reach the engine in order, one request at a time, each with the bytes it had when sent
+  (packing bucket k+1 never writes the buffer the engine reads bucket k from);
+- ``send_bucket`` returns while its bucket is still loading; ``finish`` returns once it is loaded;
+- a bucket that fails in flight fails the next ``send_bucket`` or ``finish``; ``settle`` only waits;
+- the reference engine keeps the sender's buffers mapped across syncs (at most the buffers of the
+  last sync), and every sync still lands exactly, also when the sender's buffers grow.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_rl.rollout.protocol import UpdateWeightsFromTensorRequest
+from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
+from megatron_rl.weight_sync.syncer import WeightSyncer
+from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors
+from megatron_rl.weight_sync.transports import TensorTransport
+from tests.tiny_checkpoints import save_tiny_moe
+
+
+class RecordingEngine:
+    """Receives tensor updates as an engine does (opens the IPC payload, copies it out) and records them.
+
+    Each update waits for ``gate`` before it reads, so a test can hold a bucket in flight.
+    """
+
+    name = "recording"
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.gate = threading.Event()
+        self.received: list[list[tuple[str, torch.Tensor]]] = []
+        self.concurrent = self.max_concurrent = 0
+        self.fail_on = fail_on
+        self._lock = threading.Lock()
+
+    def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:
+        with self._lock:
+            self.concurrent += 1
+            self.max_concurrent = max(self.max_concurrent, self.concurrent)
+        try:
+            assert self.gate.wait(30), "the test never opened the gate"
+            if self.fail_on == len(self.received):
+                self.received.append([])
+                raise RuntimeError(f"bucket {self.fail_on} refused")
+            (payload,) = request.serialized_named_tensors
+            self.received.append([(name, t.clone()) for name, t in deserialize_named_tensors(payload)])
+        finally:
+            with self._lock:
+                self.concurrent -= 1
+
+
+def _bucket(index: int, numel: int = 1000) -> list[tuple[str, torch.Tensor]]:
+    return [(f"w{index}.{j}", torch.full((numel,), float(10 * index + j))) for j in range(3)]
+
+
+def test_buckets_arrive_in_order_with_the_bytes_they_were_sent_with():
+    engine = RecordingEngine()
+    transport = TensorTransport([engine])
+    buckets = [_bucket(i, numel=1000 * (i + 1)) for i in range(5)]
+    transport.send_bucket(buckets[0], "v")
+    assert not engine.received, "send_bucket waited for the engine"
+    for bucket in buckets[1:]:
+        engine.gate.set()
+        transport.send_bucket(bucket, "v")
+    transport.finish("v")
+    assert engine.max_concurrent == 1
+    assert len(engine.received) == len(buckets)
+    for sent, got in zip(buckets, engine.received, strict=True):
+        assert [name for name, _ in got] == [name for name, _ in sent]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent, got, strict=True))
+    transport.close()
+
+
+def test_a_bucket_that_fails_in_flight_fails_the_next_call():
+    engine = RecordingEngine(fail_on=1)
+    engine.gate.set()
+    transport = TensorTransport([engine])
+    transport.send_bucket(_bucket(0), "v")
+    transport.send_bucket(_bucket(1), "v")
+    with pytest.raises(RuntimeError, match="bucket 1 refused"):
+        transport.finish("v")
+    transport.send_bucket(_bucket(2), "v")
+    transport.settle()
+    assert len(engine.received) == 3 and engine.received[2][0][0] == "w2.0"
+    engine.fail_on = 3
+    transport.send_bucket(_bucket(3), "v")
+    transport.settle()  # logs the failure, raises nothing
+    transport.close()
+
+
+def test_shared_buffer_mappings_keep_only_the_last_syncs_buffers():
+    first, second = torch.zeros(8).share_memory_(), torch.zeros(8).share_memory_()
+    mappings = SharedBufferMappings()
+    mappings.hold([("a", first), ("b", second[2:])])
+    mappings.end_sync()
+    assert len(mappings) == 2
+    mappings.hold([("a", second)])
+    assert len(mappings) == 2
+    mappings.end_sync()
+    assert len(mappings) == 1
+    mappings.end_sync()
+    assert len(mappings) == 0
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    hf_dir = save_tiny_moe(tmp_path_factory.mktemp("hf") / "moe")
+    return ReferenceBackend(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32))
+
+
+class InProcessEngine:
+    """The reference backend called directly (no HTTP): what the server does with each request."""
+
+    name = "in-process"
+
+    def __init__(self, backend: ReferenceBackend) -> None:
+        self.backend = backend
+
+    def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:
+        self.backend.update_from_tensor(request.serialized_named_tensors, request.weight_version)
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        self.backend.pause(mode)
+
+    def continue_generation(self) -> None:
+        self.backend.resume_generation()
+
+    def flush_cache(self) -> None:
+        assert self.backend.flush_cache()
+
+    def begin_weight_update(self) -> None:
+        self.backend.begin_weight_update()
+
+    def end_weight_update(self) -> None:
+        self.backend.end_weight_update()
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 10, 1 << 14])
+def test_repeated_syncs_through_kept_mappings_land_exactly(backend, bucket_bytes):
+    engine = InProcessEngine(backend)
+    syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=bucket_bytes)
+    names = sorted(backend.params)
+    largest_first = sorted(names, key=lambda n: -backend.params[n].numel())
+    # the third sync sends the largest tensors first, so both buffers grow and the old ones are let go
+    orders = [names, names, largest_first, largest_first]
+    for step, order in enumerate(orders, start=1):
+        generator = torch.Generator().manual_seed(step)
+        named = [(name, torch.randn(backend.params[name].shape, generator=generator)) for name in order]
+        stats = syncer.sync(named, f"step-{step}")
+        assert stats.num_buckets > 2
+        assert all(torch.equal(backend.params[name], t) for name, t in named), step
+        if order is orders[step - 2]:  # no buffer grew in this sync: only its two buffers stay mapped
+            assert len(backend._shared_buffers) == TensorTransport.NUM_BUFFERS
+    syncer.close()
