@@ -14,8 +14,8 @@ rows only on its own rank (:meth:`StepData.to_actor_batch`).
 
 Sharding keeps the update semantics of one global batch: the step is cut into
 ``mini_batches`` contiguous mini-batches (one optimizer update each), and each mini-batch's
-samples are balanced over the DP ranks by workload (Karmarkar-Karp, equal counts), so a rank's
-shard is its part of mini-batch 0, then of mini-batch 1, and so on (``mini_batch_sizes``).
+samples are balanced over the DP ranks by workload (``balance_across_dp``, equal counts), so a
+rank's shard is its part of mini-batch 0, then of mini-batch 1, and so on (``mini_batch_sizes``).
 """
 
 from __future__ import annotations

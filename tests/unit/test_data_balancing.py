@@ -14,6 +14,7 @@ from megatron_rl.data import (
     sequence_workload,
     token_budget_micro_batches,
 )
+from megatron_rl.data.balancing import refine_by_swaps
 
 
 def sums(parts: Sequence[Sequence[int]], values: Sequence[int]) -> list[int]:
@@ -104,6 +105,45 @@ def test_balance_across_dp_gives_equal_counts_and_balanced_work() -> None:
     assert_exact_cover(ranks, len(lengths))
     workloads = [sequence_workload(length) for length in lengths]
     assert spread(ranks, workloads) < 0.1 * sum(workloads)
+
+
+def heaviest_and_lightest(parts: Sequence[Sequence[int]], values: Sequence[int]) -> tuple[list[int], list[int]]:
+    totals = sums(parts, values)
+    return list(parts[totals.index(max(totals))]), list(parts[totals.index(min(totals))])
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=workload_lists, num_partitions=st.integers(1, 8))
+def test_swaps_keep_counts_never_widen_and_stop_within_the_smallest_positive_difference(
+    values: list[int], num_partitions: int
+) -> None:
+    values = values[: len(values) - len(values) % num_partitions]
+    before = karmarkar_karp_partition(values, num_partitions, equal_size=True)
+    # Unbounded: the sum of squared part sums falls with every swap, so the loop ends on its own.
+    parts = refine_by_swaps(values, before, max_swaps=10**9)
+    assert_exact_cover(parts, len(values))
+    assert [len(part) for part in parts] == [len(part) for part in before]
+    assert all(part == sorted(part) for part in parts)
+    assert spread(parts, values) <= spread(before, values)
+    heavy, light = heaviest_and_lightest(parts, values)
+    positive = [values[a] - values[b] for a in heavy for b in light if values[a] > values[b]]
+    if spread(parts, values) > 0:
+        assert positive  # equal counts: some item of the heaviest part outweighs one of the lightest
+        assert spread(parts, values) <= min(positive) <= max(values) - min(values)
+
+
+def test_swaps_fix_the_group_that_straddles_a_long_tail() -> None:
+    # Two ranks of three: Karmarkar-Karp's sorted groups (2, 2), (8, 8), (8, 20) leave 30 vs 18;
+    # swapping an 8 of the heavy rank for a 2 of the light one (difference 6 = 12 / 2) evens them.
+    values = [2, 2, 8, 8, 8, 20]
+    before = karmarkar_karp_partition(values, 2)
+    assert sums(before, values) == [30, 18]
+    assert sums(refine_by_swaps(values, before, max_swaps=len(values)), values) == [24, 24]
+    # Equal counts bound it: four ranks of two, one holds two 100s whatever the swaps (spread 99,
+    # the smallest positive difference between its items and the lightest rank's).
+    tail = [1, 1, 1, 100, 100, 100, 100, 100]
+    parts = refine_by_swaps(tail, karmarkar_karp_partition(tail, 4), max_swaps=len(tail))
+    assert sorted(sums(parts, tail)) == [101, 101, 101, 200]
 
 
 def test_balance_across_dp_refuses_indivisible_batches() -> None:
