@@ -31,7 +31,7 @@ echo "[setup] installing megatron-rl and its pinned dependencies (first time: a 
 # This machine's pip configuration may name local package folders that do not exist; drop that noise.
 quiet_pip() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
 quiet_pip install --quiet --upgrade pip
-quiet_pip install --quiet -c "$lock" -e "$root[test]"
+quiet_pip install --quiet -c "$lock" -e "$root[test,plots]"
 rm -f "$venv"/.installed-*
 touch "$stamp"
 echo "[setup] done"

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_rl.orchestration.errors import NonFiniteTrainingError
 from megatron_rl.parallel.errors import RankFailedError
 from megatron_rl.plan.placement import PlacementError
 
@@ -306,7 +307,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_library_warnings()
     try:
         return args.handler(args)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError, RankFailedError, PlacementError) as error:
+    except (
+        ValueError,
+        KeyError,
+        FileNotFoundError,
+        FileExistsError,
+        RankFailedError,
+        PlacementError,
+        NonFiniteTrainingError,
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -3,9 +3,10 @@
 Each (recipe, seed) is one ``megatron-rl train recipes/tiny_moe_cpu_<algorithm>.yaml
 train.seed=<seed> name=<algorithm>-seed<seed>`` run in ``runs/`` (a finished run is read, not
 rerun), so any single number in the report can be reproduced with that one command. Prints
-markdown: greedy validation reward by step (mean and min..max over seeds) and the training
-samples' length-bias diagnostics at the last step and the groups dynamic sampling dropped
-over the run (means over seeds).
+markdown: greedy validation accuracy and reward by step (mean and min..max over seeds) and the
+training samples' length-bias diagnostics at the last step and the groups dynamic sampling
+dropped over the run (means over seeds). Draws the greedy validation accuracy of every
+algorithm and seed against the step into ``--plot`` (PNG, matplotlib).
 
     python scripts/compare_algorithms.py --seeds 1234 1 2
 """
@@ -54,22 +55,51 @@ def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f} ({min(values):.2f}..{max(values):.2f})"
 
 
+def plot_validation(records: dict[str, list[list[dict[str, float]]]], seeds: list[int], path: Path) -> None:
+    """One panel per algorithm: greedy validation accuracy against the step, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(records), figsize=(4 * len(records), 3.2), sharey=True)
+    for axis, (label, runs) in zip(axes, records.items(), strict=True):
+        for seed, run in zip(seeds, runs, strict=True):
+            points = [(r["step"], r["val/accuracy"]) for r in run if "val/accuracy" in r]
+            axis.plot(*zip(*points, strict=True), marker="o", markersize=3, label=f"seed {seed}")
+        axis.set_title(label)
+        axis.set_xlabel("step")
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("greedy validation accuracy")
+    axes[0].legend(loc="lower right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "algorithm-comparison.png")
     args = parser.parse_args()
     records = {label: [metrics(algo, seed) for seed in args.seeds] for label, algo in ALGORITHMS.items()}
 
     val_steps = sorted({r["step"] for runs in records.values() for r in runs[0] if "val/reward_mean" in r})
-    print(f"Greedy validation reward, mean (min..max) over seeds {args.seeds}:\n")
-    print("| step | " + " | ".join(ALGORITHMS) + " |")
-    print("| --- |" + " --- |" * len(ALGORITHMS))
-    for step in val_steps:
-        cells = []
-        for runs in records.values():
-            values = [r["val/reward_mean"] for run in runs for r in run if r["step"] == step and "val/reward_mean" in r]
-            cells.append(spread(values))
-        print(f"| {step} | " + " | ".join(cells) + " |")
+    for title, key in (("accuracy", "val/accuracy"), ("reward", "val/reward_mean")):
+        print(f"Greedy validation {title}, mean (min..max) over seeds {args.seeds}:\n")
+        print("| step | " + " | ".join(ALGORITHMS) + " |")
+        print("| --- |" + " --- |" * len(ALGORITHMS))
+        for step in val_steps:
+            cells = [
+                spread([r[key] for run in runs for r in run if r["step"] == step and key in r])
+                for runs in records.values()
+            ]
+            print(f"| {step} | " + " | ".join(cells) + " |")
+        print()
+    plot_validation(records, args.seeds, args.plot)
+    print(f"Validation curves: {args.plot.relative_to(ROOT) if args.plot.is_relative_to(ROOT) else args.plot}")
 
     print("\nTraining samples at the last step, mean over seeds:\n")
     print("| | " + " | ".join(ALGORITHMS) + " |")

@@ -3,9 +3,14 @@
 # node (srun --overlap), wait until every node has joined, run the given command with RAY_ADDRESS
 # set, then stop Ray everywhere, whatever the command's outcome. Exit status: the command's.
 #
+# SIGUSR1 and SIGTERM sent to this script (Slurm's `--signal=B:USR1@N`, `scancel --batch --signal=...`) are
+# forwarded to the command. With REQUEUE_AFTER_SIGNAL=1, a command that exits 0 after such a signal gets the
+# job requeued (`scontrol requeue`, once Ray is stopped), so it starts again and resumes.
+#
 # Usage (inside an allocation, from the repository root): slurm/ray_cluster.sh COMMAND [ARGS...]
 # Environment: MEGATRON_RL_ROOT (default: $SLURM_SUBMIT_DIR), RAY_PORT (default 6379),
-#              RAY_JOIN_TIMEOUT_S (default 300), RAY_AUTH_TOKEN (default: a fresh token per job).
+#              RAY_JOIN_TIMEOUT_S (default 300), RAY_AUTH_TOKEN (default: a fresh token per job),
+#              REQUEUE_AFTER_SIGNAL (default 0).
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: slurm/ray_cluster.sh COMMAND [ARGS...]" >&2; exit 2; }
 : "${SLURM_JOB_ID:?run inside a Slurm allocation (sbatch or salloc)}"
@@ -51,8 +56,27 @@ until [ "$("$root/.venv/bin/python" -c 'import ray; ray.init(logging_level="ERRO
     sleep 2
 done
 echo "[ray_cluster] all $num_nodes node(s) joined; running: $*"
-set +e
-"$@"
-status=$?
-set -e
+signalled=""
+forward() {
+    signalled="$1"
+    echo "[ray_cluster] SIG$1 received; forwarding it to the command"
+    kill -s "$1" "$child" 2>/dev/null || true
+}
+"$@" &
+child=$!
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+while :; do
+    set +e
+    wait "$child"
+    status=$?
+    set -e
+    kill -0 "$child" 2>/dev/null || break  # else a trapped signal interrupted the wait: the command still runs
+done
+trap - USR1 TERM
+if [ -n "$signalled" ] && [ "$status" = 0 ] && [ "${REQUEUE_AFTER_SIGNAL:-0}" = 1 ]; then
+    stop_ray
+    echo "[ray_cluster] the command stopped after SIG$signalled; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
 exit "$status"

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -108,9 +109,19 @@ def build_scheduler(
 def step_optimizer(bundle: OptimizerBundle) -> dict[str, float]:
     """Advance the schedule, clip and apply the accumulated gradients; return ``lr`` and ``grad_norm``.
 
-    ``update_skipped`` is 1.0 when Megatron skipped the update (non-finite gradients).
+    Gradients whose global norm (over every model-parallel rank, so all ranks agree) is NaN or
+    infinite are not applied: parameters, optimizer state and the LR schedule stay as they were
+    (as Megatron does for an fp16 overflow), ``update_skipped`` is 1.0 and ``grad_norm`` is the
+    non-finite norm. The next update zeroes the gradients as usual.
     """
+    # The norm reads the optimizer's main gradients, which prepare_grads fills from the model's; step()
+    # fills them again: a copy of the same values (no precision here uses fp16's loss scaler, which would
+    # unscale twice).
+    found_inf = bundle.optimizer.prepare_grads()
+    grad_norm = float(bundle.optimizer.get_grad_norm())
+    if found_inf or not math.isfinite(grad_norm):
+        return {"lr": float(bundle.optimizer.param_groups[0]["lr"]), "grad_norm": grad_norm, "update_skipped": 1.0}
     bundle.scheduler.step(increment=1)
     lr = bundle.optimizer.param_groups[0]["lr"]
-    update_successful, grad_norm, _ = bundle.optimizer.step()
-    return {"lr": float(lr), "grad_norm": float(grad_norm or 0.0), "update_skipped": float(not update_successful)}
+    update_successful, _, _ = bundle.optimizer.step()
+    return {"lr": float(lr), "grad_norm": grad_norm, "update_skipped": float(not update_successful)}

@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_partition import dp_shard, local_micro_batches, split_mini_batches
+from megatron_rl.actor.fault_injection import poison_gradients_if_asked
 from megatron_rl.actor.loss import actor_loss, count_step, megatron_loss
 from megatron_rl.actor.metrics import MetricsAccumulator
 from megatron_rl.actor.optimizer import OptimizerBundle, step_optimizer
@@ -108,6 +109,7 @@ def update_on_mini_batch(context: StepContext, local: ActorBatch) -> dict[str, f
         chunk_tokens=context.train.logprob_chunk_tokens,
     )
     forward_backward_s = time.perf_counter() - started
+    poison_gradients_if_asked(context.models)
     update = step_optimizer(context.optimizer)
     metrics = accumulator.reduce() | update
     return metrics | {

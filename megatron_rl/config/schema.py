@@ -275,6 +275,12 @@ class TrainConfig(Section):
     adam_beta2: float = Field(0.999, gt=0.0, lt=1.0, description="Adam beta2.")
     adam_eps: PositiveFloat = Field(1e-8, description="Adam epsilon.")
     grad_clip: PositiveFloat | None = Field(1.0, description="Global gradient-norm clip, or off.")
+    max_consecutive_bad_steps: PositiveInt = Field(
+        3,
+        description="An update whose loss or gradients are NaN/Inf is skipped and counted "
+        "(`train/nonfinite_updates`); after this many steps in a row with a skipped update the run stops, "
+        "naming the step and the metric (the last checkpoint is kept).",
+    )
     seed: int = Field(1234, description="Seed of sampling order, initialisation and generation.")
     precision: Literal["bf16", "fp32", "fp8"] = Field("bf16", description="Training precision.")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = Field(

@@ -50,6 +50,8 @@ from megatron_rl.orchestration.batch_assembly import (
     rollout_metrics,
     trim_to_even_split,
 )
+from megatron_rl.orchestration.errors import NonFiniteTrainingError
+from megatron_rl.orchestration.preemption import PreemptionRequest, preemption_requests
 from megatron_rl.orchestration.resources import RunResources, start_run
 from megatron_rl.rollout.groups import RolloutGroup
 
@@ -92,6 +94,8 @@ def train(cfg: RunConfig) -> Path:
     """Run (or continue) the recipe's RL job to ``train.steps``; returns the checkpoint directory.
 
     A run whose checkpoint already holds ``train.steps`` says so and returns before Ray starts.
+    SIGTERM or SIGUSR1 (:mod:`preemption`) ends the run early: the step in progress finishes,
+    its checkpoint is saved, and the function returns as after the last step.
     """
     resume_from = checkpoint_to_resume(cfg)
     state = load_trainer_state(resume_from) if resume_from else TrainerState(step=0, sampler={}, weight_version=0)
@@ -101,24 +105,59 @@ def train(cfg: RunConfig) -> Path:
         if notice is not None:
             print(notice, flush=True)
             return Path(cfg.checkpoint_dir)
-    run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
-    try:
-        if resume_from:
-            restore(run, resume_from, state)
-        if state.step == 0 and should_validate(cfg.train, 0):
-            run.logger.log(0, validate(run))
-        checkpoint_seconds: dict[str, float] = {}
-        for step in range(state.step + 1, cfg.train.steps + 1):
-            run.logger.log(step, train_one_step(run, step) | checkpoint_seconds)
-            checkpoint_seconds = {}
-            if should_checkpoint(cfg.checkpoint, cfg.train, step):
-                started = time.perf_counter()
-                run.hand_over.to_training()  # the engines get the weights back at the next to_rollout
-                save_checkpoint(run, step)
-                checkpoint_seconds = {"time/checkpoint_s": time.perf_counter() - started}
-    finally:
-        run.close()
+    with preemption_requests() as preemption:
+        run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
+        try:
+            if resume_from:
+                restore(run, resume_from, state)
+            if state.step == 0 and should_validate(cfg.train, 0) and not preemption.requested:
+                run.logger.log(0, validate(run))
+            checkpoint_seconds: dict[str, float] = {}
+            bad_steps = 0
+            for step in range(state.step + 1, cfg.train.steps + 1):
+                if preemption.requested:
+                    print(stopped_notice(preemption, step - 1, cfg.train.steps), flush=True)
+                    break
+                metrics = train_one_step(run, step)
+                run.logger.log(step, metrics | checkpoint_seconds)
+                checkpoint_seconds = {}
+                bad_steps = count_bad_steps(metrics, bad_steps, step, cfg.train.max_consecutive_bad_steps)
+                if should_checkpoint(cfg.checkpoint, cfg.train, step) or preemption.requested:
+                    started = time.perf_counter()
+                    run.hand_over.to_training()  # the engines get the weights back at the next to_rollout
+                    save_checkpoint(run, step)
+                    checkpoint_seconds = {"time/checkpoint_s": time.perf_counter() - started}
+        finally:
+            run.close()
     return Path(cfg.checkpoint_dir)
+
+
+def count_bad_steps(metrics: dict[str, float], previous: int, step: int, limit: int) -> int:
+    """Consecutive steps, up to ``step``, with an update skipped for non-finite gradients (0 after a clean step).
+
+    Raises NonFiniteTrainingError naming the step and the metrics once ``limit`` is reached.
+    """
+    if not metrics.get("train/nonfinite_updates"):
+        return 0
+    bad = previous + 1
+    if bad >= limit:
+        raise NonFiniteTrainingError(
+            f"step {step}: {bad} steps in a row had updates skipped for NaN/Inf gradients "
+            f"(train/nonfinite_updates = {metrics['train/nonfinite_updates']:g}, actor/grad_norm = "
+            f"{metrics.get('actor/grad_norm', float('nan')):g}, actor/loss = {metrics.get('actor/loss', float('nan')):g}); "
+            f"train.max_consecutive_bad_steps={limit}. The checkpoints written so far are kept; check the data "
+            "and the learning rate, or resume from an earlier checkpoint (checkpoint.resume=PATH)"
+        )
+    return bad
+
+
+def stopped_notice(preemption: PreemptionRequest, step: int, steps: int) -> str:
+    """What the driver prints when it stops for a pre-emption signal after ``step`` (0: before any step)."""
+    where = f"the checkpoint of step {step} is saved" if step else "no step was trained in this start"
+    return (
+        f"# stopped for {preemption.signal_name} after step {step} of {steps}: {where}; "
+        "started again, the run resumes from its latest checkpoint"
+    )
 
 
 def train_one_step(run: RunResources, step: int) -> dict[str, float]:
@@ -166,6 +205,7 @@ def _train_on(run: RunResources, groups: list[RolloutGroup], timer: PhaseTimer) 
     with timer("train"):
         actor_metrics, receipts = run.trainers.train_step(shards)
     metrics = {f"actor/{name}": value for name, value in actor_metrics.items()}
+    metrics["train/nonfinite_updates"] = round(actor_metrics["update_skipped"] * actor_metrics["num_updates"])
     return metrics | delivery_metrics(step_data, receipts, data_parallel_size=len(shards)), float(step_data.num_tokens)
 
 

@@ -183,6 +183,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "check makes every full step split; the driver trims a partial one first",
     ("actor/step_data.py", "does not split over"): "validate's batch divisibility check makes every full step "
     "split; the driver trims a partial one first",
+    ("orchestration/driver.py", "NonFiniteTrainingError"): "a run-time outcome of training "
+    "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
     ("weight_sync/transports.py", "before begin()"): "call order inside the syncer",
     ("orchestration/trainer_group.py", "shards for"): "the driver shards by the group's own DP size",

@@ -1,0 +1,126 @@
+"""Pre-emption on a real (one-node) Slurm cluster: signalled, the job saves, exits 0, is requeued and resumes.
+
+`slurm/train.sbatch` runs the tiny DAPO recipe for 5 steps. Once step 2 is in its metrics, the batch
+script gets SIGUSR1 (`scancel --batch --signal=USR1`, what `--signal=B:USR1@N` sends before a time
+limit). The driver finishes its step, saves a checkpoint and exits 0; the script requeues the job,
+which starts again, resumes from `latest` and finishes. Its final weights (the Hugging Face export
+of the last checkpoint) equal, bit for bit, those of the same run trained without interruption.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.slurm.local_slurm import local_slurm, missing_requirements
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 5
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
+]
+
+
+def _overrides(directory: Path) -> list[str]:
+    return [
+        f"train.steps={STEPS}",
+        "train.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=8",
+        "train.val_interval=0",
+        "checkpoint.interval=0",
+        "checkpoint.export_hf=true",
+        f"checkpoint.dir={directory / 'checkpoints'}",
+        f"logging.dir={directory / 'logs'}",
+        "logging.sinks=[console,jsonl]",
+    ]
+
+
+def _final_weights(directory: Path) -> dict:
+    latest = directory / "checkpoints" / (directory / "checkpoints" / "latest").read_text().strip()
+    tensors = {}
+    for file in sorted((latest / "hf").glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def _logged_steps(directory: Path) -> list[int]:
+    path = directory / "logs" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _job_state(env: dict[str, str], job: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True, check=True)
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with local_slurm(tmp_path_factory.mktemp("slurm")) as env:
+        yield os.environ | env
+
+
+def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_weights(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    recipe = "recipes/tiny_moe_cpu_dapo.yaml"
+    job_dir, reference_dir = tmp_path / "job", tmp_path / "reference"
+    output = tmp_path / "job.out"
+    reference = subprocess.run(
+        [str(ROOT / ".venv/bin/megatron-rl"), "train", recipe, *_overrides(reference_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--output={output}", "slurm/train.sbatch", recipe, *_overrides(job_dir)],
+        cwd=ROOT,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job = submitted.stdout.strip().split(";")[0]
+
+    deadline = time.monotonic() + 600
+    while max(_logged_steps(job_dir), default=0) < 2:
+        assert time.monotonic() < deadline, f"step 2 never logged; job state {_job_state(slurm_env, job)}"
+        time.sleep(1)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
+
+    while (state := _job_state(slurm_env, job))["JobState"] != "COMPLETED":
+        assert state["JobState"] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), (
+            state,
+            output.read_text()[-3000:] if output.exists() else "",
+        )
+        assert time.monotonic() < deadline, f"the job did not complete: {state}"
+        time.sleep(2)
+
+    log = output.read_text()
+    assert state["Restarts"] == "1", log[-3000:]
+    stopped = re.search(r"# stopped for SIGUSR1 after step (\d+) of 5: the checkpoint of step \1 is saved", log)
+    assert stopped, log[-3000:]
+    assert 2 <= int(stopped.group(1)) < STEPS
+    assert "[ray_cluster] the command stopped after SIGUSR1; requeueing job" in log
+    assert f"job {job}, start 2:" in log
+    assert _logged_steps(job_dir) == list(range(1, STEPS + 1))
+
+    final, expected = _final_weights(job_dir), _final_weights(reference_dir)
+    assert final.keys() == expected.keys()
+    differing = [name for name in expected if not final[name].equal(expected[name])]
+    assert not differing, f"weights differ from the uninterrupted run: {differing[:5]}"
