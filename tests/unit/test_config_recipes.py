@@ -167,7 +167,7 @@ def test_batch_must_split_over_data_parallel_ranks() -> None:
 
 def test_mini_batches_must_divide_prompts() -> None:
     problems = _problems(TINY, "train.mini_batches_per_step=3")
-    assert "train.mini_batches_per_step: 3 does not divide train.prompts_per_step (16)" in problems
+    assert "train.mini_batches_per_step: 3 does not divide train.prompts_per_step (8)" in problems
 
 
 def test_sequence_lengths_must_fit_model_positions() -> None:
@@ -387,7 +387,7 @@ def test_train_refuses_absent_files_before_starting_anything(tmp_path: Path, mon
         (["rollout.top_p=0.9"], "rollout.top_p"),
         (["rollout.top_k=5"], "rollout.top_k"),
         (["algorithm.dynamic_sampling.metric=score"], "algorithm.dynamic_sampling.metric"),  # preset dapo
-        (["algorithm.dynamic_sampling.gen_batch_prompts=8"], "algorithm.dynamic_sampling.gen_batch_prompts"),
+        (["algorithm.dynamic_sampling.gen_batch_prompts=4"], "algorithm.dynamic_sampling.gen_batch_prompts"),
     ],
 )
 def test_options_the_trainer_would_ignore_are_refused(overrides: list[str], field: str) -> None:

@@ -21,7 +21,7 @@ def test_synthetic_recipe_prepares_tokenizer_datasets_and_reward(tmp_path: Path)
     assert len(prepared.train) == cfg.data.synthetic.num_train
     assert prepared.val is not None and len(prepared.val) == cfg.data.synthetic.num_val
     item = prepared.train[0]
-    assert prepared.tokenizer.decode(item.prompt_ids).startswith("succ")
+    assert prepared.tokenizer.decode(item.prompt_ids) == f"<bos> <user> succ {(int(item.ground_truth) - 1) % 10} <assistant>"
     assert prepared.reward_fn(f"{item.ground_truth}<eos>", item.ground_truth, {}).correct
 
 
@@ -55,5 +55,5 @@ def test_prepare_command_prints_the_first_step(
     assert main(["prepare", str(TINY), "train.prompts_per_step=4"]) == 0
     out = capsys.readouterr().out
     assert "# train: 2048 prompts, 0 filtered" in out
-    assert out.count("'succ ") == 4
+    assert out.count("'<bos> <user> succ ") == 4
     assert (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "data" / "tokenizer" / "tokenizer.json").is_file()

@@ -55,13 +55,13 @@ def _finished_run(tmp_path: Path, step: int) -> list[str]:
 
 
 def test_a_finished_run_says_so_before_starting_anything(tmp_path: Path, capsys) -> None:
-    overrides = _finished_run(tmp_path, 100)
+    overrides = _finished_run(tmp_path, 150)
     started = time.perf_counter()
     assert main(["train", str(RECIPE), *overrides]) == 0
     assert time.perf_counter() - started < 5  # no Ray, no ranks, no engines
     out = capsys.readouterr().out
-    assert "holds step 100 of train.steps=100; nothing to do" in out
-    assert "raise train.steps (e.g. train.steps=200)" in out and "checkpoint.resume=none" in out
+    assert "holds step 150 of train.steps=150; nothing to do" in out
+    assert "raise train.steps (e.g. train.steps=300)" in out and "checkpoint.resume=none" in out
 
 
 def test_an_unfinished_run_gets_no_notice(tmp_path: Path) -> None:
