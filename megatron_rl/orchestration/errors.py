@@ -5,3 +5,11 @@ from __future__ import annotations
 
 class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps had an update skipped for NaN/Inf loss or gradients."""
+
+
+class RankCallError(RuntimeError):
+    """A trainer rank's process died during a call; the message names the rank, its node and the cause."""
+
+    def __init__(self, rank: int, node_ip: str, method: str, cause: str) -> None:
+        super().__init__(f"trainer rank {rank} on node {node_ip} died in {method}: {cause}")
+        self.rank, self.node_ip = rank, node_ip

@@ -4,6 +4,12 @@ The group sets the standard launcher environment (``RANK``, ``WORLD_SIZE``, ``LO
 ``MASTER_ADDR``, ``MASTER_PORT``) in every actor before the worker class is constructed, so
 workers start torch.distributed exactly as under torchrun. Methods are called on all ranks
 concurrently (collectives need every rank) and their results come back in rank order.
+
+Fail-fast: a call returns or raises as soon as any rank fails. A rank whose process died (killed,
+out of memory, node lost) ends the call with :class:`RankCallError` naming the rank, its node and
+the cause; a rank's exception re-raises as ``ray.get`` raises it (its own type), with a note naming
+the rank and node. Neither waits for the other ranks, which may be blocked in a collective with the
+failed one (bounded by the process group timeout; the driver's shutdown kills them).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_rl.orchestration.errors import RankCallError
 from megatron_rl.orchestration.placement_group import RankSlot
 
 
@@ -56,6 +63,7 @@ class RankWorkerGroup:
         kwargs: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
+        self._node_ips = [slot.node_ip for slot in slots]
         self._hosts = [
             _RankHost.options(
                 num_cpus=num_cpus,
@@ -82,7 +90,7 @@ class RankWorkerGroup:
             )
             for rank, host in enumerate(self._hosts)
         ]
-        ray.get(starts)
+        self._gather(starts, "start")
 
     @property
     def world_size(self) -> int:
@@ -91,7 +99,7 @@ class RankWorkerGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rank's worker concurrently; results in rank order (a rank's error re-raises)."""
-        return ray.get([host.call.remote(method, *args, **kwargs) for host in self._hosts])
+        return self._gather([host.call.remote(method, *args, **kwargs) for host in self._hosts], method)
 
     def call_per_rank(self, method: str, per_rank_args: Sequence[Sequence[Any]]) -> list[Any]:
         """Call ``method`` on rank ``i`` with ``per_rank_args[i]``, all concurrently.
@@ -102,7 +110,29 @@ class RankWorkerGroup:
         """
         if len(per_rank_args) != len(self._hosts):
             raise ValueError(f"got arguments for {len(per_rank_args)} ranks, the group has {len(self._hosts)}")
-        return ray.get([host.call.remote(method, *args) for host, args in zip(self._hosts, per_rank_args, strict=True)])
+        refs = [host.call.remote(method, *args) for host, args in zip(self._hosts, per_rank_args, strict=True)]
+        return self._gather(refs, method)
+
+    def _gather(self, refs: list[ray.ObjectRef], method: str) -> list[Any]:
+        """The results in rank order; at the first rank that fails (in completion order), its error."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[done[0]]
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as error:
+                raise RankCallError(
+                    rank,
+                    self._node_ips[rank],
+                    method,
+                    str(error).splitlines()[0] if str(error) else "its process ended",
+                ) from error
+            except ray.exceptions.RayTaskError as error:  # the rank's own exception type, as ray.get raises it
+                error.add_note(f"raised by trainer rank {rank} on node {self._node_ips[rank]} in {method}")
+                raise
+        return ray.get(refs)
 
     def shutdown(self) -> None:
         """Kill every rank's actor."""
