@@ -59,16 +59,12 @@ def _parent(pid: int) -> int:
 
 
 def _rank_pids(driver: int) -> list[int]:
-    """The trainer rank processes started (through Ray's local raylet) by the driver process ``driver``."""
+    """The trainer rank processes of the driver process ``driver``: workers of the raylet it started.
+
+    (A rank's own child processes, such as checkpoint writers, carry the same title one level lower.)
+    """
     found = subprocess.run(["pgrep", "-f", "ray::_RankHost"], capture_output=True, text=True, check=False)
-    pids = []
-    for pid in map(int, found.stdout.split()):
-        ancestor = pid
-        while ancestor > 1 and ancestor != driver:
-            ancestor = _parent(ancestor)
-        if ancestor == driver:
-            pids.append(pid)
-    return pids
+    return [pid for pid in map(int, found.stdout.split()) if _parent(_parent(pid)) == driver]
 
 
 def _final_weights(run_dir: Path) -> dict:
@@ -91,8 +87,13 @@ def test_a_killed_rank_fails_the_run_fast_and_a_restart_resumes_exactly(tmp_path
         assert len(pids) == 2, pids
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
-        _, stderr = run.communicate(timeout=FAIL_WITHIN_S + 60)
-        assert time.monotonic() - killed < FAIL_WITHIN_S, "the driver waited for a collective timeout"
+        try:
+            _, stderr = run.communicate(timeout=FAIL_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            _, stderr = run.communicate()
+            pytest.fail(f"the driver still ran {FAIL_WITHIN_S} s after the kill:\n{stderr[-3000:]}")
+        assert time.monotonic() - killed < FAIL_WITHIN_S
     finally:
         if run.poll() is None:
             run.kill()
