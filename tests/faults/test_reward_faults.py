@@ -18,6 +18,7 @@ from megatron_rl.config.schema import DataConfig, DynamicSamplingConfig, Overlon
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
+from tests.e2e.tiny_runs import RUN, read_metrics, run_train
 from tests.faults.canned_engine import canned_engine, json_answer, sample
 from tests.faults.rewards import EXIT, HANG, RAISE
 
@@ -147,3 +148,24 @@ def test_the_rollout_goes_on_counts_failures_and_scores_deterministically() -> N
     assert failures_2 == [[None] * 4, ["error", None, None, None]]
     assert metrics_2 == {"rollout/reward_errors": 1.0, "rollout/reward_timeouts": 0.0}
     assert _two_steps() == first
+
+
+@pytest.mark.slow
+def test_the_tiny_run_survives_a_reward_that_raises_and_hangs(tmp_path) -> None:
+    overrides = [
+        "data.reward=tests.faults.rewards:tiny_run_faulty",
+        f"data.reward_timeout_s={TIMEOUT_S}",
+        "train.steps=2",
+        "train.prompts_per_step=4",
+        "algorithm.dynamic_sampling.gen_batch_prompts=8",
+        "train.val_interval=2",
+        "data.synthetic.num_val=8",
+        "logging.sinks=[jsonl]",
+    ]
+    run_train(tmp_path, overrides)
+    validation, *steps = read_metrics(tmp_path / RUN)
+    assert validation["step"] == 0 and [r["step"] for r in steps] == [1, 2]
+    assert all(r["actor/update_skipped"] == 0.0 for r in steps)
+    assert sum(r["rollout/reward_errors"] for r in steps) > 0
+    assert sum(r["rollout/reward_timeouts"] for r in steps) > 0
+    assert {"val/reward_errors", "val/reward_timeouts"} <= set(validation) & set(steps[-1])
