@@ -25,6 +25,7 @@ import torch
 
 from megatron_rl.checkpoint.layout import HF_METADATA_DIR
 from megatron_rl.config.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
+from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.models.hf_files import (
@@ -78,7 +79,11 @@ def convert_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, sizes: Parallel
     of a job started by torchrun (then the launcher's world size is used).
     """
     hf_dir = Path(hf_dir)
-    check_layout(parse_hf_config(load_hf_config(hf_dir)), sizes)
+    arch = parse_hf_config(load_hf_config(hf_dir))
+    check_layout(arch, sizes)
+    problems = weight_problems(hf_dir, arch)
+    if problems:
+        raise ValueError("--hf: " + "; ".join(problems))
     _run_converter(_hf_to_mcore_rank, sizes, Path(out_dir), hf_dir)
 
 

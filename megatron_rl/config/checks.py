@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE, QwenArchitecture
+from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.schema import RunConfig
@@ -379,6 +380,9 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
             yield _needed("model.path", f"no config.json in {model.path!r}")
         if not has_hf_weights(model.path):
             yield _needed("model.path", f"no weights ({SINGLE_FILE} or {INDEX_FILE}) in {model.path!r}")
+        elif has_hf_config(model.path):
+            for problem in weight_problems(model.path, arch):
+                yield _error("model.path", problem)
     if model.config_fallback is not None and not Path(model.config_fallback).is_file():
         yield _error("model.config_fallback", f"no such file: {model.config_fallback!r}")
     resume = cfg.checkpoint.resume

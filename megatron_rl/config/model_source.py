@@ -45,17 +45,25 @@ def read_architecture(
     """Architecture of ``random_init`` when given, else of ``<path>/config.json``.
 
     ``fallback``: a config.json file read instead when ``path`` has none yet (validation and
-    planning before the weights are downloaded; training never passes it).
+    planning before the weights are downloaded; training never passes it). Raises
+    ModelSourceError naming the field and the file when the config is absent, not JSON, or
+    describes a model Megatron cannot reproduce.
     """
-    field = "model.random_init" if random_init is not None else "model.path"
+    field, source = "model.random_init", "model.random_init"
     try:
         if random_init is not None:
             config = random_init
         elif fallback is not None and not has_hf_config(path):
-            field = "model.config_fallback"
+            field, source = "model.config_fallback", fallback
             config = json.loads(Path(fallback).read_text())
         else:
+            field, source = "model.path", str(Path(str(path)) / "config.json")
             config = load_hf_config(str(path))
         return parse_hf_config(config)
-    except (FileNotFoundError, json.JSONDecodeError, UnsupportedConfigError) as exc:
+    except FileNotFoundError as exc:
         raise ModelSourceError(f"{field}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ModelSourceError(f"{field}: {source} is not valid JSON ({exc}); download or write it again") from exc
+    except UnsupportedConfigError as exc:
+        where = "" if source == field else f"{source}: "
+        raise ModelSourceError(f"{field}: {where}{exc}") from exc

@@ -231,6 +231,13 @@ class DataConfig(Section):
     )
     reward: str = Field("math_dapo", description="Registered reward name, or an import path `pkg.module:function`.")
     reward_num_workers: PositiveInt = Field(4, description="Processes that score responses.")
+    reward_timeout_s: PositiveFloat = Field(
+        30.0,
+        description="Seconds the reward may take on one response. A response whose reward runs longer, or "
+        "raises, scores as failed (the reward's score of the empty response, not correct), is counted in "
+        "rollout/reward_timeouts or rollout/reward_errors and logged, and the run goes on; a hung reward's "
+        "worker process is killed and replaced.",
+    )
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded by train.seed).")
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,10 +60,30 @@ class PromptDataset:
         return iter(self._items)
 
 
+def _decodes(value: pa.Scalar) -> bool:
+    try:
+        value.as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _python_values(values: pa.ChunkedArray, key: str, path: Path) -> list[Any]:
+    """``values`` as Python objects; ValueError naming the file, row and key of text that is not valid UTF-8."""
+    try:
+        return values.to_pylist()
+    except UnicodeDecodeError as exc:
+        row = next(row for row in range(len(values)) if not _decodes(values[row]))
+        raise ValueError(
+            f"{path} row {row} key {key!r}: the text is not valid UTF-8 ({exc.reason} at byte {exc.start}); "
+            "re-encode the file's text columns as UTF-8"
+        ) from None
+
+
 def _column_values(table: pa.Table, key: str, path: Path) -> list[Any]:
     """Values of ``key`` (a column name, or a dotted path into a present struct column) as Python objects."""
     if key in table.column_names:
-        return table.column(key).to_pylist()
+        return _python_values(table.column(key), key, path)
     head, *fields = key.split(".")
     values: pa.ChunkedArray = table.column(head)
     walked = head
@@ -71,7 +92,19 @@ def _column_values(table: pa.Table, key: str, path: Path) -> list[Any]:
             raise ValueError(f"{path}: key {key!r}: column {walked!r} (type {values.type}) has no field {name!r}")
         values = pc.struct_field(values, name)
         walked = f"{walked}.{name}"
-    return values.to_pylist()
+    return _python_values(values, key, path)
+
+
+@contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """Turn pyarrow's error on a file that is not readable parquet into a ValueError naming the file and the fix."""
+    try:
+        yield
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(
+            f"{path}: not a readable parquet file ({exc}); the file is corrupt or truncated, or not parquet: "
+            "write it again (e.g. pandas.DataFrame.to_parquet) or remove it from the list"
+        ) from exc
 
 
 def _top_level_column(key: str, names: Sequence[str]) -> str:
@@ -80,7 +113,7 @@ def _top_level_column(key: str, names: Sequence[str]) -> str:
 
 def _ground_truth(value: Any, where: str) -> str:
     if value is None:
-        raise ValueError(f"{where}: the ground truth is missing (null)")
+        raise ValueError(f"{where}: the ground truth is missing (null); fill it in or remove the row")
     if isinstance(value, str):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -109,13 +142,17 @@ def _read_rows(
     extra_info_key: str,
 ) -> tuple[list[Any], list[str], list[str], list[dict[str, Any]]]:
     """Prompts, ground truths, data sources and extra infos of every row of one file."""
-    names = pq.read_schema(path).names
+    with _readable(path):
+        names = pq.read_schema(path).names
     columns = {key: _top_level_column(key, names) for key in (prompt_key, answer_key, data_source_key, extra_info_key)}
     for key in (prompt_key, answer_key):
         if columns[key] not in names:
             raise ValueError(f"{path}: no column {columns[key]!r} for key {key!r}; the file has columns {names}")
     present = [key for key, column in columns.items() if column in names]
-    table = pq.read_table(path, columns=list(dict.fromkeys(columns[key] for key in present)))
+    with _readable(path):
+        table = pq.read_table(path, columns=list(dict.fromkeys(columns[key] for key in present)))
+    if table.num_rows == 0:
+        raise ValueError(f"{path}: the file has no rows; write prompts into it or remove it from the list")
 
     def values(key: str) -> list[Any]:
         return _column_values(table, key, path)
@@ -149,8 +186,9 @@ def load_prompt_dataset(
 
     ``max_prompt_length`` is in tokens (None: keep all). A missing ``data_source`` column
     gives each row its file's stem; a missing ``extra_info`` column gives ``{}``. Raises
-    ValueError naming the file and key when a prompt or answer column is absent or a value has
-    the wrong type, and when no prompt is left.
+    ValueError naming the file (and the row and key where there is one) when a file is not
+    readable parquet or has no rows, a prompt or answer column is absent, a value has the wrong
+    type, a prompt is empty or its text not UTF-8, and when no prompt is short enough.
     """
     if max_prompt_length is not None and max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
@@ -159,6 +197,7 @@ def load_prompt_dataset(
         raise ValueError("load_prompt_dataset needs at least one parquet file")
     items: list[PromptItem] = []
     num_rows = 0
+    shortest_per_file: list[int] = []
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"prompt dataset file {path} does not exist")
@@ -173,6 +212,7 @@ def load_prompt_dataset(
             tokenizer, prompts, wrap_text_in_chat=wrap_text_in_chat, chat_template_kwargs=chat_template_kwargs
         )
         num_rows += len(prompts)
+        shortest_per_file.append(min(map(len, token_ids)))
         for ids, answer, source, info in zip(token_ids, answers, sources, infos, strict=True):
             if max_prompt_length is None or len(ids) <= max_prompt_length:
                 item = PromptItem(len(items), prompt_ids=ids, ground_truth=answer, data_source=source, extra_info=info)
@@ -188,8 +228,10 @@ def load_prompt_dataset(
         max_prompt_length,
     )
     if not items:
+        shortest = min(shortest_per_file)
         raise ValueError(
             f"no prompts left from {names}: {num_rows} rows, {num_filtered} longer than "
-            f"max_prompt_length={max_prompt_length} tokens"
+            f"max_prompt_length={max_prompt_length} tokens (the shortest has {shortest}); raise max_prompt_length "
+            f"(rollout.max_prompt_length in a recipe) to at least {shortest}, or shorten the prompts"
         )
     return PromptDataset(items, num_filtered)

@@ -66,7 +66,9 @@ def prepare_data(
 
     ``tokenizer_path`` is the model's tokenizer directory; it is ignored for synthetic
     tasks, which bring their own. Prompts longer than ``max_prompt_length`` tokens are
-    filtered out (the count is in ``PromptDataset.num_filtered``).
+    filtered out (the count is in ``PromptDataset.num_filtered``). Bad data is a ValueError
+    whose message starts with the recipe field that names it (``data.train_files: <file> row
+    ...``).
     """
     work_dir = Path(work_dir)
     train_files, val_files = list(data.train_files), list(data.val_files)
@@ -89,20 +91,24 @@ def prepare_data(
     _check_vocab_fits(tokenizer, model_vocab_size)
     reward_fn = resolve_reward(data)
 
-    def load(files: list[str]) -> PromptDataset:
-        return load_prompt_dataset(
-            files,
-            tokenizer,
-            max_prompt_length=max_prompt_length,
-            prompt_key=data.prompt_key,
-            answer_key=data.answer_key,
-            wrap_text_in_chat=data.apply_chat_template,
-        )
+    def load(field: str, files: list[str]) -> PromptDataset:
+        try:
+            return load_prompt_dataset(
+                files,
+                tokenizer,
+                max_prompt_length=max_prompt_length,
+                prompt_key=data.prompt_key,
+                answer_key=data.answer_key,
+                wrap_text_in_chat=data.apply_chat_template,
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"{field}: {exc}") from exc
 
+    synthetic = data.synthetic is not None
     return PreparedData(
         tokenizer=tokenizer,
         tokenizer_dir=tokenizer_dir,
-        train=load(train_files),
-        val=load(val_files) if val_files else None,
+        train=load("data.synthetic" if synthetic else "data.train_files", train_files),
+        val=load("data.synthetic" if synthetic else "data.val_files", val_files) if val_files else None,
         reward_fn=reward_fn,
     )

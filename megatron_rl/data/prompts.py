@@ -20,8 +20,18 @@ Prompt = str | list[dict[str, Any]]
 
 
 def validate_prompt(value: Any, where: str) -> Prompt:
-    """Return ``value`` as a string or a list of message dicts; raise ValueError naming ``where`` otherwise."""
+    """Return ``value`` as a string or a list of message dicts with some text.
+
+    Raises ValueError naming ``where`` for any other value, for binary (not text) values, and for
+    an empty prompt (a blank string, or messages whose contents are all blank).
+    """
+    if isinstance(value, (bytes, bytearray)):
+        raise ValueError(
+            f"{where}: the prompt is binary data, not text ({bytes(value[:40])!r}...); write the column as UTF-8 "
+            "strings"
+        )
     if isinstance(value, str):
+        _require_text(value, where)
         return value
     if (
         isinstance(value, list)
@@ -33,11 +43,20 @@ def validate_prompt(value: Any, where: str) -> Prompt:
             for message in value
         )
     ):
+        _require_text("".join(message["content"] for message in value), where)
         return [dict(message) for message in value]
     raise ValueError(
         f"{where}: a prompt must be a string or a non-empty list of messages with string 'role' and "
         f"'content', got {type(value).__name__}: {str(value)[:200]}"
     )
+
+
+def _require_text(text: str, where: str) -> None:
+    if not text.strip():
+        raise ValueError(
+            f"{where}: the prompt is empty{' (whitespace only)' if text else ''}; the model would be asked "
+            "nothing: fill it in or remove the row"
+        )
 
 
 def render_prompt(

@@ -7,7 +7,9 @@ Contract: a reward function is a module-level callable
 ``response`` is the decoded response text, ``ground_truth`` the dataset's answer string and
 ``extra_info`` the row's ``extra_info`` dict (empty when the dataset has none). Functions run in
 worker processes, so they must be picklable by reference: defined at module top level, not
-lambdas, closures or methods.
+lambdas, closures or methods. The empty response must be judged wrong: a response whose reward
+raises or times out during a run scores as the empty response does (see
+``megatron_rl.rollout.scoring``), so that score is the reward's own score of a wrong answer.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class RewardFn(Protocol):
 class RewardContractError(TypeError):
     """A reward function violates the contract; the message says which part and how to fix it."""
 
+
+EMPTY_RESPONSE_PROBE: tuple[str, str, Mapping[str, Any]] = ("", "0", {})
+"""The call that checks a reward at start, and whose score failed responses get: the empty response to answer 0."""
 
 _F = TypeVar("_F", bound=Callable[..., RewardOutput])
 _REGISTRY: dict[str, Callable[..., RewardOutput]] = {}
@@ -123,14 +128,14 @@ def get_reward(name: str) -> RewardFn:
 
 def check_reward_contract(
     fn: Callable[..., Any],
-    probe: tuple[str, str, Mapping[str, Any]] = ("", "0", {}),
+    probe: tuple[str, str, Mapping[str, Any]] = EMPTY_RESPONSE_PROBE,
 ) -> None:
     """Raise RewardContractError unless ``fn`` honours the reward contract.
 
     Checks, in order: callable; picklable by reference (module top level); has a signature
     accepting ``(response, ground_truth, extra_info)`` positionally; returns a RewardOutput when
-    called on ``probe``. An exception raised by the probe call is re-raised as
-    RewardContractError. Returns None when every check passes.
+    called on ``probe``, judged not correct (the probe's response is empty). An exception raised
+    by the probe call is re-raised as RewardContractError. Returns None when every check passes.
     """
     name = _qualified_name(fn)
     if not callable(fn):
@@ -155,4 +160,9 @@ def check_reward_contract(
         raise RewardContractError(
             f"reward {name} returned {type(result).__name__}; it must return "
             "RewardOutput(score=float, correct=bool) from megatron_rl.data"
+        )
+    if result.correct:
+        raise RewardContractError(
+            f"reward {name} judges the empty response correct on probe {probe!r}; it must be wrong: a response "
+            "whose reward raises or times out scores as the empty response"
         )

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE
 
@@ -22,6 +22,16 @@ class CheckpointTensorError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+def _open(path: Path):
+    """``safe_open(path)``; CheckpointTensorError naming the file when it is absent, truncated or not safetensors."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointTensorError(
+            f"{path}: not a readable safetensors file ({exc}); download or export the checkpoint again"
+        ) from exc
 
 
 class SafetensorsCheckpoint:
@@ -38,7 +48,7 @@ class SafetensorsCheckpoint:
             weight_map = json.loads(index_path.read_text())["weight_map"]
             self._file_of = {name: self.model_dir / file for name, file in weight_map.items()}
         elif (self.model_dir / SINGLE_FILE).is_file():
-            with safe_open(self.model_dir / SINGLE_FILE, framework="pt") as handle:
+            with _open(self.model_dir / SINGLE_FILE) as handle:
                 self._file_of = {name: self.model_dir / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
         else:
             raise FileNotFoundError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -53,7 +63,7 @@ class SafetensorsCheckpoint:
             raise CheckpointTensorError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
         path = self._file_of[name]
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt")
+            self._handles[path] = _open(path)
         return self._handles[path]
 
     def shape(self, name: str) -> tuple[int, ...]:

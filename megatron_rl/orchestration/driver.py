@@ -212,13 +212,17 @@ def _train_on(run: RunResources, groups: list[RolloutGroup], timer: PhaseTimer) 
 def validate(run: RunResources) -> dict[str, float]:
     """Rewards of the validation set under the current weights (``val/reward_mean``, ``val/accuracy``, ...).
 
+    Also ``val/reward_errors`` and ``val/reward_timeouts``, the responses whose reward failed.
     Empty when the recipe has no validation data. Engines are made ready to generate first.
     """
     if run.validation is None:
         return {}
     run.hand_over.to_rollout()
-    groups = run.validation.generate_step().groups
-    return rollout_metrics(groups, max_response_length=run.cfg.rollout.max_response_length, prefix="val")
+    step = run.validation.generate_step()
+    failures = {f"val/{key}": step.metrics[f"rollout/{key}"] for key in ("reward_errors", "reward_timeouts")}
+    return (
+        rollout_metrics(step.groups, max_response_length=run.cfg.rollout.max_response_length, prefix="val") | failures
+    )
 
 
 def save_checkpoint(run: RunResources, step: int) -> Path:

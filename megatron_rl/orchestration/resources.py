@@ -232,6 +232,7 @@ def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[Roll
         prompts_per_step=cfg.train.prompts_per_step,
         reward=cfg.data.reward,
         reward_num_workers=cfg.data.reward_num_workers,
+        reward_timeout_s=cfg.data.reward_timeout_s,
         decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
         routing_replay=cfg.algorithm.routing_replay,
         seed=cfg.train.seed,
@@ -255,6 +256,7 @@ def build_validation_manager(cfg: RunConfig, data: PreparedData, engines: list[R
         prompts_per_step=len(data.val),
         reward=cfg.data.reward,
         reward_num_workers=1,
+        reward_timeout_s=cfg.data.reward_timeout_s,
         decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
         uid_prefix="val",
     )

@@ -11,6 +11,7 @@ receives weights through ``weight_sync``'s torch-only wire modules.
 from megatron_rl.rollout.engine import (
     EngineError,
     EngineRequestError,
+    EngineResponseError,
     EngineStartupError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -24,6 +25,7 @@ from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangPlacement, bui
 __all__ = [
     "EngineError",
     "EngineRequestError",
+    "EngineResponseError",
     "EngineStartupError",
     "EngineTimeoutError",
     "EngineUnavailableError",

@@ -42,6 +42,10 @@ class EngineTimeoutError(EngineError):
     """A request got no answer within its timeout."""
 
 
+class EngineResponseError(EngineError):
+    """The engine answered, but not in the protocol's shape (malformed JSON, fields missing or of another type)."""
+
+
 class EngineRequestError(EngineError):
     """The engine answered with an error status; ``status`` and ``body`` hold its answer."""
 

@@ -12,7 +12,9 @@ class RolloutSample:
     """One response. ``loss_mask`` is 1 per response token (0 everywhere when overlong-filtered).
 
     ``score`` includes the overlong penalty (``overlong_penalty`` holds it alone);
-    ``routed_experts`` is int32 ``[prompt + response - 1, layers, top_k]`` or None.
+    ``routed_experts`` is int32 ``[prompt + response - 1, layers, top_k]`` or None;
+    ``reward_failure`` is ``"error"`` or ``"timeout"`` when the reward failed on this response
+    (``score`` is then the reward's failed score), else None.
     """
 
     prompt_ids: list[int]
@@ -25,6 +27,7 @@ class RolloutSample:
     loss_mask: list[int]
     weight_version: str | None
     routed_experts: np.ndarray | None = None
+    reward_failure: str | None = None
 
     @property
     def truncated(self) -> bool:

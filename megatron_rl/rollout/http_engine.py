@@ -4,7 +4,8 @@ Transport: stdlib ``urllib`` from the caller's thread (one connection per
 request), so concurrency is the caller's thread count; :class:`HttpEngine`
 additionally bounds the requests in flight per engine with a semaphore
 (``max_concurrent_requests``). Every request has a timeout; connection
-failures, timeouts and error statuses raise the :mod:`engine` errors with the
+failures, timeouts, error statuses and answers the protocol does not allow
+(malformed JSON, missing fields) raise the :mod:`engine` errors with the
 endpoint, the URL and, when the engine process has died, its exit code and
 log tail.
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 from megatron_rl.rollout.engine import (
     EngineRequestError,
+    EngineResponseError,
     EngineStartupError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -48,6 +50,10 @@ CONNECTION_LOSS_SETTLE_S = 2.0
 """Seconds to wait, after a dropped connection, for a dying engine process to report its exit."""
 CONTROL_TIMEOUT_S = 600.0
 HEALTH_POLL_S = 0.25
+NOT_THE_PROTOCOL = (
+    "check that an SGLang 0.5.23 server (or the reference engine) is what listens there "
+    "(rollout.engine, and the engine's log)"
+)
 
 
 class HttpEngine(RolloutEngine):
@@ -112,7 +118,7 @@ class HttpEngine(RolloutEngine):
         except urllib.error.HTTPError as error:
             text = error.read().decode("utf-8", errors="replace")
             raise EngineRequestError(
-                f"engine {self.name}: {endpoint} answered HTTP {error.code}: {text[:500]}",
+                f"engine {self.name}: {endpoint} answered HTTP {error.code} at {url}: {text[:500]}",
                 status=error.code,
                 body=text,
             ) from error
@@ -126,13 +132,20 @@ class HttpEngine(RolloutEngine):
                 raise EngineTimeoutError(
                     f"engine {self.name}: {endpoint} got no answer within {timeout:.0f} s ({url})"
                 ) from error
-            raise EngineUnavailableError(
-                f"engine {self.name}: {endpoint} failed at {url}: {reason!r}"
-                f"{self.process_report(settle_s=CONNECTION_LOSS_SETTLE_S)}"
-            ) from error
+            report = self.process_report(settle_s=CONNECTION_LOSS_SETTLE_S)
+            hint = report or "; check that the engine runs and listens at that address (its log, the port)"
+            raise EngineUnavailableError(f"engine {self.name}: {endpoint} failed at {url}: {reason!r}{hint}") from error
         if not raw.strip():
             return None
-        return json.loads(raw) if content_type == "application/json" else raw.decode("utf-8", errors="replace")
+        if content_type != "application/json":
+            return raw.decode("utf-8", errors="replace")
+        try:
+            return json.loads(raw)
+        except ValueError as error:
+            raise EngineResponseError(
+                f"engine {self.name}: {endpoint} answered malformed JSON at {url} ({error}): {raw[:300]!r}; "
+                f"{NOT_THE_PROTOCOL}"
+            ) from error
 
     def start(self) -> None:
         if self.process is None:
@@ -167,7 +180,14 @@ class HttpEngine(RolloutEngine):
             with self._lock:
                 self._samples_in_flight.pop(request.rid, None)
         samples = answer if isinstance(answer, list) else [answer]
-        return [GenerateResult.from_json(s, routed_experts_shape=self.routed_experts_shape) for s in samples]
+        try:
+            return [GenerateResult.from_json(s, routed_experts_shape=self.routed_experts_shape) for s in samples]
+        except (KeyError, TypeError, ValueError, IndexError) as error:
+            what = f"no field {error.args[0]!r}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+            raise EngineResponseError(
+                f"engine {self.name}: /generate at {self.base_url} answered a sample the protocol does not allow "
+                f"({what}): {json.dumps(answer)[:300]}; {NOT_THE_PROTOCOL}"
+            ) from error
 
     def abort(self, rid: str | None = None) -> None:
         """Abort ``rid`` and, for n > 1, each sample's ``{rid}_{i}`` (SGLang expands n into those rids)."""

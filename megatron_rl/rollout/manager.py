@@ -8,7 +8,8 @@ Per step (:meth:`RolloutManager.generate_step`):
 2. send one ``/generate`` request per prompt with ``n`` samples, spread
    round-robin over the engines, at most ``max_concurrent_requests`` per
    engine in flight;
-3. as each group comes back, score it in the reward worker processes, add the
+3. as each group comes back, score it in the reward worker processes (a response whose
+   reward raises or runs past ``data.reward_timeout_s`` scores as failed, see ``scoring``), add the
    DAPO overlong penalty (and zero the loss mask of truncated responses when
    overlong filtering is on), and, with dynamic sampling, drop it when its
    correctness (``metric: acc``, the default) or scores (``metric: score``) do not
@@ -25,8 +26,9 @@ Request ids are ``<uid_prefix><serial>``, the serial counting the sampler's
 prompts over epochs, so they (and, with ``seed``, each request's sampling seed
 ``seed * 2**32 + serial``) are the same after a resume from the sampler's state.
 Metrics: ``rollout/groups_kept``, ``groups_dropped``, ``groups_aborted``,
-``gen_batches``, ``samples``, ``seconds``. Rewards, accuracy and lengths of the kept
-samples are the trainer's ``train/...`` metrics (computed once, by the driver).
+``gen_batches``, ``samples``, ``reward_errors``, ``reward_timeouts``, ``seconds``. Rewards,
+accuracy and lengths of the kept samples are the trainer's ``train/...`` metrics (computed
+once, by the driver).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from megatron_rl.algorithms import groups_with_signal, overlong_penalty
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample, RolloutStep
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
-from megatron_rl.rollout.scoring import RewardPool
+from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
@@ -86,8 +88,9 @@ class _OrderedSelection:
     A group at position p is kept when it has signal and fewer than ``needed`` groups were kept before it;
     once the step is full at position p, ``cutoff`` becomes p + 1 and later positions are surplus (aborted).
     The counts are of the settled positions too, so they do not depend on timing either: ``dropped``
-    (settled groups without signal), ``samples`` (the responses of settled groups, kept or dropped) and,
-    after :meth:`finish`, ``aborted`` (every position past the cutoff, and settled requests an engine aborted).
+    (settled groups without signal), ``samples`` (the responses of settled groups, kept or dropped),
+    ``reward_errors`` and ``reward_timeouts`` (those of their responses whose reward failed) and, after
+    :meth:`finish`, ``aborted`` (every position past the cutoff, and settled requests an engine aborted).
     """
 
     def __init__(self, size: int, kept: list[RolloutGroup], needed: int, counts: dict[str, int]) -> None:
@@ -120,6 +123,9 @@ class _OrderedSelection:
                 self._counts["aborted"] += 1
                 continue
             self._counts["samples"] += len(group.samples)
+            for sample in group.samples:
+                if sample.reward_failure is not None:
+                    self._counts[f"reward_{sample.reward_failure}s"] += 1
             if not has_signal:
                 self._counts["dropped"] += 1
                 continue
@@ -157,6 +163,7 @@ class RolloutManager:
         prompts_per_step: int,
         reward: str,
         reward_num_workers: int,
+        reward_timeout_s: float,
         decode: Callable[[list[int]], str],
         routing_replay: bool = False,
         uid_prefix: str = "g",
@@ -174,7 +181,7 @@ class RolloutManager:
         self.prompts_per_step = prompts_per_step
         self.decode = decode
         self.routing_replay = routing_replay
-        self.rewards = RewardPool(reward, reward_num_workers)
+        self.rewards = RewardPool(reward, reward_num_workers, timeout_s=reward_timeout_s)
         self._threads = ThreadPoolExecutor(max_workers=rollout.max_concurrent_requests * len(self.engines))
         self._uid_prefix = uid_prefix
         self.seed = seed
@@ -191,7 +198,9 @@ class RolloutManager:
         )
         return GenerateRequest(list(item.prompt_ids), params, rid=uid, return_routed_experts=self.routing_replay)
 
-    def _group(self, item: PromptItem, uid: str, results: list[GenerateResult], scored) -> RolloutGroup:
+    def _group(
+        self, item: PromptItem, uid: str, results: list[GenerateResult], scored: list[ScoredResponse]
+    ) -> RolloutGroup:
         lengths = torch.tensor([len(r.output_ids) for r in results])
         penalties = torch.zeros(len(results))
         if self.overlong.enable:
@@ -199,7 +208,7 @@ class RolloutManager:
                 lengths, self.rollout.max_response_length, self.overlong.buffer_length, self.overlong.penalty_factor
             )
         samples = []
-        for result, (score, correct), penalty in zip(results, scored, penalties.tolist(), strict=True):
+        for result, reward, penalty in zip(results, scored, penalties.tolist(), strict=True):
             truncated = result.finish_reason.type == "length"
             keep_tokens = 0 if truncated and self.overlong.filter_truncated else 1
             samples.append(
@@ -208,12 +217,13 @@ class RolloutManager:
                     response_ids=result.output_ids,
                     rollout_logprobs=result.output_logprobs,
                     finish_reason=result.finish_reason.type,
-                    score=score + penalty,
-                    correct=correct,
+                    score=reward.score + penalty,
+                    correct=reward.correct,
                     overlong_penalty=penalty,
                     loss_mask=[keep_tokens] * len(result.output_ids),
                     weight_version=result.weight_version,
                     routed_experts=result.routed_experts,
+                    reward_failure=reward.failure,
                 )
             )
         return RolloutGroup(uid=uid, prompt_index=item.index, samples=samples)
@@ -240,7 +250,7 @@ class RolloutManager:
                         selection.discard(position)
                         continue
                     texts = [self.decode(r.output_ids) for r in results]
-                    scoring[self.rewards.submit(texts, item.ground_truth, item.extra_info)] = (
+                    scoring[self.rewards.submit(texts, item.ground_truth, item.extra_info, label=uid)] = (
                         position,
                         item,
                         uid,
@@ -266,7 +276,7 @@ class RolloutManager:
         """Kept groups for one training step and the step's rollout metrics."""
         start = time.perf_counter()
         kept: list[RolloutGroup] = []
-        counts = {"aborted": 0, "dropped": 0, "samples": 0}
+        counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
         max_batches = self.dynamic_sampling.max_gen_batches if self.dynamic_sampling.enable else 1
         bar = _Progress(self.prompts_per_step)
         try:
@@ -292,6 +302,8 @@ class RolloutManager:
             "rollout/groups_aborted": float(counts["aborted"]),
             "rollout/gen_batches": float(gen_batches),
             "rollout/samples": float(counts["samples"]),
+            "rollout/reward_errors": float(counts["reward_errors"]),
+            "rollout/reward_timeouts": float(counts["reward_timeouts"]),
             "rollout/seconds": seconds,
         }
 

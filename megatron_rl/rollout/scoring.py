@@ -1,52 +1,265 @@
-"""Reward scoring in worker processes, so a slow verifier does not stall generation.
+"""Reward scoring in worker processes: a slow verifier does not stall generation, a failing one does not stop the run.
 
-Workers are started with ``spawn`` (the parent runs HTTP threads, which
-``fork`` must not copy) and warmed up at construction, so the first step does
-not pay their start-up. The reward is looked up by name
-(:func:`megatron_rl.data.get_reward`: a registered name or ``pkg.module:fn``)
-inside the worker, which keeps the task picklable.
+Each response is scored alone, by one of ``num_workers`` spawned processes (``spawn``: the parent
+runs HTTP threads, which ``fork`` must not copy), each driven over a pipe by a thread of the pool.
+Workers are started and checked at construction, so the first step does not pay their start-up.
+The reward is looked up by name inside the worker (:func:`megatron_rl.data.get_reward`: a
+registered name or ``pkg.module:fn``). Workers are daemonic: a reward may run subprocesses, but
+not start ``multiprocessing`` children.
+
+Failures are per response. A reward that raises, returns something other than a ``RewardOutput``,
+or kills its worker process scores the response as failed (``failure="error"``); one still running
+after ``timeout_s`` (``data.reward_timeout_s``) too (``failure="timeout"``): its worker is killed
+and a fresh one takes the next response. A failed response gets the score the reward gives the
+empty response (the contract probe, judged wrong: the reward's own score of a wrong answer) and
+``correct=False``; each failure is logged once, with the exception and the response. Scores come
+back in the responses' order, whichever worker scored them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0
+"""Seconds a new worker process may take to start and import the reward."""
+STOP_TIMEOUT_S = 5.0
+"""Seconds a closing worker gets to exit before it is killed."""
+
+Failure = Literal["error", "timeout"]
+Job = tuple[str, str, Mapping[str, Any]]
+Answer = tuple[float, bool, str | None]
+"""A worker's answer: score, correct, and the traceback when the reward failed (else None)."""
 
 
-def score_responses(
-    reward: str, responses: Sequence[str], ground_truth: str, extra_info: Mapping[str, Any]
-) -> list[tuple[float, bool]]:
-    """(score, correct) of each response of one group (runs in a worker)."""
-    from megatron_rl.data import get_reward
+@dataclass(frozen=True)
+class ScoredResponse:
+    """The score of one response; ``failure`` says why the reward gave none (the score is then the failed one)."""
+
+    score: float
+    correct: bool
+    failure: Failure | None = None
+
+
+def _serve(conn: Connection, reward: str) -> None:
+    """A worker: import the reward, say it is ready, then answer each job until the pipe sends None."""
+    from megatron_rl.data import RewardOutput, get_reward
 
     fn = get_reward(reward)
-    outputs = [fn(response, ground_truth, extra_info) for response in responses]
-    return [(output.score, output.correct) for output in outputs]
+    conn.send(None)
+    while (job := conn.recv()) is not None:
+        try:
+            output = fn(*job)
+            if not isinstance(output, RewardOutput):
+                raise TypeError(f"the reward returned {type(output).__name__}, not a RewardOutput")
+            conn.send((output.score, output.correct, None))
+        except Exception as exc:
+            conn.send((0.0, False, "".join(traceback.format_exception(exc)).rstrip()))
 
 
-def _ready() -> bool:
-    from megatron_rl.data import get_reward  # noqa: F401  (import the reward registry once per worker)
+class _Worker:
+    """One scoring process and the parent's end of its pipe."""
 
-    return True
+    def __init__(self, reward: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, reward), name=f"reward-{reward}", daemon=True)
+        self.process.start()
+        child.close()
+
+    def wait_ready(self, reward: str) -> None:
+        """Return once the worker has imported the reward; RuntimeError when it died or took too long."""
+        if self._conn.poll(STARTUP_TIMEOUT_S):
+            try:
+                self._conn.recv()
+                return
+            except EOFError:
+                pass
+        self.kill()
+        raise RuntimeError(
+            f"data.reward: a reward worker for {reward!r} did not start within {STARTUP_TIMEOUT_S:.0f} s "
+            f"(exit code {self.process.exitcode}); run `megatron-rl validate` on the recipe to see why"
+        )
+
+    def score(self, job: Job, timeout_s: float) -> Answer | None:
+        """The worker's answer to ``job``, or None when it gave none within ``timeout_s``.
+
+        A worker that died (or dies on the job) answers a failure naming its exit code; the
+        caller replaces a worker that timed out or is no longer alive.
+        """
+        try:
+            self._conn.send(job)
+            if not self._conn.poll(timeout_s):
+                return None
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self.process.join(STOP_TIMEOUT_S)
+            return 0.0, False, f"the reward worker process exited with code {self.process.exitcode}"
+
+    def alive(self) -> bool:
+        """Whether the process still runs."""
+        return self.process.is_alive()
+
+    def kill(self) -> None:
+        """Kill the process at once (a hung reward) and wait for it."""
+        self.process.kill()
+        self.process.join()
+        self._conn.close()
+
+    def stop(self) -> None:
+        """Ask the process to exit; kill it when it does not within ``STOP_TIMEOUT_S``."""
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self.process.join(STOP_TIMEOUT_S)
+        self.kill()
+
+
+class _GroupScores:
+    """The scores of one group's responses, filled in by the pool's threads; ``future`` resolves when all are in."""
+
+    def __init__(self, size: int) -> None:
+        self.future: Future[list[ScoredResponse]] = Future()
+        self._scores: list[ScoredResponse | None] = [None] * size
+        self._missing = size
+        self._lock = threading.Lock()
+        if size == 0:
+            self._resolve(lambda: self.future.set_result([]))
+
+    def set(self, index: int, scored: ScoredResponse) -> None:
+        """Record response ``index``; the last one resolves the future (unless it was cancelled)."""
+        with self._lock:
+            self._scores[index] = scored
+            self._missing -= 1
+            complete = self._missing == 0
+        if complete:
+            self._resolve(lambda: self.future.set_result(list(self._scores)))
+
+    def fail(self, exc: BaseException) -> None:
+        """The group cannot be scored (a worker does not start): its future raises ``exc``."""
+        self._resolve(lambda: self.future.set_exception(exc))
+
+    def _resolve(self, settle: Callable[[], None]) -> None:
+        with self._lock:
+            if self.future.done() or not self.future.set_running_or_notify_cancel():
+                return
+            settle()
 
 
 class RewardPool:
-    """``num_workers`` spawned processes scoring groups with the reward named ``reward``."""
+    """``num_workers`` processes scoring responses with the reward named ``reward`` (see the module docstring).
 
-    def __init__(self, reward: str, num_workers: int) -> None:
+    Raises ValueError for ``num_workers`` < 1, RuntimeError when a worker does not start or the
+    reward fails on the empty-response probe that sets the failed score.
+    """
+
+    def __init__(self, reward: str, num_workers: int, *, timeout_s: float) -> None:
         if num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {num_workers}")
-        self.reward = reward
-        self._pool = ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"))
-        for ready in [self._pool.submit(_ready) for _ in range(num_workers)]:
-            ready.result()
+        from megatron_rl.data.rewards import EMPTY_RESPONSE_PROBE
 
-    def submit(self, responses: Sequence[str], ground_truth: str, extra_info: Mapping[str, Any]) -> Future:
-        """Future of :func:`score_responses` for one group."""
-        return self._pool.submit(score_responses, self.reward, list(responses), ground_truth, dict(extra_info))
+        self.reward, self.timeout_s = reward, timeout_s
+        workers = [_Worker(reward) for _ in range(num_workers)]
+        try:
+            for worker in workers:
+                worker.wait_ready(reward)
+            probe = workers[0].score(EMPTY_RESPONSE_PROBE, timeout_s)
+        except BaseException:
+            for worker in workers:
+                worker.kill()
+            raise
+        if probe is None or probe[2] is not None:
+            for worker in workers:
+                worker.kill()
+            reason = f"ran past {timeout_s} s" if probe is None else f"failed:\n{probe[2]}"
+            raise RuntimeError(
+                f"data.reward: {reward!r} on the empty response {EMPTY_RESPONSE_PROBE!r} {reason}; "
+                "the reward must score it (as wrong) quickly, since failed responses get that score"
+            )
+        self.failed_score = probe[0]
+        self._jobs: queue.SimpleQueue[tuple[_GroupScores, int, Job, str] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._serve_jobs, args=(w,), daemon=True) for w in workers]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(
+        self, responses: Sequence[str], ground_truth: str, extra_info: Mapping[str, Any], *, label: str = ""
+    ) -> Future[list[ScoredResponse]]:
+        """Future of one group's scores, in the order of ``responses``; ``label`` names the group in failure logs."""
+        group = _GroupScores(len(responses))
+        for index, response in enumerate(responses):
+            self._jobs.put((group, index, (response, ground_truth, dict(extra_info)), label))
+        return group.future
+
+    def _serve_jobs(self, worker: _Worker | None) -> None:
+        """One pool thread: hand jobs to its worker, replacing the worker when it hangs or dies."""
+        while (item := self._jobs.get()) is not None:
+            group, index, job, label = item
+            if group.future.done():
+                continue
+            try:
+                worker = worker if worker is not None and worker.alive() else self._new_worker()
+            except RuntimeError as exc:
+                worker = None
+                group.fail(exc)
+                continue
+            answer = worker.score(job, self.timeout_s)
+            if answer is None:
+                worker.kill()
+                worker = None
+                detail = (
+                    f"ran past data.reward_timeout_s={self.timeout_s} s; its worker process was killed and replaced"
+                )
+                group.set(index, self._failed("timeout", detail, label, index, job))
+            elif answer[2] is not None:
+                group.set(index, self._failed("error", answer[2], label, index, job))
+            else:
+                group.set(index, ScoredResponse(answer[0], answer[1]))
+        if worker is not None:
+            worker.stop()
+
+    def _new_worker(self) -> _Worker:
+        worker = _Worker(self.reward)
+        worker.wait_ready(self.reward)
+        return worker
+
+    def _failed(self, failure: Failure, detail: str, label: str, index: int, job: Job) -> ScoredResponse:
+        response, ground_truth, _ = job
+        logger.warning(
+            "reward %r %s on response %d of group %s; it scores %s (the empty response's score, counted in "
+            "rollout/reward_%ss): ground truth %r, response %r\n%s",
+            self.reward,
+            "failed" if failure == "error" else "timed out",
+            index,
+            label or "?",
+            self.failed_score,
+            failure,
+            ground_truth[:200],
+            response[:1000],
+            detail,
+        )
+        return ScoredResponse(self.failed_score, False, failure)
 
     def close(self) -> None:
-        """Stop the workers (pending scores are cancelled)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the workers; scores still queued are cancelled."""
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].future.cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()

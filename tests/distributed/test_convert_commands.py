@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from megatron_rl.checkpoint import convert
 from megatron_rl.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from megatron_rl.cli import main
 from megatron_rl.config.hf_config import load_hf_config
@@ -118,13 +119,17 @@ def test_tied_dense_round_trip_keeps_only_the_embedding(tmp_path):
 
 
 @pytest.mark.distributed
-def test_failed_conversion_leaves_nothing_at_out(tmp_path, moe_dir):
+def test_failed_conversion_leaves_nothing_at_out(tmp_path, moe_dir, monkeypatch):
     bad = tmp_path / "bad"
     bad.mkdir()
     tensors = load_file(moe_dir / "model.safetensors")
     tensors.pop("model.norm.weight")
     save_file(tensors, bad / "model.safetensors")
     (bad / "config.json").write_bytes((moe_dir / "config.json").read_bytes())
+    with pytest.raises(ValueError, match="--hf: .*are missing: model.norm.weight"):
+        convert_hf_to_mcore(bad, tmp_path / "out")  # the headers are checked before any rank starts
+    assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()
+    monkeypatch.setattr(convert, "weight_problems", lambda *args: [])  # the ranks find it too, and clean up
     with pytest.raises(RankFailedError, match="rank 0 failed: .*model.norm.weight.* is missing"):
         convert_hf_to_mcore(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not partial_dir(tmp_path / "out").exists()

@@ -94,7 +94,7 @@ def test_server_answering_500_raises_with_status_and_body(tmp_path):
     try:
         with pytest.raises(EngineStartupError, match="HTTP 500"):
             engine.wait_healthy(3)
-        with pytest.raises(EngineRequestError, match="answered HTTP 500: .*scheduler crashed") as error:
+        with pytest.raises(EngineRequestError, match="answered HTTP 500 at http://.*scheduler crashed") as error:
             engine.generate(_request(), timeout_s=5)
         assert error.value.status == 500
     finally:

@@ -48,6 +48,7 @@ def _manager(engine, truths, *, gen_batch, prompts_per_step, max_new, max_gen_ba
         prompts_per_step=prompts_per_step,
         reward=REWARD,
         reward_num_workers=2,
+        reward_timeout_s=30.0,
         decode=lambda ids: " ".join(map(str, ids)),
         routing_replay=True,
     )

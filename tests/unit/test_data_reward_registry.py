@@ -45,6 +45,10 @@ def crashing_reward(response: str, ground_truth: str, extra_info: Mapping[str, A
     raise KeyError("difficulty")
 
 
+def always_correct_reward(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:
+    return RewardOutput(score=1.0, correct=True)
+
+
 @pytest.fixture
 def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))
@@ -130,6 +134,7 @@ def test_import_path_errors_name_module_and_attribute(custom_module: str) -> Non
         (two_argument_reward, "must accept"),
         (float_reward, "returned float"),
         (crashing_reward, "raised KeyError on probe"),
+        (always_correct_reward, "judges the empty response correct"),
         (42, "not callable"),
     ],
 )

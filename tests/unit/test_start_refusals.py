@@ -191,6 +191,13 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("orchestration/trainer_group.py", "trained on other samples"): "a delivery check at run time",
     ("rollout/reference/weights.py", ""): "weight update contents, written by the trainer's exporter",
     ("rollout/protocol.py", ""): "wire-format checks of engine requests and responses",
+    ("rollout/scoring.py", "did not start within"): "the machine: a reward worker process that cannot start",
+    ("rollout/scoring.py", "on the empty response"): "the reward's behaviour at run time; `validate` and "
+    "prepare_data's contract check (data.reward) run the same probe first",
+    (
+        "rollout/scoring.py",
+        "not a RewardOutput",
+    ): "a reward's answer at run time, caught: the response scores as failed",
     ("rollout/http_engine.py", ""): "engine failures and timeouts at run time",
     ("rollout/server_process.py", ""): "platform (Linux) and process state",
     ("rollout/sglang_engine.py", "must be"): "ports and GPU ids come from the placement, not the recipe",
