@@ -1,22 +1,23 @@
 """Weight sync from the sharded Megatron model (TP2 x EP2, 4 gloo ranks) per transport and bucket size (CPU).
 
-Writes a Qwen3-MoE Hugging Face checkpoint (random init, fp32, about 190M parameters), starts
-one reference engine on it with dummy weights, and runs 4 forked gloo ranks that build the
-Megatron model at TP2 x EP2 (expert TP 1; data parallel 2 for dense and for expert weights) and
-load the checkpoint. Each rank then streams
-``export_hf_weights(designated_only=True)`` into the engine (what ``WeightSyncer.sync_megatron``
-does), through each transport (``tensor``: shared-memory IPC; ``distributed``: a gloo broadcast
-group per sending rank; ``disk``: safetensors in a temporary directory on the local disk) at each
-bucket size. Per (transport, bucket size): one warm-up sync (buffers, groups), then ``--repeats``
-timed syncs, each after every parameter changed (``+1``) and followed by a check that the engine
-holds, bit for bit, a few tensors of every sending rank as that sync exported them (embedding,
-output layer, a gathered attention weight, the router, experts of both EP ranks, the final norm).
+Writes a Qwen3-MoE Hugging Face checkpoint (random init, fp32, 193M parameters), starts one
+reference engine on it with dummy weights, and runs 4 forked gloo ranks that build the Megatron
+model at TP2 x EP2 (expert TP 1; data parallel 2 for dense and for expert weights) and load the
+checkpoint. Each rank then streams ``export_hf_weights(designated_only=True)`` into the engine
+through ``WeightSyncer.sync`` (``sync_megatron`` is exactly that; the stream passes a tap that keeps
+the checked rows), through each transport (``tensor``: shared-memory IPC; ``distributed``: a gloo
+broadcast group per sending rank; ``disk``: safetensors in a temporary directory on the local disk)
+at each bucket size. Per (transport, bucket size): one warm-up sync (buffers, groups), then
+``--repeats`` timed syncs, each after every parameter changed (``+1``) and followed by a check that
+the engine holds, bit for bit, the first rows of a few tensors of every sending rank as that sync
+exported them (embedding, output layer, a gathered attention weight, the router, experts of both EP
+ranks, the final norm).
 
-Baselines measured in the same run: ``export only`` (the ranks iterate the export without
-sending: the TP gathers and the Megatron -> Hugging Face conversion) and a plain ``copy_`` of the
-checkpoint's tensors (the same bytes) in one process before and after the ranks run, the faster
-of 1 and the default intra-op threads. Seconds are wall time across the ranks (between barriers); ranks run one intra-op
-thread each, as trainer ranks do on CPU.
+Baselines measured in the same run: ``export only`` (the ranks iterate the export without sending:
+the TP gathers and the Megatron -> Hugging Face conversion) and a plain ``copy_`` of the
+checkpoint's tensors (the same bytes) in one process before and after the ranks run, the faster of 1
+and the default intra-op threads. Seconds are wall time across the ranks (between barriers); ranks
+run one intra-op thread each, as trainer ranks do on CPU.
 
     PYTHONPATH=. .venv/bin/python benchmarks/weight_sync_megatron.py [--buckets-mb 64,256,1024] [--repeats 3]
 
