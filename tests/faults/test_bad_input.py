@@ -235,7 +235,7 @@ def test_data_every_prompt_longer_than_max_prompt_length_names_the_field_and_the
 ) -> None:
     path = write_rows(tmp_path / "long.parquet", [verl_row("max 1 2"), verl_row("max 1 2 3 4")])
     message = data_error(path, tokenizer_dir, tmp_path, "rollout.max_prompt_length=2")
-    assert_says(message, str(path), "2 longer than max_prompt_length=2", "rollout.max_prompt_length", "at least 3")
+    assert_says(message, str(path), "2 longer than max_prompt_length=2", "rollout.max_prompt_length", "at least 6")
 
 
 def test_data_file_without_rows(tokenizer_dir: Path, tmp_path: Path) -> None:
