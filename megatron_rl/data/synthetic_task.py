@@ -13,11 +13,12 @@ Prompt formats (both read by ``load_prompt_dataset``):
 - ``chat``: the prompt is ``[{"role": "user", "content": "succ 3"}]``, rendered by the chat
   template as ``<bos> <user> succ 3 <assistant>``.
 
-Measured with GRPO from random init (plain PyTorch, 2-layer 64-wide transformer, 32 prompts x
-8 samples, Adam 2e-3, temperature 1, at most 6 new tokens): ``successor``/``text`` reached
-75-97% sampled accuracy after 120 steps in 5 of 5 seeds (greedy 70-94%; about 15 s per run on
-2 cores); ``successor``/``chat`` reached 9-69% (3 seeds; one collapsed onto a constant digit);
-``max``/``text`` reached 56-78% after 200 steps (2 seeds).
+Measured with the tiny recipes (DAPO, the 2-layer Qwen3-MoE, 8 prompts x 16 samples, Adam 1e-3,
+150 steps; ``docs/algorithm-comparison.md``): ``successor``/``chat`` reaches greedy accuracy 1.00 in
+3 of 3 seeds. ``successor``/``text`` stalls near 0.44-0.56: its prompt ends with a digit, like a
+right answer just before ``<eos>``, and "stop after a digit" learnt from right answers makes the
+model stop right after the prompt on some digits. (An earlier plain-PyTorch GRPO probe found
+``max``/``text`` at 56-78% after 200 steps, 2 seeds.)
 
 Reward: registered once per task as ``synthetic_<task>`` (the rows' ``data_source``:
 ``synthetic_successor``, ``synthetic_max``), one rule for all. The response text is split into

@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_rl.orchestration.errors import RankCallError
 from megatron_rl.orchestration.placement_group import RankSlot
+from megatron_rl.rollout.server_process import kill_when_parent_dies
 
 
 @ray.remote
@@ -43,6 +45,10 @@ class _RankHost:
         return ray.util.get_node_ip_address(), port
 
     def start(self, env: dict[str, str], worker_cls: type, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+        if sys.platform == "linux":
+            # Processes a rank forks (Megatron's checkpoint writers) inherit its sockets: alive after the
+            # rank died, they would keep Ray and the process group from seeing the death.
+            os.register_at_fork(after_in_child=kill_when_parent_dies)
         os.environ.update(env)
         self._worker = worker_cls(*args, **kwargs)
         return os.getpid()

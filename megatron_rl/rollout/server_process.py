@@ -25,8 +25,8 @@ _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
-def _kill_when_parent_dies() -> None:
-    """In the child before exec: ask the kernel for SIGKILL when the parent (thread) ends."""
+def kill_when_parent_dies() -> None:
+    """In a child (after fork, before exec): ask the kernel for SIGKILL when the parent (thread) ends (Linux)."""
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -62,7 +62,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env} if self.env is not None else None,
                 start_new_session=True,
-                preexec_fn=_kill_when_parent_dies if self.die_with_parent else None,
+                preexec_fn=kill_when_parent_dies if self.die_with_parent else None,
             )
 
     @property

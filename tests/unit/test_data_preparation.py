@@ -21,7 +21,10 @@ def test_synthetic_recipe_prepares_tokenizer_datasets_and_reward(tmp_path: Path)
     assert len(prepared.train) == cfg.data.synthetic.num_train
     assert prepared.val is not None and len(prepared.val) == cfg.data.synthetic.num_val
     item = prepared.train[0]
-    assert prepared.tokenizer.decode(item.prompt_ids) == f"<bos> <user> succ {(int(item.ground_truth) - 1) % 10} <assistant>"
+    assert (
+        prepared.tokenizer.decode(item.prompt_ids)
+        == f"<bos> <user> succ {(int(item.ground_truth) - 1) % 10} <assistant>"
+    )
     assert prepared.reward_fn(f"{item.ground_truth}<eos>", item.ground_truth, {}).correct
 
 
