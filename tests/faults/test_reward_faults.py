@@ -157,7 +157,7 @@ def test_the_tiny_run_survives_a_reward_that_raises_and_hangs(tmp_path) -> None:
         f"data.reward_timeout_s={TIMEOUT_S}",
         "train.steps=2",
         "train.prompts_per_step=4",
-        "algorithm.dynamic_sampling.gen_batch_prompts=8",
+        "algorithm.dynamic_sampling.gen_batch_prompts=16",
         "train.val_interval=2",
         "data.synthetic.num_val=8",
         "logging.sinks=[jsonl]",
@@ -165,7 +165,7 @@ def test_the_tiny_run_survives_a_reward_that_raises_and_hangs(tmp_path) -> None:
     run_train(tmp_path, overrides)
     validation, *steps = read_metrics(tmp_path / RUN)
     assert validation["step"] == 0 and [r["step"] for r in steps] == [1, 2]
-    assert all(r["actor/update_skipped"] == 0.0 for r in steps)
+    assert all(r["train/update_skipped"] == 0.0 and r["actor/update_skipped"] == 0.0 for r in steps)
     assert sum(r["rollout/reward_errors"] for r in steps) > 0
     assert sum(r["rollout/reward_timeouts"] for r in steps) > 0
     assert {"val/reward_errors", "val/reward_timeouts"} <= set(validation) & set(steps[-1])
