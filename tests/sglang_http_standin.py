@@ -11,6 +11,10 @@ await is answered by :class:`~megatron_rl.rollout.reference.backend.ReferenceBac
 event loop), returning what SGLang's manager returns. So our client talks to
 SGLang's real routes, and the reference backend plays SGLang's scheduler.
 
+With ``api_key``, the app is wrapped in SGLang's own API-key middleware
+(``sglang.srt.utils.auth.add_api_key_middleware``, what its ``launch_server`` adds
+for ``--api-key``), built around the app without changing it.
+
 Needs ``sglang`` importable with the HTTP modules of
 ``tests/sglang_protocol_requirements.txt`` (fastapi, uvicorn, uvloop, ...).
 """
@@ -147,9 +151,38 @@ class ReferenceTokenizerManager:
         return await self._run(lambda: self.backend.weights_by_name(obj.name, obj.truncate_size))
 
 
+class _MiddlewareCapture:
+    """Stands in for the app in ``add_api_key_middleware``: records the middleware SGLang would add.
+
+    The module-level app may have served requests already, after which Starlette refuses new
+    middleware; the captured class is instead instantiated around the app (what Starlette does).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.router = app.router
+        self.routes = app.routes
+        self.added: tuple[type, dict[str, Any]] | None = None
+
+    def add_middleware(self, cls: type, **kwargs: Any) -> None:
+        self.added = (cls, kwargs)
+
+
+def with_sglang_api_key(app: Any, api_key: str) -> Any:
+    """``app`` behind SGLang's API-key middleware for ``--api-key api_key`` (no admin key)."""
+    from sglang.srt.utils.auth import add_api_key_middleware
+
+    capture = _MiddlewareCapture(app)
+    add_api_key_middleware(capture, api_key=api_key, admin_api_key=None)
+    cls, kwargs = capture.added
+    return cls(app, **(kwargs | {"fastapi_app": app}))
+
+
 @contextmanager
-def serve_sglang_http(backend: ReferenceBackend) -> Iterator[int]:
-    """SGLang's FastAPI app on 127.0.0.1 (uvicorn, in a thread) over ``backend``; yields the port."""
+def serve_sglang_http(backend: ReferenceBackend, *, api_key: str | None = None) -> Iterator[int]:
+    """SGLang's FastAPI app on 127.0.0.1 (uvicorn, in a thread) over ``backend``; yields the port.
+
+    ``api_key``: requests need it, as on a server started with ``--api-key``.
+    """
     import uvicorn
     from sglang.srt.entrypoints import http_server
 
@@ -160,9 +193,8 @@ def serve_sglang_http(backend: ReferenceBackend) -> Iterator[int]:
         )
     )
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(http_server.app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
-    )
+    app = http_server.app if api_key is None else with_sglang_api_key(http_server.app, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, name="sglang-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

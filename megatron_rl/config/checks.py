@@ -4,7 +4,8 @@ Each check is a small named function taking the recipe (and the model's
 :class:`QwenArchitecture`) and returning :class:`Finding` objects; a finding names the
 dotted field, what is wrong and how to fix it. Errors stop the run; warnings are
 printed and the run goes on. ``needed`` findings name files the recipe reads that are
-not on this machine (weights, data): ``validate`` and ``plan`` report them as warnings,
+not on this machine (weights, data), or the network interface of a multi-node run when
+this machine lacks it: ``validate`` and ``plan`` report them as warnings,
 so a layout can be checked before downloading anything; ``validate --strict`` and
 ``train`` refuse them.
 """
@@ -17,6 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+import psutil
 
 from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE, QwenArchitecture
 from megatron_rl.config.hf_weights import weight_problems
@@ -390,6 +393,27 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
         yield _error("checkpoint.resume", f"{resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
 
 
+def _check_network(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    cluster = cfg.cluster
+    if cluster.nodes == 1:
+        return  # a one-node run listens on 127.0.0.1 only, whatever network_interface says
+    if cluster.network_interface is None:
+        yield _error(
+            "cluster.network_interface",
+            f"required when cluster.nodes > 1 (got {cluster.nodes}): name the interface the nodes reach each other "
+            "on (e.g. ib0 or eth0; `ip -brief addr` on a node lists them); engines, the weight transport and Ray "
+            "listen only on its address, never on every interface (0.0.0.0)",
+        )
+        return
+    interfaces = psutil.net_if_addrs()
+    if cluster.network_interface not in interfaces:
+        yield _needed(
+            "cluster.network_interface",
+            f"this machine has no interface {cluster.network_interface!r} (it has {', '.join(sorted(interfaces))}); "
+            "every node of the job needs it",
+        )
+
+
 def _check_logging(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     if "wandb" in cfg.logging.sinks and cfg.logging.wandb_project is None:
         yield _error("logging.wandb_project", "required when logging.sinks includes 'wandb'")
@@ -411,6 +435,7 @@ CHECKS: tuple[Check, ...] = (
     _check_weight_sync,
     _check_precision,
     _check_sources,
+    _check_network,
     _check_logging,
 )
 

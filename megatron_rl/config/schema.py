@@ -11,6 +11,7 @@ whole recipe.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
@@ -327,6 +328,31 @@ class ClusterConfig(Section):
         description="GPU architecture of the nodes: hopper (H100/H200, compute capability 9.0) or blackwell "
         "(B200/GB200, 10.0). Decides which FP8 recipes can run: mxfp8 needs blackwell.",
     )
+    network_interface: str | None = Field(
+        None,
+        description="The network interface the nodes reach each other on (e.g. ib0, eth0; `ip -brief addr` lists "
+        "them), required when nodes > 1: engines, the weight transport, the trainer's process groups and the Slurm "
+        "bootstrap's Ray listen on its address on each node, never on every interface. A one-node run ignores it "
+        "and listens on 127.0.0.1 only.",
+    )
+
+    @field_validator("network_interface")
+    @classmethod
+    def _an_interface_name(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            ipaddress.ip_address(value.strip("[]"))
+        except ValueError:
+            pass
+        else:
+            raise ValueError(
+                f"name the interface (e.g. ib0 or eth0), not an address: {value!r}; its address on each node is "
+                "looked up there (a wildcard such as 0.0.0.0 would listen on every interface)"
+            )
+        if not value or len(value) > 15 or any(c.isspace() or c in "/*" for c in value):
+            raise ValueError("a Linux interface name: 1 to 15 characters, no spaces, '/' or '*' (e.g. ib0)")
+        return value
 
 
 class LoggingConfig(Section):

@@ -108,6 +108,7 @@ def train(cfg: RunConfig) -> Path:
     with preemption_requests() as preemption:
         run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
         try:
+            print(run.placement_notice(), flush=True)
             if resume_from:
                 restore(run, resume_from, state)
             if state.step == 0 and should_validate(cfg.train, 0) and not preemption.requested:

@@ -1,10 +1,13 @@
 """Rollout engines hosted by Ray actors, one actor per engine, on the node whose GPUs the engine uses.
 
 An :class:`EngineHost` actor sits on the first placement-group bundle of its
-engine. :meth:`EngineHost.start` picks free ports on its own node, builds the
-engine from an :class:`EngineSpec` (SGLang, or our reference server), starts it,
-waits until it is healthy and returns its address; the driver then talks to it
-over HTTP (:class:`~megatron_rl.rollout.HttpEngine`); when the engine process dies, those
+engine. :meth:`EngineHost.start` picks the address the engine listens on (the run's
+network, :mod:`~megatron_rl.orchestration.network`: 127.0.0.1 on a one-node run, the
+recipe's interface on this node otherwise; never every interface) and free ports there,
+builds the engine from an :class:`EngineSpec` (SGLang, or our reference server) with the
+run's API key, starts it, waits until it is healthy and returns its address; the driver
+then talks to it over HTTP (:class:`~megatron_rl.rollout.HttpEngine`, sending the key);
+when the engine process dies, those
 clients' errors carry its exit code and log tail, which the host reads on the engine's
 node (:meth:`EngineHost.process_report`). The server process is
 started with ``die_with_parent``: when the actor dies (killed, node lost, driver
@@ -26,15 +29,17 @@ import functools
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.plan.placement import ActorResources
 from megatron_rl.rollout import EngineStartupError, HttpEngine, ReferenceEngine, SGLangEngine, SGLangPlacement
+from megatron_rl.rollout.access import check_listen_host
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import RolloutConfig
@@ -54,6 +59,8 @@ class EngineSpec:
 
     ``gpu_ids``: the GPU ids Ray assigned to the engine's bundles, in order (empty on CPU).
     ``routed_experts_shape``: (num_layers, top_k) when routing replay is on, else None.
+    ``network``: where the engine listens; ``api_key``: the run's key the engine requires (kept out
+    of the spec's repr, of its command line and of its log).
     """
 
     name: str
@@ -65,6 +72,8 @@ class EngineSpec:
     gpu_ids: tuple[str, ...] = ()
     routing_replay: bool = False
     routed_experts_shape: tuple[int, int] | None = None
+    network: RunNetwork = field(default_factory=RunNetwork)
+    api_key: str | None = field(default=None, repr=False)
 
 
 def first_visible_index(gpu_ids: Sequence[str], visible_devices: str | None) -> int:
@@ -104,7 +113,13 @@ def sglang_placement(
 
 
 def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visible_devices: str | None) -> HttpEngine:
-    """The engine ``spec`` names, bound to ``host:port``, not started; its server dies with the caller's thread."""
+    """The engine ``spec`` names, bound to ``host:port``, not started; its server dies with the caller's thread.
+
+    Its server gets the run network's gloo/NCCL interface and the spec's API key.
+    Raises ValueError for a wildcard ``host`` (every interface).
+    """
+    check_listen_host(host)
+    env = spec.network.environment()
     if spec.kind == "sglang":
         placement = sglang_placement(spec.gpu_ids, visible_devices, host=host, port=port, nccl_port=nccl_port)
         return SGLangEngine(
@@ -117,6 +132,8 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
             routed_experts_shape=spec.routed_experts_shape,
             seed=spec.seed,
             die_with_parent=True,
+            api_key=spec.api_key,
+            env=env,
         )
     device = f"cuda:{first_visible_index(spec.gpu_ids, visible_devices)}" if spec.gpu_ids else "cpu"
     return ReferenceEngine(
@@ -131,15 +148,17 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
         request_timeout_s=spec.rollout.request_timeout_s,
         routed_experts_shape=spec.routed_experts_shape,
         die_with_parent=True,
+        api_key=spec.api_key,
+        env=env,
     )
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on this node at the time of the call."""
+def free_ports(count: int, host: str) -> list[int]:
+    """``count`` distinct TCP ports free on ``host`` (an address of this node) at the time of the call."""
     sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
     try:
         for sock in sockets:
-            sock.bind(("", 0))
+            sock.bind((check_listen_host(host), 0))
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
@@ -158,8 +177,8 @@ class EngineHost:
         Raises EngineStartupError (exit code and log tail) when it exits or is not healthy within
         ``rollout.startup_timeout_s``; the process is stopped then.
         """
-        host = ray.util.get_node_ip_address()
-        port, nccl_port = free_ports(2)
+        host = spec.network.address(ray.util.get_node_ip_address())
+        port, nccl_port = free_ports(2, host)
         engine = build_engine(
             spec, host=host, port=port, nccl_port=nccl_port, visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES")
         )
@@ -203,8 +222,9 @@ def host_process_report(host: ray.actor.ActorHandle, name: str, settle_s: float)
 class EngineHosts:
     """One :class:`EngineHost` actor per spec, each on the first of its bundles, engines healthy on return.
 
-    ``clients`` are HTTP clients of the engines in spec order; when an engine's process has
-    died, their errors carry its exit code and log tail, read by its host on the engine's node.
+    ``clients`` are HTTP clients of the engines in spec order, sending the specs' API key; when an
+    engine's process has died, their errors carry its exit code and log tail, read by its host on
+    the engine's node.
     Start-up failures raise EngineStartupError naming the engine (after stopping every host);
     :meth:`close` stops them all.
     """
@@ -244,6 +264,7 @@ class EngineHosts:
                 max_concurrent_requests=spec.rollout.max_concurrent_requests,
                 request_timeout_s=spec.rollout.request_timeout_s,
                 routed_experts_shape=spec.routed_experts_shape,
+                api_key=spec.api_key,
             )
             for (name, host, port), spec, actor in zip(self.addresses, specs, self._hosts, strict=True)
         ]

@@ -50,16 +50,30 @@ def check_capacity(num_bundles: int, bundle: dict[str, float], cluster: dict[str
 
 
 def create_rank_slots(
-    num_ranks: int, *, num_gpus: float, num_cpus: float, timeout_s: float = 120.0, name: str = ""
+    num_ranks: int,
+    *,
+    num_gpus: float,
+    num_cpus: float,
+    timeout_s: float = 120.0,
+    name: str = "",
+    on_this_node: bool = False,
 ) -> tuple[PlacementGroup, list[RankSlot]]:
     """Reserve one bundle per rank (PACK strategy) and return the slots sorted by (node IP, GPU ids).
 
+    ``on_this_node``: every bundle on the caller's node (STRICT_PACK, aimed there), as a run that
+    listens on 127.0.0.1 only needs.
     Raises :class:`PlacementError` at once when the cluster's total resources cannot hold the
-    bundles (:func:`check_capacity`), and within ``timeout_s`` when they exist but stay taken.
+    bundles (:func:`check_capacity`), within ``timeout_s`` when they exist but stay taken, and
+    when ``on_this_node`` bundles landed elsewhere.
     """
     bundle = bundle_resources(num_gpus, num_cpus)
     check_capacity(num_ranks, bundle, ray.cluster_resources())
-    group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK", name=name)
+    group = placement_group(
+        [dict(bundle) for _ in range(num_ranks)],
+        strategy="STRICT_PACK" if on_this_node else "PACK",
+        name=name,
+        _soft_target_node_id=ray.get_runtime_context().get_node_id() if on_this_node else None,
+    )
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(group)
@@ -75,6 +89,14 @@ def create_rank_slots(
         for index in range(num_ranks)
     ]
     slots = [RankSlot(index, ip, gpus) for index, (ip, gpus) in enumerate(ray.get(probes))]
+    here = ray.util.get_node_ip_address()
+    if on_this_node and {slot.node_ip for slot in slots} != {here}:
+        ray.util.remove_placement_group(group)
+        raise PlacementError(
+            f"cluster.nodes is 1, so the run listens on 127.0.0.1 only, but Ray placed its {num_ranks} bundles on "
+            f"node(s) {sorted({slot.node_ip for slot in slots})} while the driver runs on {here}: run the driver on "
+            "a node that holds them all, or set cluster.nodes and cluster.network_interface for a multi-node run"
+        )
     return group, sorted(slots, key=lambda slot: (slot.node_ip, slot.gpu_ids, slot.bundle_index))
 
 

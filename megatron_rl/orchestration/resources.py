@@ -6,8 +6,16 @@ The initial weights are one Hugging Face checkpoint both sides load, so trainer 
 engines start identical: ``model.path``, or for ``model.random_init`` a checkpoint
 written once into ``<run_dir>/initial_hf`` (seeded by ``train.seed``).
 
+Network and access (:mod:`network`, :mod:`megatron_rl.rollout.access`): a run that fits one
+node (``cluster.nodes: 1``) starts its local Ray on 127.0.0.1 and keeps every server it starts
+on loopback; a run on several nodes listens on the address of ``cluster.network_interface`` on
+each node. Each run draws an API key (or takes ``MEGATRON_RL_ENGINE_API_KEY``) that its engines
+require on every request but ``/health``; it lives in this process, the engine hosts and the
+trainer ranks only, never in the recipe, a command line, a log or a checkpoint.
+
 Placement (:mod:`run_placement`): one placement group holds every trainer rank and
-engine. Engines are hosted by Ray actors on their bundles (:mod:`engine_host`), on
+engine (a one-node run's all on the driver's node). Engines are hosted by Ray actors on
+their bundles (:mod:`engine_host`), on
 GPU recipes SGLang (or the reference engine), on CPU recipes ``cluster.cpu_engines``
 reference engines; the driver and the trainer ranks reach them over HTTP. Colocated
 runs start with the engines holding their initial weights but no KV cache, and the
@@ -18,7 +26,9 @@ moves memory from there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,12 +46,14 @@ from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
 from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts, EngineSpec
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
+from megatron_rl.orchestration.network import LOOPBACK_ADDRESS, RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.placement import RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
+from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
 from megatron_rl.rollout.manager import RolloutManager
 
 
@@ -52,6 +64,8 @@ class RunResources:
     cfg: RunConfig
     data: PreparedData
     hf_dir: Path
+    network: RunNetwork = field(default_factory=RunNetwork)
+    api_key: str | None = field(default=None, repr=False)
     placement: PlacementGroup | None = None
     engine_hosts: EngineHosts | None = None
     engines: list[RolloutEngine] = field(default_factory=list)
@@ -61,6 +75,14 @@ class RunResources:
     rollout: RolloutManager | None = None
     validation: RolloutManager | None = None
     logger: MetricLogger | None = None
+    trainer_nodes: list[str] = field(default_factory=list)
+
+    def placement_notice(self) -> str:
+        """One line: the network, the trainer ranks' nodes and each engine's address."""
+        engines = self.engine_hosts.addresses if self.engine_hosts is not None else []
+        ranks = ", ".join(f"{node} x{self.trainer_nodes.count(node)}" for node in dict.fromkeys(self.trainer_nodes))
+        where = ", ".join(f"{name} at {host}:{port}" for name, host, port in engines)
+        return f"# network: {self.network.describe()}; trainer ranks on {ranks}; engines: {where}"
 
     def close(self) -> None:
         """Stop sinks, managers, trainer ranks, engines and Ray (local Ray stops; a cluster is left)."""
@@ -90,21 +112,37 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         work_dir=f"{cfg.run_dir}/data",
     )
     expert_dtype = expert_index_dtype(max(1, arch.num_experts))  # what a step's routed experts travel in
-    run = RunResources(cfg, data, initial_weights(cfg, data.tokenizer), expert_dtype=expert_dtype)
+    network = RunNetwork.of(cfg.cluster)
+    network.address()  # a node without the recipe's interface fails here, before Ray starts
+    run = RunResources(
+        cfg,
+        data,
+        initial_weights(cfg, data.tokenizer),
+        network=network,
+        api_key=os.environ.get(API_KEY_ENV) or new_api_key(),
+        expert_dtype=expert_dtype,
+    )
     try:
-        start_ray(cfg)
+        start_ray(cfg, network)
         plan = plan_run_placement(cfg)
         bundle = plan.bundle
         run.placement, slots = create_rank_slots(
-            plan.num_bundles, num_gpus=bundle.num_gpus, num_cpus=bundle.num_cpus, name=cfg.name
+            plan.num_bundles,
+            num_gpus=bundle.num_gpus,
+            num_cpus=bundle.num_cpus,
+            name=cfg.name,
+            on_this_node=network.is_loopback,
         )
-        run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan)
+        run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan, network, run.api_key)
         run.engines = list(run.engine_hosts.clients)
         colocated = cfg.rollout.placement == "colocated"
         if colocated:
             release_engine_caches(run.engines)
         trainer_slots = [slots[position] for position in plan.trainer_positions]
-        run.trainers = start_trainers(cfg, run.hf_dir, run.placement, trainer_slots, plan, run.engine_hosts.addresses)
+        run.trainer_nodes = [slot.node_ip for slot in trainer_slots]
+        run.trainers = start_trainers(
+            cfg, run.hf_dir, run.placement, trainer_slots, plan, run.engine_hosts.addresses, network, run.api_key
+        )
         run.hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
         run.rollout = build_rollout_manager(cfg, data, run.engines)
         run.validation = build_validation_manager(cfg, data, run.engines)
@@ -143,24 +181,60 @@ def initial_weights(cfg: RunConfig, tokenizer: transformers.PreTrainedTokenizerB
     return target
 
 
-def start_ray(cfg: RunConfig) -> None:
+@contextlib.contextmanager
+def _ray_on_loopback() -> Iterator[None]:
+    """Let Ray take 127.0.0.1 as its node address while the block runs.
+
+    Ray 2.60 replaces a node address of 127.0.0.1 by the machine's outward address unless its
+    cluster mode is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read into
+    ``ray._private.ray_constants`` at import); with 127.0.0.1 kept, its GCS, raylet, agents and
+    workers listen on 127.0.0.1 only (measured), where they otherwise listen on every interface.
+    """
+    from ray._private import ray_constants
+
+    variable = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    saved_env, saved_flag = os.environ.get(variable), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[variable], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = saved_env
+
+
+def start_ray(cfg: RunConfig, network: RunNetwork | None = None) -> None:
     """Join the cluster at ``RAY_ADDRESS`` or start a local Ray with this machine's CPUs and the recipe's GPUs.
 
-    Ray workers import this package from the same location as the driver (``PYTHONPATH``).
+    A local Ray runs on the run's network: 127.0.0.1 for a one-node run (every Ray process
+    listening there only), else the address of the recipe's interface; no dashboard. A cluster
+    at ``RAY_ADDRESS`` was started by someone else (``slurm/ray_cluster.sh`` starts it on the
+    recipe's interface). Ray workers import this package from the same location as the driver
+    (``PYTHONPATH``).
     """
+    network = network or RunNetwork.of(cfg.cluster)
     package_root = str(Path(megatron_rl.__file__).resolve().parents[1])
     python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": python_path}}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env, log_to_driver=False)
         return
-    ray.init(
+    start = functools.partial(
+        ray.init,
+        address="local",  # a Ray of its own, never the last `ray start` cluster of the machine (/tmp/ray)
         num_cpus=os.cpu_count(),
         num_gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
         include_dashboard=False,
         log_to_driver=False,
         runtime_env=runtime_env,
     )
+    if network.is_loopback:
+        with _ray_on_loopback():
+            start(_node_ip_address=LOOPBACK_ADDRESS)
+    else:
+        start(_node_ip_address=network.address())
 
 
 def _routed_experts_shape(cfg: RunConfig, hf_dir: Path) -> tuple[int, int] | None:
@@ -171,9 +245,19 @@ def _routed_experts_shape(cfg: RunConfig, hf_dir: Path) -> tuple[int, int] | Non
 
 
 def start_engines(
-    cfg: RunConfig, hf_dir: Path, placement: PlacementGroup, slots: list[RankSlot], plan: RunPlacementPlan
+    cfg: RunConfig,
+    hf_dir: Path,
+    placement: PlacementGroup,
+    slots: list[RankSlot],
+    plan: RunPlacementPlan,
+    network: RunNetwork | None = None,
+    api_key: str | None = None,
 ) -> EngineHosts:
-    """One engine per ``plan.engine_positions`` entry, on the GPUs of its bundles, loading ``hf_dir``; healthy on return."""
+    """One engine per ``plan.engine_positions`` entry, on the GPUs of its bundles, loading ``hf_dir``; healthy on return.
+
+    Each listens on its node's address in ``network`` and requires ``api_key``.
+    """
+    network = network or RunNetwork.of(cfg.cluster)
     specs, host_bundles = [], []
     routed_experts_shape = _routed_experts_shape(cfg, hf_dir)
     for index, positions in enumerate(plan.engine_positions):
@@ -189,6 +273,8 @@ def start_engines(
                 gpu_ids=engine_gpu_ids(engine_slots) if cfg.cluster.gpus_per_node else (),
                 routing_replay=cfg.algorithm.routing_replay,
                 routed_experts_shape=routed_experts_shape,
+                network=network,
+                api_key=api_key,
             )
         )
         host_bundles.append(engine_slots[0].bundle_index)
@@ -202,8 +288,13 @@ def start_trainers(
     slots: list[RankSlot],
     plan: RunPlacementPlan,
     engines: list[EngineAddress],
+    network: RunNetwork | None = None,
+    api_key: str | None = None,
 ) -> TrainerGroup:
-    """One Ray actor per trainer rank on ``slots`` (with the plan's share of each bundle), actors built."""
+    """One Ray actor per trainer rank on ``slots`` (with the plan's share of each bundle), actors built.
+
+    The ranks' stores and gloo/NCCL sockets stay on ``network``; they send ``api_key`` to the engines.
+    """
     on_cpu = cfg.cluster.gpus_per_node == 0
     ranks = RankWorkerGroup(
         TrainerWorker,
@@ -211,8 +302,9 @@ def start_trainers(
         slots,
         num_gpus=plan.trainer.num_gpus,
         num_cpus=plan.trainer.num_cpus,
-        args=(cfg, str(hf_dir), engines),
+        args=(cfg, str(hf_dir), engines, api_key),
         env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
+        network=network or RunNetwork.of(cfg.cluster),
     )
     return TrainerGroup(ranks)
 

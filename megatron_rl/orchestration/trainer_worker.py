@@ -23,6 +23,7 @@ from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.orchestration.engine_host import EngineAddress
+from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.trainer_group import ShardReceipt
 from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
 from megatron_rl.rollout import HttpEngine
@@ -36,12 +37,16 @@ class TrainerWorker:
         cfg: the run's recipe.
         hf_dir: Hugging Face checkpoint the actor starts from (config.json + safetensors).
         engines: addresses of the rollout engines weight sync delivers to.
+        api_key: the run's engine key, sent with every request to them.
 
-    Weight sync over broadcast groups hosts each sending rank's group on that rank's node IP
-    (Ray's address of the node), so engines on other nodes can join it.
+    Weight sync over broadcast groups hosts each sending rank's group on that rank's address in
+    the run's network (:class:`~megatron_rl.orchestration.network.RunNetwork`: 127.0.0.1 on one
+    node, the recipe's interface on this node otherwise), where engines on other nodes join it.
     """
 
-    def __init__(self, cfg: RunConfig, hf_dir: str, engines: Sequence[EngineAddress]) -> None:
+    def __init__(
+        self, cfg: RunConfig, hf_dir: str, engines: Sequence[EngineAddress], api_key: str | None = None
+    ) -> None:
         initialize_parallel(parallel_sizes(cfg.parallel), seed=cfg.train.seed)
         self.actor = PolicyActor(
             load_hf_config(hf_dir),
@@ -52,14 +57,14 @@ class TrainerWorker:
             temperature=cfg.rollout.temperature,
             hf_weights=hf_dir,
         )
-        clients = [HttpEngine(name, host, port) for name, host, port in engines]
+        clients = [HttpEngine(name, host, port, api_key=api_key) for name, host, port in engines]
         tp_ranks = cfg.rollout.tp if cfg.rollout.engine == "sglang" else 1  # the reference engine is one process
         self._syncer: WeightSyncer = build_syncer(
             cfg.weight_sync,
             cfg.rollout.placement,
             clients,
             engine_world_sizes=[tp_ranks] * len(clients),
-            master_address=ray.util.get_node_ip_address(),
+            master_address=RunNetwork.of(cfg.cluster).address(ray.util.get_node_ip_address()),
             disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
             hf_config_dir=hf_dir,
         )

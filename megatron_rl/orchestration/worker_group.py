@@ -2,8 +2,11 @@
 
 The group sets the standard launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``) in every actor before the worker class is constructed, so
-workers start torch.distributed exactly as under torchrun. Methods are called on all ranks
-concurrently (collectives need every rank) and their results come back in rank order.
+workers start torch.distributed exactly as under torchrun. ``MASTER_ADDR`` is rank 0's
+address in the run's network (127.0.0.1 on one node, the recipe's interface otherwise), where
+its rendezvous store listens, and the ranks get that network's gloo/NCCL interface. Methods
+are called on all ranks concurrently (collectives need every rank) and their results come back
+in rank order.
 
 Fail-fast: a call returns or raises as soon as any rank fails. A rank whose process died (killed,
 out of memory, node lost) ends the call with :class:`RankCallError` naming the rank, its node and
@@ -27,6 +30,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_rl.orchestration.errors import RankCallError
+from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot
 from megatron_rl.rollout.server_process import kill_when_parent_dies
 
@@ -38,11 +42,12 @@ class _RankHost:
     def __init__(self) -> None:
         self._worker: Any = None
 
-    def free_endpoint(self) -> tuple[str, int]:
+    def free_endpoint(self, network: RunNetwork) -> tuple[str, int]:
+        address = network.address(ray.util.get_node_ip_address())
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
+            sock.bind((address, 0))
             port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return address, port
 
     def start(self, env: dict[str, str], worker_cls: type, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
         if sys.platform == "linux":
@@ -58,7 +63,11 @@ class _RankHost:
 
 
 class RankWorkerGroup:
-    """``len(slots)`` ranks of ``worker_cls``, rank ``i`` on ``slots[i]`` of ``placement``."""
+    """``len(slots)`` ranks of ``worker_cls``, rank ``i`` on ``slots[i]`` of ``placement``.
+
+    ``network``: where the ranks' rendezvous store listens and which interface gloo/NCCL use
+    (default: this node's loopback, for ranks on one node).
+    """
 
     def __init__(
         self,
@@ -71,7 +80,9 @@ class RankWorkerGroup:
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        network: RunNetwork | None = None,
     ) -> None:
+        network = network or RunNetwork()
         self._node_ips = [slot.node_ip for slot in slots]
         self._hosts = [
             _RankHost.options(
@@ -81,11 +92,12 @@ class RankWorkerGroup:
             ).remote()
             for slot in slots
         ]
-        master_addr, master_port = ray.get(self._hosts[0].free_endpoint.remote())
+        master_addr, master_port = ray.get(self._hosts[0].free_endpoint.remote(network))
         local_ranks = _local_ranks(slots)
         starts = [
             host.start.remote(
-                (env or {})
+                network.environment()
+                | (env or {})
                 | {
                     "RANK": str(rank),
                     "WORLD_SIZE": str(len(slots)),
@@ -105,6 +117,11 @@ class RankWorkerGroup:
     def world_size(self) -> int:
         """Number of ranks."""
         return len(self._hosts)
+
+    @property
+    def node_ips(self) -> list[str]:
+        """Ray's address of each rank's node, in rank order."""
+        return list(self._node_ips)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rank's worker concurrently; results in rank order (a rank's error re-raises)."""

@@ -6,12 +6,16 @@ process with (a) torch.distributed initialised from the launcher's environment
 ``LOCAL_RANK``), NCCL on GPU and gloo on CPU, (b) Megatron's parallel state for
 TP/PP/VPP/CP/EP/ETP and (c) Megatron's model-parallel RNG seeded. On CPU the
 compatibility layer (:mod:`megatron_rl.parallel.cpu_compat`) is enabled first.
+Rank 0 hosts the rendezvous store listening on ``MASTER_ADDR`` only
+(:mod:`~megatron_rl.parallel.stores`), not on every interface as torch's ``env://``
+does (under torchrun's agent store, torch's own rendezvous is used).
 :func:`destroy_parallel` undoes (a)-(b) so that tests can re-initialise.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_rl.parallel import cpu_compat
 from megatron_rl.parallel.device import collective_backend, select_device
+from megatron_rl.parallel.stores import rendezvous_store
 
 
 @dataclass(frozen=True)
@@ -74,11 +79,21 @@ def initialize_parallel(sizes: ParallelSizes, *, seed: int = 1234, timeout_minut
     else:
         cpu_compat.enable()
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=collective_backend(),
-            init_method="env://",
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        timeout = timedelta(minutes=timeout_minutes)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            dist.init_process_group(backend=collective_backend(), init_method="env://", timeout=timeout)
+        else:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = rendezvous_store(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size, timeout=timeout
+            )
+            dist.init_process_group(
+                backend=collective_backend(),
+                store=dist.PrefixStore("default_pg", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
     sizes.validate(dist.get_world_size())
 
     from megatron.core import parallel_state, tensor_parallel

@@ -7,7 +7,8 @@ additionally bounds the requests in flight per engine with a semaphore
 failures, timeouts, error statuses and answers the protocol does not allow
 (malformed JSON, missing fields) raise the :mod:`engine` errors with the
 endpoint, the URL and, when the engine process has died, its exit code and
-log tail.
+log tail. With an API key every request carries ``Authorization: Bearer <key>``
+(:mod:`~megatron_rl.rollout.access`); a 401 says the engine refused it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron_rl.rollout.access import UNAUTHORIZED_STATUS, authorization_header
 from megatron_rl.rollout.engine import (
     EngineRequestError,
     EngineResponseError,
@@ -50,6 +52,10 @@ CONNECTION_LOSS_SETTLE_S = 2.0
 """Seconds to wait, after a dropped connection, for a dying engine process to report its exit."""
 CONTROL_TIMEOUT_S = 600.0
 HEALTH_POLL_S = 0.25
+KEY_REFUSED = (
+    "; the engine refused this run's API key (Authorization: Bearer): an engine of another run, or one started "
+    "with another --api-key, listens at that address"
+)
 NOT_THE_PROTOCOL = (
     "check that an SGLang 0.5.23 server (or the reference engine) is what listens there "
     "(rollout.engine, and the engine's log)"
@@ -62,6 +68,7 @@ class HttpEngine(RolloutEngine):
     ``routed_experts_shape`` = (num_layers, top_k) decodes routing replay buffers in results.
     ``remote_process_report``: for an engine whose process runs elsewhere (e.g. under a Ray
     actor on another node), a function giving :meth:`process_report` there, called with ``settle_s``.
+    ``api_key``: sent with every request (SGLang's ``--api-key``); None sends none.
     """
 
     def __init__(
@@ -75,9 +82,13 @@ class HttpEngine(RolloutEngine):
         max_concurrent_requests: int = 256,
         request_timeout_s: float = 3600.0,
         routed_experts_shape: tuple[int, int] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
+        self.host, self.port = host, port
         self.base_url = f"http://{host}:{port}"
+        self._headers = {"Content-Type": "application/json"} | (authorization_header(api_key) if api_key else {})
+        self._api_key = api_key
         self.process = process
         self.remote_process_report = remote_process_report
         self.request_timeout_s = request_timeout_s
@@ -109,16 +120,16 @@ class HttpEngine(RolloutEngine):
         url = self.base_url + endpoint
         timeout = timeout_s if timeout_s is not None else CONTROL_TIMEOUT_S
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
-        req.add_header("Content-Type", "application/json")
+        req = urllib.request.Request(url, data=data, headers=self._headers, method="GET" if body is None else "POST")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as response:
                 raw = response.read()
                 content_type = response.headers.get_content_type() if response.headers.get("Content-Type") else ""
         except urllib.error.HTTPError as error:
             text = error.read().decode("utf-8", errors="replace")
+            hint = KEY_REFUSED if error.code == UNAUTHORIZED_STATUS else ""
             raise EngineRequestError(
-                f"engine {self.name}: {endpoint} answered HTTP {error.code} at {url}: {text[:500]}",
+                f"engine {self.name}: {endpoint} answered HTTP {error.code} at {url}: {text[:500]}{hint}",
                 status=error.code,
                 body=text,
             ) from error

@@ -12,19 +12,36 @@ importable). RL-specific choices:
 - ``--quantization fp8`` for FP8 rollouts;
 - ``--skip-server-warmup`` (the first generate warms up; saves start-up time).
 
-Where an engine sits (first GPU, ports, multi-node address) is decided by the
-orchestrator and passed as :class:`SGLangPlacement`.
+Where an engine sits (first GPU, ports, the one address it listens on, multi-node
+address) is decided by the orchestrator and passed as :class:`SGLangPlacement`.
+
+API key: SGLang takes it as ``--api-key`` only, and a command line is visible to
+every user of the node (``ps``, ``/proc``), so :class:`SGLangEngine` writes it into
+a YAML file only the user can read (``api-key: ...``, in a private temporary
+directory) and passes ``--config FILE``, which SGLang 0.5.23 merges into its
+arguments (``ConfigArgumentMerger``); the file is deleted once the server is
+healthy (or stopped). SGLang logs its resolved arguments, the key among them, so
+the server's output reaches its log with the key redacted (``ServerProcess``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_rl.rollout.access import check_listen_host
 from megatron_rl.rollout.http_engine import HttpEngine
 from megatron_rl.rollout.server_process import ServerProcess
+
+CONFIG_FILE_NAME = "server.yaml"
+"""The private ``--config`` file of an engine with an API key (SGLang accepts only .yaml/.yml)."""
 
 if TYPE_CHECKING:  # the recipe schema imports models.hf_config; rollout stays import-free of it
     from megatron_rl.config.schema import RolloutConfig
@@ -53,13 +70,17 @@ def build_sglang_command(
     *,
     routing_replay: bool = False,
     seed: int = 0,
+    config_file: str | Path | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """``python -m sglang.launch_server ...`` for one engine.
 
+    ``config_file``: a YAML file of more arguments (``--config``; how the API key gets in).
     Raises ValueError for a placement that cannot work (negative GPU id, port
-    outside 1..65535, node_rank >= nnodes, several nodes without dist_init_addr).
+    outside 1..65535, node_rank >= nnodes, several nodes without dist_init_addr,
+    a wildcard host that would listen on every interface).
     """
+    check_listen_host(placement.host)
     if placement.base_gpu_id < 0:
         raise ValueError(f"base_gpu_id must be >= 0, got {placement.base_gpu_id}")
     for name in ("port", "nccl_port"):
@@ -93,13 +114,30 @@ def build_sglang_command(
         command.append("--enable-return-routed-experts")
     if config.quantization is not None:
         command += ["--quantization", config.quantization]
+    if config_file is not None:
+        command += ["--config", str(config_file)]
     return command
+
+
+def write_private_config(directory: str | Path, values: Mapping[str, str]) -> Path:
+    """``directory/server.yaml`` holding ``values`` (SGLang flag names without dashes), readable by this user only."""
+    path = Path(directory) / CONFIG_FILE_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        for key, value in values.items():
+            if any(ord(c) < 32 for c in value):
+                raise ValueError(f"{key}: a control character cannot go into SGLang's config file")
+            quoted = value.replace("'", "''")
+            file.write(f"{key}: '{quoted}'\n")  # single-quoted YAML scalar: nothing in it is interpreted
+    return path
 
 
 class SGLangEngine(HttpEngine):
     """An SGLang server process driven over its HTTP API (see :class:`HttpEngine`).
 
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
+    ``api_key``: the server's ``--api-key``, given through a private config file (module docstring);
+    this client sends it. ``env``: more environment variables for the server (e.g. ``NCCL_SOCKET_IFNAME``).
     """
 
     def __init__(
@@ -114,14 +152,56 @@ class SGLangEngine(HttpEngine):
         routed_experts_shape: tuple[int, int] | None = None,
         seed: int = 0,
         die_with_parent: bool = False,
+        api_key: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        command = build_sglang_command(config, placement, model_path, routing_replay=routing_replay, seed=seed)
+        self._private_dir = tempfile.mkdtemp(prefix="megatron-rl-sglang-") if api_key else None  # mode 0700
+        config_file = Path(self._private_dir, CONFIG_FILE_NAME) if self._private_dir else None
+        command = build_sglang_command(
+            config, placement, model_path, routing_replay=routing_replay, seed=seed, config_file=config_file
+        )
+        process = ServerProcess(
+            command,
+            Path(log_dir) / f"{name}.log",
+            env=env,
+            die_with_parent=die_with_parent,
+            secrets=[api_key] if api_key else [],
+        )
         super().__init__(
             name,
             placement.host,
             placement.port,
-            process=ServerProcess(command, Path(log_dir) / f"{name}.log", die_with_parent=die_with_parent),
+            process=process,
             max_concurrent_requests=config.max_concurrent_requests,
             request_timeout_s=config.request_timeout_s,
             routed_experts_shape=routed_experts_shape if routing_replay else None,
+            api_key=api_key,
         )
+
+    def start(self) -> None:
+        """Write the key's config file (SGLang reads it at start-up), then start the server."""
+        if self._private_dir is not None:
+            if not os.path.isdir(self._private_dir):  # started again after shutdown
+                os.mkdir(self._private_dir, 0o700)
+            self._remove_private_config()
+            write_private_config(self._private_dir, {"api-key": self._api_key})
+        super().start()
+
+    def _remove_private_config(self) -> None:
+        if self._private_dir is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(Path(self._private_dir, CONFIG_FILE_NAME))
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """As :meth:`HttpEngine.wait_healthy`; the key's config file is deleted then (SGLang has read it)."""
+        try:
+            super().wait_healthy(timeout_s)
+        finally:
+            self._remove_private_config()
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            if self._private_dir is not None:
+                shutil.rmtree(self._private_dir, ignore_errors=True)

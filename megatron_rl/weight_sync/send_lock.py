@@ -9,7 +9,8 @@ engine 1 waits for engine 2 in A's group and engine 2 for engine 1 in B's:
 a deadlock. slime serialises these broadcasts behind one lock; so do we.
 
 The lock is a key in a TCPStore hosted by trainer rank 0 (``compare_set`` from
-free to the holder's token), reachable from every node at rank 0's address.
+free to the holder's token), listening on rank 0's address only and reachable
+from every node there.
 A holder must never wait for another trainer rank while holding it (the
 transport takes it per bucket, around the requests and the broadcasts only,
 never around the export's collectives), so the lock itself cannot deadlock.
@@ -24,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_rl.parallel.local_launch import free_port
+from megatron_rl.parallel.stores import listen_socket, serve_store
 
 _KEY = "megatron_rl/weight_send_lock"
 _FREE = ""
@@ -71,11 +72,14 @@ def create_send_lock(address: str, *, timeout_s: float = 1800.0) -> SendLock:
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    endpoint = [address, free_port()] if rank == 0 else [None, None]
+    timeout = timedelta(seconds=timeout_s)
+    listener = listen_socket(address) if rank == 0 else None
+    endpoint = [address, listener.getsockname()[1]] if listener is not None else [None, None]
     if world > 1:
         dist.broadcast_object_list(endpoint, src=0)
     host, port = endpoint
-    store = dist.TCPStore(
-        host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s), wait_for_workers=True
-    )
+    if listener is not None:
+        store = serve_store(listener, world, timeout=timeout)
+    else:
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout, wait_for_workers=True)
     return SendLock(store, f"rank{rank}", timeout_s=timeout_s)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megatron_rl.parallel.device import collective_backend
-from megatron_rl.parallel.local_launch import free_port
+from megatron_rl.parallel.stores import listen_socket
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.protocol import (
     InitWeightsUpdateGroupRequest,
@@ -192,7 +192,8 @@ class DistributedTransport(WeightTransport):
     """Disaggregated engines: a broadcast group per sending rank (see the module docstring).
 
     ``master_address``: the address engines reach this rank's node by; the group's store is
-    hosted there (the default 127.0.0.1 serves engines on this node only).
+    hosted there, listening on that address only (the default 127.0.0.1 serves engines on
+    this node only).
     """
 
     def __init__(
@@ -221,7 +222,8 @@ class DistributedTransport(WeightTransport):
     def _ensure_group(self) -> WeightGroup:
         if self._group is not None:
             return self._group
-        port = free_port()
+        listener = listen_socket(self.master_address)
+        port = listener.getsockname()[1]
         world_size = 1 + sum(self.engine_world_sizes)
         offsets = [1 + sum(self.engine_world_sizes[:i]) for i in range(len(self.engines))]
         requests = [
@@ -231,7 +233,14 @@ class DistributedTransport(WeightTransport):
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
             joins = [pool.submit(e.init_weights_update_group, r) for e, r in zip(self.engines, requests, strict=True)]
             self._group = create_weight_group(
-                self.master_address, port, 0, world_size, self.group_name, self.backend, timeout_s=self.timeout_s
+                self.master_address,
+                port,
+                0,
+                world_size,
+                self.group_name,
+                self.backend,
+                timeout_s=self.timeout_s,
+                listener=listener,
             )
             for join in joins:
                 join.result()

@@ -17,16 +17,23 @@ The group lives outside ``torch.distributed``'s default group (the trainer's
 Megatron groups and the engine's own are untouched) and is registered with
 the identity rank map, as SGLang registers it, so
 ``torch.distributed.broadcast(tensor, src=0, group=...)`` addresses it.
+
+One difference, invisible to the members: rank 0's store listens on ``master_address``
+only (:mod:`megatron_rl.parallel.stores`), where torch's ``tcp://`` rendezvous would listen
+on every interface; the other ranks connect through torch's rendezvous as SGLang's do.
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from megatron_rl.parallel.stores import listen_socket, serve_store
 
 BACKENDS = ("gloo", "nccl")
 
@@ -50,11 +57,14 @@ def create_weight_group(
     backend: str,
     *,
     timeout_s: float = 300.0,
+    listener: socket.socket | None = None,
 ) -> WeightGroup:
     """Join (rank 0: host) the group; blocks until all ``world_size`` ranks joined or ``timeout_s`` passed.
 
     Same rendezvous, store prefixes and process-group construction as SGLang's
     ``init_custom_process_group(backend, init_method="tcp://addr:port", world_size, rank, group_name)``.
+    Rank 0 serves the store on ``listener`` (a socket listening on ``master_address:master_port``,
+    taken over) or, without one, on a socket it binds there.
     Raises ValueError for a rank outside [0, world_size), a backend other than
     ``gloo``/``nccl`` or a group name this process already uses; torch's
     DistStoreError on timeout.
@@ -66,9 +76,12 @@ def create_weight_group(
     if not group_name:
         raise ValueError("a weight group needs a non-empty group_name (SGLang asserts it)")
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
+    if rank == 0:
+        store = serve_store(listener or listen_socket(master_address, master_port), world_size, timeout=timeout)
+    else:
+        store, rank, world_size = next(
+            c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+        )
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(
         world_size,

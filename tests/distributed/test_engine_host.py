@@ -47,9 +47,12 @@ def bundles() -> Iterator[PlacementGroup]:
     ray.shutdown()
 
 
+API_KEY = "host-test-key"
+
+
 def _spec(name: str, model: Path, log_dir: Path, startup_timeout_s: float = 120.0) -> EngineSpec:
     rollout = RolloutConfig(engine="reference", startup_timeout_s=startup_timeout_s)
-    return EngineSpec(name, "reference", str(model), str(log_dir), rollout, seed=3)
+    return EngineSpec(name, "reference", str(model), str(log_dir), rollout, seed=3, api_key=API_KEY)
 
 
 def _alive(pid: int) -> bool:
@@ -64,8 +67,7 @@ class _Recording(HttpEngine):
     """The engine's HTTP client, logging each memory call into ``log`` before sending it."""
 
     def __init__(self, engine: HttpEngine, log: list[tuple[str, ...]]) -> None:
-        host, port = engine.base_url.removeprefix("http://").rsplit(":", 1)
-        super().__init__(engine.name, host, int(port))
+        super().__init__(engine.name, engine.host, engine.port, api_key=API_KEY)
         self.log = log
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
@@ -102,8 +104,10 @@ def test_hosted_engine_generates_and_dies_with_its_actor(bundles: PlacementGroup
     hosts = EngineHosts([_spec("ref0", model, tmp_path)], bundles, [0], HOST)
     try:
         (client,) = hosts.clients
-        assert hosts.addresses[0][0] == "ref0" and hosts.addresses[0][1] == ray.util.get_node_ip_address()
+        assert hosts.addresses[0][:2] == ("ref0", "127.0.0.1")  # the spec's network: loopback (one node)
         client.request("/health")
+        with pytest.raises(EngineRequestError, match="refused this run's API key"):
+            HttpEngine("stranger", client.host, client.port).generate(REQUEST)
         (first,) = client.generate(REQUEST)
         assert len(first.output_ids) > 0 and len(first.output_logprobs) == len(first.output_ids)
 

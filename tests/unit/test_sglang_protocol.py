@@ -19,13 +19,21 @@ and the weight-update group: engine ranks built with SGLang's own
 ``init_custom_process_group`` (gloo, in spawned processes with a default
 group of their own, as SGLang's TP workers have) receive every tensor of a
 tiny Qwen3-MoE broadcast by our trainer side (``weight_sync.weight_group``)
-bit for bit, the way its ``receive_weights_from_distributed`` receives them.
+bit for bit, the way its ``receive_weights_from_distributed`` receives them; and
+``--api-key``: our command's private config file read by SGLang's own config merger,
+and the reference server answering a table of requests (no key, wrong key, wrong
+scheme, open paths, unknown paths, malformed bodies) with the status, content type and
+body SGLang's app answers behind its own API-key middleware.
 """
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import multiprocessing
+import os
+import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,7 +63,7 @@ from megatron_rl.rollout.protocol import (
 )
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.generator import SampleOutput
-from megatron_rl.rollout.sglang_engine import SGLangPlacement, build_sglang_command
+from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangPlacement, build_sglang_command, write_private_config
 from megatron_rl.weight_sync.tensor_serialization import rebuild_args_with_uuid, serialize_named_tensors
 from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
@@ -416,3 +424,133 @@ def test_weight_update_with_dp_2_fails_sglangs_assertion_through_its_http_layer(
         with pytest.raises(EngineRequestError) as failed:
             engine.update_weights_from_tensor(UpdateWeightsFromTensorRequest([serialize_named_tensors([])]))
         assert failed.value.status == 500 and failed.value.body == "Internal Server Error"
+
+
+# ---------------------------------------------------------------- --api-key: SGLang's checks and ours
+
+
+API_KEY = "run-key-4f1c"
+
+
+def test_the_api_key_reaches_sglang_through_a_private_file_not_the_command_line(tmp_path):
+    engine = SGLangEngine(
+        "e0", RolloutConfig(), SGLangPlacement(0, 30000, 30001), "/models/qwen3", log_dir=tmp_path, api_key=API_KEY
+    )
+    command = engine.process.command
+    assert not any(API_KEY in part for part in command)
+    config_file = Path(command[command.index("--config") + 1])
+    assert not config_file.exists()  # written at start, deleted once SGLang has read it (healthy or stopped)
+    assert stat.S_IMODE(os.stat(config_file.parent).st_mode) == 0o700
+    written = write_private_config(config_file.parent, {"api-key": API_KEY})
+    assert stat.S_IMODE(os.stat(written).st_mode) == 0o600 and written == config_file
+    if SGLANG_IMPORTABLE:
+        import argparse
+
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        args = parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(command[3:]))
+        assert args.api_key == API_KEY and args.port == 30000 and args.skip_tokenizer_init
+    engine.shutdown()
+    assert not config_file.parent.exists()
+
+
+def _raw(port: int, method: str, path: str, authorization: str | None, body: bytes | None) -> tuple[int, str, bytes]:
+    """(status, content type, body) of one request, sent as is."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
+    connection.request(method, path, body=body, headers=headers)
+    response = connection.getresponse()
+    answer = response.status, response.getheader("Content-Type") or "", response.read()
+    connection.close()
+    return answer
+
+
+GENERATE_BODY = b'{"input_ids": [5, 17, 42], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}'
+KEY_CASES = [  # (method, path, Authorization header, body)
+    ("GET", "/health", None, None),
+    ("GET", "/health", "Bearer wrong", None),
+    ("GET", "/healthz", None, None),
+    ("POST", "/generate", None, GENERATE_BODY),
+    ("POST", "/generate", "Bearer wrong", GENERATE_BODY),
+    ("POST", "/generate", f"Basic {API_KEY}", GENERATE_BODY),
+    ("POST", "/generate", "Bearer", GENERATE_BODY),
+    ("POST", "/generate", f"Bearer  {API_KEY}", GENERATE_BODY),
+    ("POST", "/generate", f"Bearer {API_KEY}x", GENERATE_BODY),
+    ("POST", "/generate", f"Bearer {API_KEY}", GENERATE_BODY),
+    ("POST", "/generate", f"bearer {API_KEY}", GENERATE_BODY),
+    ("POST", "/generate", None, b"{not json"),
+    ("POST", "/update_weights_from_distributed", None, b"{}"),
+    ("POST", "/init_weights_update_group", "Bearer wrong", b"{}"),
+    ("POST", "/update_weights_from_tensor", None, b"{}"),
+    ("POST", "/begin_weight_update", "Bearer wrong", b"{}"),
+    ("POST", "/release_memory_occupation", None, b"{}"),
+    ("POST", "/resume_memory_occupation", "Bearer wrong", b"{}"),
+    ("POST", "/pause_generation", None, b"{}"),
+    ("POST", "/flush_cache", None, None),
+    ("POST", "/flush_cache", f"Bearer {API_KEY}", None),
+    ("GET", "/model_info", None, None),
+    ("POST", "/abort_request", "Bearer wrong", b"{}"),
+    ("GET", "/no_such_endpoint", None, None),
+    ("GET", "/no_such_endpoint", f"Bearer {API_KEY}", None),
+]
+
+
+@pytest.fixture(scope="module")
+def servers_with_key(tiny_moe_dir) -> Iterator[tuple[int, int]]:
+    """(port of SGLang's app behind its --api-key middleware, port of our reference server with the same key)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.rollout.reference.server import build_server
+    from tests.sglang_http_standin import serve_sglang_http
+
+    def backend() -> ReferenceBackend:
+        return ReferenceBackend(AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32))
+
+    ours = build_server(backend(), "127.0.0.1", free_port(), api_key=API_KEY)
+    threading.Thread(target=ours.serve_forever, daemon=True).start()
+    try:
+        with serve_sglang_http(backend(), api_key=API_KEY) as sglang_port:
+            yield sglang_port, ours.server_address[1]
+    finally:
+        ours.shutdown()
+        ours.server_close()
+
+
+@needs_sglang
+@pytest.mark.parametrize("case", KEY_CASES, ids=lambda c: f"{c[0]} {c[1]} {c[2]} {(c[3] or b'')[:9]!r}")
+def test_the_reference_server_checks_the_api_key_as_sglang_does(servers_with_key, case):
+    sglang_port, our_port = servers_with_key
+    sglang = _raw(sglang_port, *case)
+    ours = _raw(our_port, *case)
+    assert ours[0] == sglang[0], (ours, sglang)
+    if sglang[0] == 401:
+        assert ours == sglang == (401, "application/json", b'{"error":"Unauthorized"}')
+
+
+@needs_sglang
+def test_our_client_sends_the_key_sglang_requires(tiny_moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.rollout.engine import EngineRequestError
+    from megatron_rl.rollout.http_engine import HttpEngine
+    from tests.sglang_http_standin import serve_sglang_http
+
+    backend = ReferenceBackend(AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32))
+    with serve_sglang_http(backend, api_key=API_KEY) as port:
+        keyed = HttpEngine("sglang-http", "127.0.0.1", port, request_timeout_s=60, api_key=API_KEY)
+        keyed.wait_healthy(30)
+        assert keyed.generate(GenerateRequest([5, 17], SamplingParams(max_new_tokens=2, temperature=0.0)))
+        keyed.pause_generation("retract")
+        keyed.flush_cache()
+        keyed.begin_weight_update()
+        keyed.end_weight_update()
+        keyed.continue_generation()
+        for key in (None, "another-run"):
+            stranger = HttpEngine("sglang-http", "127.0.0.1", port, request_timeout_s=60, api_key=key)
+            stranger.wait_healthy(30)  # /health is open
+            with pytest.raises(EngineRequestError, match="refused this run's API key") as refused:
+                stranger.begin_weight_update()
+            assert refused.value.status == 401 and refused.value.body == '{"error":"Unauthorized"}'

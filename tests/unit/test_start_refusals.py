@@ -139,6 +139,18 @@ START_REFUSALS = (
         QWEN_30B,
     ),
     Refusal(
+        "orchestration/network.py",
+        "required on",
+        ("cluster.nodes=2",),
+        "cluster.network_interface",
+    ),
+    Refusal(
+        "orchestration/network.py",
+        "has no interface",
+        ("cluster.nodes=2", "cluster.network_interface=nosuchif0"),
+        "cluster.network_interface",
+    ),
+    Refusal(
         "weight_sync/buckets.py",
         "bucket_bytes must be >= 1",
         ("weight_sync.bucket_size_mb=0",),
@@ -201,6 +213,11 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/http_engine.py", ""): "engine failures and timeouts at run time",
     ("rollout/server_process.py", ""): "platform (Linux) and process state",
     ("rollout/sglang_engine.py", "must be"): "ports and GPU ids come from the placement, not the recipe",
+    ("rollout/sglang_engine.py", "control character"): "the run's API key (drawn by the run, or "
+    "MEGATRON_RL_ENGINE_API_KEY), not a recipe field",
+    ("rollout/access.py", "refusing to listen"): "engine addresses come from the run's network (127.0.0.1 or "
+    "the address of cluster.network_interface), never a wildcard",
+    ("orchestration/network.py", "no IPv4 address"): "the machine: how the node's interface is configured",
     ("weight_sync/syncer.py", ""): "the trainer worker always passes master_address, disk_dir and hf_config_dir",
     ("weight_sync/weight_group.py", ""): "internal: rank and backend come from the transport",
     ("weight_sync/tensor_serialization.py", ""): "payload contents at run time",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+from megatron_rl.rollout.access import API_KEY_ENV, check_listen_host
 from megatron_rl.rollout.http_engine import HttpEngine
 from megatron_rl.rollout.server_process import ServerProcess
 
@@ -20,9 +22,12 @@ def build_reference_command(
     seed: int = 0,
     python: str = sys.executable,
 ) -> list[str]:
-    """``python -m megatron_rl.rollout.reference.server ...`` for one engine."""
+    """``python -m megatron_rl.rollout.reference.server ...`` for one engine (ValueError for a wildcard host).
+
+    Never carries an API key: the key goes through the environment (:data:`~megatron_rl.rollout.access.API_KEY_ENV`).
+    """
     command = [python, "-m", "megatron_rl.rollout.reference.server", "--model-path", str(model_path)]
-    command += ["--host", host, "--port", str(port), "--load-format", load_format, "--dtype", dtype]
+    command += ["--host", check_listen_host(host), "--port", str(port), "--load-format", load_format, "--dtype", dtype]
     command += ["--seed", str(seed)]
     if device is not None:
         command += ["--device", device]
@@ -34,6 +39,8 @@ class ReferenceEngine(HttpEngine):
 
     ``routed_experts_shape`` = (num_hidden_layers, num_experts_per_tok) decodes routing in results;
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
+    ``api_key``: the server requires it (passed in its environment, kept out of its log) and this
+    client sends it; ``env``: more environment variables for the server (e.g. ``GLOO_SOCKET_IFNAME``).
     """
 
     def __init__(
@@ -52,18 +59,29 @@ class ReferenceEngine(HttpEngine):
         request_timeout_s: float = 600.0,
         routed_experts_shape: tuple[int, int] | None = None,
         die_with_parent: bool = False,
+        api_key: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         command = build_reference_command(
             model_path, port, host=host, load_format=load_format, dtype=dtype, device=device, seed=seed
+        )
+        server_env = dict(env or {}) | {API_KEY_ENV: api_key or ""}  # never a key inherited from this process
+        process = ServerProcess(
+            command,
+            Path(log_dir) / f"{name}.log",
+            env=server_env,
+            die_with_parent=die_with_parent,
+            secrets=[api_key] if api_key else [],
         )
         super().__init__(
             name,
             host,
             port,
-            process=ServerProcess(command, Path(log_dir) / f"{name}.log", die_with_parent=die_with_parent),
+            process=process,
             max_concurrent_requests=max_concurrent_requests,
             request_timeout_s=request_timeout_s,
             routed_experts_shape=routed_experts_shape,
+            api_key=api_key,
         )
 
     def weights_by_name(self, name: str, truncate_size: int = 1 << 30) -> list:

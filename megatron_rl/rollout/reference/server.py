@@ -1,9 +1,18 @@
 """The reference engine's HTTP server: SGLang's RL subset, same JSON shapes, plain PyTorch behind it.
 
 Run ``python -m megatron_rl.rollout.reference.server --model-path DIR --port P``
-(binds 127.0.0.1 unless ``--host`` says otherwise). ``--load-format dummy``
-initialises random weights from ``DIR/config.json`` (as SGLang's dummy
-format), for engines that will receive their weights from the trainer.
+(binds 127.0.0.1 unless ``--host`` names another address; a wildcard such as
+``0.0.0.0`` is refused). ``--load-format dummy`` initialises random weights from
+``DIR/config.json`` (as SGLang's dummy format), for engines that will receive
+their weights from the trainer.
+
+API key: with ``--api-key KEY`` or, as our launcher passes it (a command line is
+readable by anyone on the node), the environment variable
+``MEGATRON_RL_ENGINE_API_KEY``, requests are checked exactly as SGLang 0.5.23
+checks them with ``--api-key`` (:func:`megatron_rl.rollout.access.is_authorized`):
+``/health*`` (and ``/ready*``, ``/metrics*``) open, every other path, unknown
+ones included, needs ``Authorization: Bearer KEY``; otherwise 401 with
+``{"error":"Unauthorized"}``, before the body is parsed or the route looked up.
 
 Status codes and bodies follow SGLang 0.5.23 (``srt/entrypoints/http_server.py``):
 200 on success; 400 with ``{"error": {"message"}}`` for a malformed request or
@@ -36,6 +45,13 @@ from urllib.parse import parse_qs
 import torch
 
 from megatron_rl.parallel.device import select_device
+from megatron_rl.rollout.access import (
+    API_KEY_ENV,
+    UNAUTHORIZED_BODY,
+    UNAUTHORIZED_STATUS,
+    check_listen_host,
+    is_authorized,
+)
 from megatron_rl.rollout.protocol import (
     FLUSH_CACHE_FAILED,
     FLUSH_CACHE_OK,
@@ -123,6 +139,7 @@ _UPDATE_ROUTES = frozenset(
 
 class _Handler(BaseHTTPRequestHandler):
     backend: ReferenceBackend
+    api_key: str | None = None
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -139,6 +156,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        """Whether the request may proceed; if not, the 401 SGLang answers has been sent."""
+        path = self.path.partition("?")[0]
+        if is_authorized(self.command, path, self.headers.get("Authorization"), self.api_key):
+            return True
+        self.send_response(UNAUTHORIZED_STATUS)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(UNAUTHORIZED_BODY)))
+        self.end_headers()
+        self.wfile.write(UNAUTHORIZED_BODY)
+        return False
 
     def _dispatch(self, body: dict[str, Any]) -> None:
         path, _, query = self.path.partition("?")
@@ -165,11 +194,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(500, TextReply("Internal Server Error", 500))
 
     def do_GET(self) -> None:
-        self._dispatch({})
+        if self._authorized():
+            self._dispatch({})
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
+        if not self._authorized():
+            return
         try:
             body = json.loads(raw) if raw.strip() else {}
         except json.JSONDecodeError as error:
@@ -188,10 +220,14 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
 
-def build_server(backend: ReferenceBackend, host: str, port: int) -> ThreadingHTTPServer:
-    """A threading HTTP server bound to ``host:port`` serving ``backend`` (call ``serve_forever``)."""
-    handler = type("ReferenceHandler", (_Handler,), {"backend": backend})
-    return _Server((host, port), handler)
+def build_server(backend: ReferenceBackend, host: str, port: int, *, api_key: str | None = None) -> ThreadingHTTPServer:
+    """A threading HTTP server bound to ``host:port`` serving ``backend`` (call ``serve_forever``).
+
+    ``api_key``: requests need it as SGLang's ``--api-key`` does (module docstring); None: no check.
+    Raises ValueError for a wildcard ``host`` (every interface).
+    """
+    handler = type("ReferenceHandler", (_Handler,), {"backend": backend, "api_key": api_key or None})
+    return _Server((check_listen_host(host), port), handler)
 
 
 def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -223,7 +259,13 @@ def _exit_when_orphaned(interval_s: float = 1.0) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="the one address to listen on (no wildcard)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' as SGLang's --api-key does (default: ${API_KEY_ENV}; prefer it, "
+        "a command line is visible to every user of the node)",
+    )
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -234,12 +276,21 @@ def main(argv: list[str] | None = None) -> None:
         "--dp-size", type=int, default=1, help="claimed data-parallel size; > 1 fails weight updates as SGLang does"
     )
     args = parser.parse_args(argv)
+    api_key = args.api_key or os.environ.pop(API_KEY_ENV, None) or None
+    check_listen_host(args.host)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reference-engine %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     _exit_when_orphaned()
     model = load_model(args.model_path, args.load_format, getattr(torch, args.dtype), args.device)
-    server = build_server(ReferenceBackend(model, seed=args.seed, dp_size=args.dp_size), args.host, args.port)
-    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+    backend = ReferenceBackend(model, seed=args.seed, dp_size=args.dp_size)
+    server = build_server(backend, args.host, args.port, api_key=api_key)
+    logger.info(
+        "serving %s on http://%s:%d (%s)",
+        args.model_path,
+        args.host,
+        args.port,
+        "API key required" if api_key else "no API key",
+    )
     server.serve_forever()
 
 

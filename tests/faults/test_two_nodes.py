@@ -1,0 +1,215 @@
+"""Two Ray nodes on one host: trainer ranks on one, the engine on the other, weights by broadcast between them.
+
+The test starts a Ray cluster of its own: a head on 127.0.0.2 and a second raylet on 127.0.0.3
+(Linux routes all of 127/8 to the loopback interface), each with one CPU, on free ports (not
+Ray's defaults, which other clusters on the machine may hold), in a temporary directory of its
+own. Not 127.0.0.1: Ray 2.60 replaces that address (and ``localhost``) by the machine's outward
+address wherever it reads one, unless its cluster mode is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``,
+what a one-node run does), and with cluster mode off ``ray start --address`` refuses to add a node. A detached stand-in actor holds 0.6 of the second node's CPU, so the run's three 0.4-CPU
+bundles fit only as two on the head (the trainer ranks, which take the first positions in node
+order) and one on the second node (the engine). The tiny DAPO recipe runs there with
+``cluster.nodes=2``, ``cluster.network_interface=lo``, a disaggregated engine and
+``weight_sync.transport=distributed``, and the same recipe runs on one node (its own local Ray
+on 127.0.0.1) at the same time.
+
+Asserted: the run reports its trainer ranks on 127.0.0.2 and its engine at 127.0.0.3; the engine
+served on 127.0.0.3 and joined the trainer ranks' broadcast groups at 127.0.0.2 (the weights
+crossed between the nodes' addresses); the two runs log identical metrics (all but wall-clock
+ones). Teardown kills only the processes this test started (the two ``ray start --block``
+processes and everything below them), never ``ray stop``, which would stop every Ray on the
+machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+HEAD_IP, SECOND_IP = "127.0.0.2", "127.0.0.3"
+STAND_IN_CPUS = 0.6
+JOIN_TIMEOUT_S = 120
+OVERRIDES = [
+    "train.steps=2",
+    "train.prompts_per_step=4",
+    "algorithm.dynamic_sampling.gen_batch_prompts=16",
+    "train.val_interval=2",
+    "data.synthetic.num_val=16",
+    "checkpoint.interval=0",
+    "logging.sinks=[jsonl]",
+    "rollout.placement=disaggregated",
+    "weight_sync.transport=distributed",
+    "cluster.network_interface=lo",
+]
+WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
+pytestmark = pytest.mark.slow
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    try:
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _node_ports() -> list[str]:
+    """Every port a raylet would otherwise take at a default (shared with any other Ray on the machine)."""
+    manager, objects, agent, agent_grpc, runtime_env, metrics = _free_ports(6)
+    low = 20000 + secrets.randbelow(400) * 100  # a worker port range of 100
+    return [
+        f"--node-manager-port={manager}",
+        f"--object-manager-port={objects}",
+        f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}",
+        f"--min-worker-port={low}",
+        f"--max-worker-port={low + 99}",
+    ]
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL ``process`` and every process below it (by pid: only what this test started)."""
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(signal.SIGKILL)
+    process.wait(30)
+
+
+@contextmanager
+def _two_node_cluster() -> Iterator[dict[str, str]]:
+    """A head on 127.0.0.2 and a raylet on 127.0.0.3; yields the environment that reaches it."""
+    temp_dir = tempfile.mkdtemp(prefix="mrl2n-")  # short: Ray's socket paths live under it
+    gcs_port, client_port = _free_ports(2)
+    env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env.pop("RAY_ADDRESS", None)
+    common = ["--num-cpus=1", "--num-gpus=0", "--object-store-memory=300000000", "--temp-dir", temp_dir]
+    common += ["--disable-usage-stats", "--block"]
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, temp_dir, ignore_errors=True)  # runs last, once every process is gone
+        head = subprocess.Popen(
+            [RAY, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={gcs_port}", "--include-dashboard=false"]
+            + [f"--ray-client-server-port={client_port}", *_node_ports(), *common],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        stack.callback(_kill_tree, head)
+        address = f"{HEAD_IP}:{gcs_port}"
+        _wait_for_nodes(env | {"RAY_ADDRESS": address}, 1)
+        second = subprocess.Popen(
+            [RAY, "start", f"--address={address}", f"--node-ip-address={SECOND_IP}", *_node_ports(), *common]
+            + ['--resources={"second_node": 1}'],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        stack.callback(_kill_tree, second)
+        _wait_for_nodes(env | {"RAY_ADDRESS": address}, 2)
+        _hold_second_node_cpus(env | {"RAY_ADDRESS": address})
+        yield env | {"RAY_ADDRESS": address}
+
+
+def _ray_probe(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
+    script = "import ray; ray.init(logging_level='ERROR', log_to_driver=False)\n" + code
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _wait_for_nodes(env: dict[str, str], count: int) -> None:
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    probe = "import json; print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))"
+    while True:
+        result = _ray_probe(env, probe)
+        if result.returncode == 0 and len(json.loads(result.stdout.strip().splitlines()[-1])) == count:
+            return
+        assert time.monotonic() < deadline, f"{count} Ray node(s) not up: {result.stdout} {result.stderr[-2000:]}"
+        time.sleep(1)
+
+
+def _hold_second_node_cpus(env: dict[str, str]) -> None:
+    """A detached actor on the second node holding 0.6 CPU: only one 0.4-CPU bundle fits there."""
+    code = f"""
+@ray.remote(num_cpus={STAND_IN_CPUS}, resources={{"second_node": 1}})
+class StandIn:
+    def node(self):
+        return ray.util.get_node_ip_address()
+actor = StandIn.options(name="stand_in", lifetime="detached").remote()
+print(ray.get(actor.node.remote()))
+"""
+    result = _ray_probe(env, code)
+    assert result.returncode == 0 and result.stdout.strip().endswith(SECOND_IP), result.stderr[-2000:]
+
+
+def _start_run(cwd: Path, env: dict[str, str], *overrides: str) -> subprocess.Popen:
+    cwd.mkdir()
+    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
+    env = env | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen(
+        [*command, *OVERRIDES, *overrides],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _learned(cwd: Path) -> list[dict[str, float]]:
+    metrics = cwd / "runs" / "tiny-moe-cpu-dapo" / "logs" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
+
+
+def test_ranks_on_one_node_the_engine_on_another_learn_as_on_one_node(tmp_path: Path) -> None:
+    one_node_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with _two_node_cluster() as cluster_env:
+        two_nodes = _start_run(tmp_path / "two_nodes", cluster_env, "cluster.nodes=2")
+        one_node = _start_run(tmp_path / "one_node", one_node_env, "cluster.nodes=1")
+        outputs = {}
+        for name, process in (("two_nodes", two_nodes), ("one_node", one_node)):
+            try:
+                outputs[name] = process.communicate(timeout=900)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+            assert process.returncode == 0, f"{name}: {outputs[name][1][-4000:]}"
+
+    stdout = outputs["two_nodes"][0]
+    placed = re.search(
+        r"# network: interface lo; trainer ranks on ([\d.]+) x2; engines: reference0 at ([\d.]+):(\d+)", stdout
+    )
+    assert placed, stdout
+    assert placed.group(1) == HEAD_IP and placed.group(2) == SECOND_IP  # ranks and engine on different nodes
+    assert "# network: loopback (127.0.0.1); trainer ranks on 127.0.0.1 x2" in outputs["one_node"][0]
+
+    log = (tmp_path / "two_nodes" / "runs" / "tiny-moe-cpu-dapo" / "logs" / "reference0.log").read_text()
+    assert f"on http://{SECOND_IP}:{placed.group(3)} (API key required)" in log
+    groups = re.findall(r"joining weight update group '(\w+)' at ([\d.]+):\d+", log)
+    assert groups and {address for _, address in groups} == {HEAD_IP}, groups  # hosted by the ranks' node
+
+    two, one = _learned(tmp_path / "two_nodes"), _learned(tmp_path / "one_node")
+    assert [r["step"] for r in two] == [0, 1, 2]
+    assert two == one
