@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_rl.orchestration.errors import NonFiniteTrainingError, RankCallError
+from megatron_rl.orchestration.errors import EngineRestartLimitError, NonFiniteTrainingError, RankCallError
 from megatron_rl.parallel.errors import RankFailedError
 from megatron_rl.plan.placement import PlacementError
 
@@ -316,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         PlacementError,
         NonFiniteTrainingError,
         RankCallError,
+        EngineRestartLimitError,
     ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

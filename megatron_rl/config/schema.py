@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
@@ -191,6 +200,11 @@ class RolloutConfig(Section):
     max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight per engine.")
     startup_timeout_s: PositiveFloat = Field(600.0, description="Seconds to wait for an engine to become healthy.")
     request_timeout_s: PositiveFloat = Field(3600.0, description="Seconds before a generate request is an error.")
+    max_engine_restarts: NonNegativeInt = Field(
+        3,
+        description="Engine crashes survived in a run: each restarts the engine on its bundle, re-syncs the weights "
+        "and resubmits its requests with their seeds; one more crash ends the run (0: the first does).",
+    )
 
 
 class WeightSyncConfig(Section):

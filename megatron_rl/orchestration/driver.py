@@ -212,14 +212,17 @@ def _train_on(run: RunResources, groups: list[RolloutGroup], timer: PhaseTimer) 
 def validate(run: RunResources) -> dict[str, float]:
     """Rewards of the validation set under the current weights (``val/reward_mean``, ``val/accuracy``, ...).
 
-    Also ``val/reward_errors`` and ``val/reward_timeouts``, the responses whose reward failed.
+    Also ``val/reward_errors`` and ``val/reward_timeouts``, the responses whose reward failed, and
+    ``val/engine_restarts``, engines restarted after a crash while validating.
     Empty when the recipe has no validation data. Engines are made ready to generate first.
     """
     if run.validation is None:
         return {}
     run.hand_over.to_rollout()
     step = run.validation.generate_step()
-    failures = {f"val/{key}": step.metrics[f"rollout/{key}"] for key in ("reward_errors", "reward_timeouts")}
+    failures = {
+        f"val/{key}": step.metrics[f"rollout/{key}"] for key in ("reward_errors", "reward_timeouts", "engine_restarts")
+    }
     return (
         rollout_metrics(step.groups, max_response_length=run.cfg.rollout.max_response_length, prefix="val") | failures
     )
@@ -257,4 +260,4 @@ def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> None:
         )
         run.trainers.load_checkpoint(checkpoint, reseed=run.cfg.train.seed + state.step)
     run.rollout.sampler.load_state_dict(state.sampler)
-    run.trainers.sync_weights(state.weight_version)
+    run.hand_over.sync_weights(state.weight_version)

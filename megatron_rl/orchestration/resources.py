@@ -35,6 +35,7 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
 from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts, EngineSpec
+from megatron_rl.orchestration.engine_recovery import EngineRecovery
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
 from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids
 from megatron_rl.orchestration.trainer_group import TrainerGroup
@@ -42,7 +43,7 @@ from megatron_rl.orchestration.trainer_worker import TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.placement import RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
-from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.manager import Recovery, RolloutManager
 
 
 @dataclass
@@ -106,8 +107,11 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         trainer_slots = [slots[position] for position in plan.trainer_positions]
         run.trainers = start_trainers(cfg, run.hf_dir, run.placement, trainer_slots, plan, run.engine_hosts.addresses)
         run.hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
-        run.rollout = build_rollout_manager(cfg, data, run.engines)
-        run.validation = build_validation_manager(cfg, data, run.engines)
+        recovery = EngineRecovery(
+            run.engine_hosts, run.trainers, run.hand_over, max_restarts=cfg.rollout.max_engine_restarts
+        )
+        run.rollout = build_rollout_manager(cfg, data, run.engines, recovery)
+        run.validation = build_validation_manager(cfg, data, run.engines, recovery)
         run.logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step
         )
@@ -217,9 +221,11 @@ def start_trainers(
     return TrainerGroup(ranks)
 
 
-def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine]) -> RolloutManager:
+def build_rollout_manager(
+    cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine], recover: Recovery | None = None
+) -> RolloutManager:
     """The training rollout: ``dynamic_sampling.gen_batch_prompts`` (default ``prompts_per_step``) prompts per
-    generation batch, sampler seeded by ``train.seed``."""
+    generation batch, sampler seeded by ``train.seed``; ``recover`` restarts crashed engines."""
     batch = cfg.algorithm.dynamic_sampling.gen_batch_prompts or cfg.train.prompts_per_step
     sampler = PromptSampler(len(data.train), batch, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return RolloutManager(
@@ -236,11 +242,15 @@ def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[Roll
         decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
         routing_replay=cfg.algorithm.routing_replay,
         seed=cfg.train.seed,
+        recover=recover,
     )
 
 
-def build_validation_manager(cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine]) -> RolloutManager | None:
-    """The whole validation set per call, ``val_samples_per_prompt`` at ``val_temperature``, unshaped, unfiltered."""
+def build_validation_manager(
+    cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine], recover: Recovery | None = None
+) -> RolloutManager | None:
+    """The whole validation set per call, ``val_samples_per_prompt`` at ``val_temperature``, unshaped, unfiltered;
+    ``recover`` restarts crashed engines."""
     if data.val is None or cfg.train.val_interval == 0:
         return None
     rollout = cfg.rollout.model_copy(
@@ -259,4 +269,5 @@ def build_validation_manager(cfg: RunConfig, data: PreparedData, engines: list[R
         reward_timeout_s=cfg.data.reward_timeout_s,
         decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
         uid_prefix="val",
+        recover=recover,
     )

@@ -102,6 +102,9 @@ class WeightTransport(abc.ABC):
     def settle(self) -> None:  # noqa: B027 (optional hook)
         """After a failed sync: return once nothing this rank sent is still in flight (errors are logged)."""
 
+    def engine_replaced(self, index: int) -> None:  # noqa: B027 (optional hook)
+        """Engine ``index`` now runs in a new process: forget what was shared with the old one (between syncs)."""
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release resources held across syncs."""
 
@@ -259,6 +262,15 @@ class DistributedTransport(WeightTransport):
                 broadcast_from_trainer(group, tensor.contiguous())
             for post in posts:
                 post.result()
+
+    def engine_replaced(self, index: int) -> None:
+        """The broadcast group included the old process of engine ``index``: the other engines leave it, this
+        rank destroys its end, and the next sync builds a new group with the new process."""
+        if self._group is not None:
+            others = [engine for i, engine in enumerate(self.engines) if i != index]
+            _on_every_engine(others, lambda i, e: e.destroy_weights_update_group(self.group_name))
+            destroy_weight_group(self._group)
+            self._group = None
 
     def close(self) -> None:
         if self._group is not None:

@@ -53,6 +53,7 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromTensorRequest,
 )
 from megatron_rl.rollout.reference.backend import EngineStateError, ReferenceBackend, WeightUpdateRefused
+from megatron_rl.rollout.reference.fault_injection import exit_if_asked
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +86,16 @@ def _update(fn: Callable[[ReferenceBackend, Any], None], parse: Callable[[dict],
     return route
 
 
+def _generate(backend: ReferenceBackend, body: dict[str, Any]) -> Any:
+    exit_if_asked()
+    return backend.generate(GenerateRequest.from_json(body))
+
+
 ROUTES: dict[str, Route] = {
     "/health": lambda b, body: None,
     "/health_generate": lambda b, body: None,
     "/model_info": lambda b, body: {"model_path": b.model.config.name_or_path, "weight_version": b.weight_version},
-    "/generate": lambda b, body: b.generate(GenerateRequest.from_json(body)),
+    "/generate": lambda b, body: _generate(b, body),
     "/abort_request": lambda b, body: b.abort(**AbortRequest.from_json(body).to_json()),
     "/pause_generation": lambda b, body: b.pause(PauseGenerationRequest.from_json(body).mode),
     "/continue_generation": lambda b, body: b.resume_generation(),
