@@ -15,6 +15,7 @@ its log tail (from the error of its last failed request).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from megatron_rl.orchestration.engine_host import EngineHosts
@@ -45,8 +46,15 @@ class EngineRecovery:
                     f"(rollout.max_engine_restarts={self.max_restarts}); the checkpoints written so far are kept, "
                     f"and the run resumes from the latest when started again. The crash: {error}"
                 )
+            started = time.perf_counter()
             index = next(i for i, client in enumerate(self.hosts.clients) if client is engine)
             address = self.hosts.restart(index)
             self.trainers.engine_restarted(index, address)
             self.restarts += 1
+            print(
+                f"# engine {engine.name} crashed ({str(error).splitlines()[0]}); started again on its bundle in "
+                f"{time.perf_counter() - started:.1f} s ({self.restarts} of rollout.max_engine_restarts="
+                f"{self.max_restarts}); its requests go again with their seeds",
+                flush=True,
+            )
         self.hand_over.resync()

@@ -10,10 +10,15 @@ exit code and its log tail.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
@@ -26,6 +31,9 @@ from tests.tiny_checkpoints import save_tiny_moe
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = "tests.rollout_rewards:first_token_parity"
 PROMPTS = 12
+STEPS = 4
+CRASH_AT_REQUEST = 40
+"""16 requests per generation batch: the 40th /generate is in step 3, after two weight syncs."""
 
 
 def _engine(name: str, model: Path, log_dir: Path, env: dict[str, str] | None = None) -> ReferenceEngine:
@@ -116,3 +124,78 @@ def test_the_manager_resubmits_a_crashed_engines_requests_to_its_restart(tmp_pat
     assert step.metrics["rollout/engine_restarts"] == 1 and expected.metrics["rollout/engine_restarts"] == 0
     assert step.metrics["rollout/groups_kept"] == PROMPTS
     assert _outputs(step) == _outputs(expected)
+
+
+def _command(run_dir: Path, *overrides: str) -> list[str]:
+    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
+    return command + [
+        f"train.steps={STEPS}",
+        "train.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=8",
+        "algorithm.dynamic_sampling.gen_batch_prompts=16",
+        "train.val_interval=0",
+        "checkpoint.export_hf=true",
+        f"checkpoint.dir={run_dir / 'checkpoints'}",
+        f"logging.dir={run_dir / 'logs'}",
+        "logging.sinks=[jsonl]",
+        *overrides,
+    ]
+
+
+def _run(run_dir: Path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = env | ({ENGINE_EXIT_ENV: fault} if fault else {})
+    return subprocess.run(_command(run_dir, *overrides), env=env, capture_output=True, text=True, timeout=900)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final_weights(run_dir: Path) -> dict:
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    return {k: v for file in sorted((latest / "hf").glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    done = _run(run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "placement",
+    [
+        pytest.param([], id="colocated"),
+        pytest.param(["rollout.placement=disaggregated", "cluster.cpu_engines=2"], id="disaggregated-2-engines"),
+    ],
+)
+def test_a_crashed_engine_is_restarted_and_the_run_ends_with_the_uninterrupted_weights(
+    uninterrupted: Path, tmp_path: Path, placement: list[str]
+) -> None:
+    done = _run(tmp_path, *placement, fault=engine_exit_fault(CRASH_AT_REQUEST, 1, tmp_path / "crashes"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "crashes").iterdir())) == 1  # the fault did fire
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert sum(r.get("rollout/engine_restarts", 0) for r in records) == 1
+    final, expected = _final_weights(tmp_path), _final_weights(uninterrupted)
+    assert final.keys() == expected.keys()
+    assert [name for name in expected if not final[name].equal(expected[name])] == []
+    keys = ("train/reward_mean", "rollout/samples", "rollout/groups_kept", "actor/loss")
+    assert [[r[k] for k in keys] for r in records] == [[r[k] for k in keys] for r in _records(uninterrupted)]
+
+
+@pytest.mark.slow
+def test_past_max_engine_restarts_the_run_stops_naming_the_engine_its_exit_code_and_log(tmp_path: Path) -> None:
+    done = _run(tmp_path, "rollout.max_engine_restarts=1", fault=engine_exit_fault(20, 2, tmp_path / "crashes"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.search(
+        r"error: engine reference0 crashed after 1 engine restarts in this run \(rollout.max_engine_restarts=1\)",
+        done.stderr,
+    ), done.stderr[-3000:]
+    assert f"exited with code {EXIT_CODE}" in done.stderr and "log tail" in done.stderr
+    assert "Traceback" not in done.stderr
