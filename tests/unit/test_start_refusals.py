@@ -168,6 +168,7 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("models/safetensors_reader.py", "CheckpointTensorError"): "checkpoint contents",
     ("models/weight_map.py", ""): "internal: every parameter the builder makes is mapped",
     ("rollout/manager.py", "generation batch"): "the driver sizes the sampler from train.prompts_per_step",
+    ("rollout/manager.py", "failures[0][1]"): "an engine crash at run time, re-raised by a manager without recovery",
     ("rollout/manager.py", "RolloutExhaustedError"): "runtime outcome of dynamic sampling (algorithm.dynamic_sampling)",
     ("rollout/reference/backend.py", "EngineStateError"): "engine state at request time",
     ("rollout/reference/backend.py", "GenerationAborted"): "an aborted request",
@@ -183,6 +184,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "check makes every full step split; the driver trims a partial one first",
     ("actor/step_data.py", "does not split over"): "validate's batch divisibility check makes every full step "
     "split; the driver trims a partial one first",
+    ("orchestration/engine_recovery.py", "EngineRestartLimitError"): "engine crashes at run time, past "
+    "rollout.max_engine_restarts",
     ("orchestration/driver.py", "NonFiniteTrainingError"): "a run-time outcome of training "
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
