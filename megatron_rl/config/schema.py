@@ -302,6 +302,12 @@ class TrainConfig(Section):
         "(`train/nonfinite_updates`); after this many steps in a row with a skipped update the run stops, "
         "naming the step and the metric (the last checkpoint is kept).",
     )
+    max_staleness: NonNegativeInt = Field(
+        0,
+        description="Weight versions a step's samples may lag behind the policy they train (0: the synchronous "
+        "loop). With s > 0 and disaggregated engines, step k+s is generated (with the weights after step k-1) "
+        "while step k trains, so every sample of a step j > s comes from the weights after step j-s-1.",
+    )
     seed: int = Field(1234, description="Seed of sampling order, initialisation and generation.")
     precision: Literal["bf16", "fp32", "fp8"] = Field("bf16", description="Training precision.")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = Field(

@@ -110,7 +110,8 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         recovery = EngineRecovery(
             run.engine_hosts, run.trainers, run.hand_over, max_restarts=cfg.rollout.max_engine_restarts
         )
-        run.rollout = build_rollout_manager(cfg, data, run.engines, recovery)
+        # With max_staleness > 0 the training rollout runs beside training, which a re-sync cannot join.
+        run.rollout = build_rollout_manager(cfg, data, run.engines, None if cfg.train.max_staleness else recovery)
         run.validation = build_validation_manager(cfg, data, run.engines, recovery)
         run.logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step
