@@ -360,12 +360,6 @@ def _check_staleness(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding
             "than the policy that trains on them, and without the importance correction min(pi_old / pi_rollout, "
             "cap) the loss would treat them as on-policy; set algorithm.tis_cap (2.0 as in the TIS paper)",
         )
-    if staleness >= cfg.train.steps:
-        yield _error(
-            "train.max_staleness",
-            f"{staleness} is not below train.steps={cfg.train.steps}: every step would train on the initial "
-            "weights' samples; lower it (1 or 2 is usual)",
-        )
 
 
 def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:

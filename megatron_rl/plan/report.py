@@ -111,6 +111,19 @@ def engine_section(cfg: RunConfig, arch: QwenArchitecture, engine: EnginePlan, g
         f"({engine.tokens_fit // engine.sequence_tokens} sequences of {engine.sequence_tokens:,} tokens)",
         f"    one generation batch per engine {engine.tokens_needed:>10,} tokens at full length "
         f"-> the KV cache holds {fit:.0%}",
+        *_pipeline_lines(cfg),
+    ]
+
+
+def _pipeline_lines(cfg: RunConfig) -> list[str]:
+    """What ``train.max_staleness`` > 0 does to a step (nothing for the synchronous loop)."""
+    staleness = cfg.train.max_staleness
+    if staleness == 0:
+        return []
+    return [
+        f"    pipeline: train.max_staleness {staleness}: the engines generate step k+{staleness} "
+        "(weights after step k-1) while the trainer trains step k;",
+        "              a step takes about max(generation, log-probs + training) + weight sync, not their sum",
     ]
 
 
@@ -124,7 +137,8 @@ def colocated_section(plan: MemoryPlan) -> list[str]:
     """The other per-GPU peaks of a colocated run: weight sync and rollout."""
     if not plan.sync_peak and not plan.rollout_peak:
         return []
-    lines = ["", "other peaks per GPU (GiB; trainer offloaded to host during rollout)"]
+    where = "trainer offloaded to host during rollout" if plan.sync_peak else "the engines' own GPUs"
+    lines = ["", f"other peaks per GPU (GiB; {where})"]
     if plan.sync_peak:
         lines += _peak_lines("weight sync (trainer parameters stay on the GPU)", plan.sync_peak)
     return lines + _peak_lines("rollout", plan.rollout_peak)
