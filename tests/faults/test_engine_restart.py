@@ -10,11 +10,9 @@ exit code and its log tail.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,9 +24,9 @@ from megatron_rl.rollout import EngineUnavailableError, ReferenceEngine
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, EXIT_CODE, engine_exit_fault
 from tests.distributed_utils import free_port
+from tests.e2e.tiny_runs import RUN, read_metrics, run_env, train_command
 from tests.tiny_checkpoints import save_tiny_moe
 
-ROOT = Path(__file__).resolve().parents[2]
 REWARD = "tests.rollout_rewards:first_token_parity"
 PROMPTS = 12
 STEPS = 4
@@ -126,34 +124,31 @@ def test_the_manager_resubmits_a_crashed_engines_requests_to_its_restart(tmp_pat
     assert _outputs(step) == _outputs(expected)
 
 
-def _command(run_dir: Path, *overrides: str) -> list[str]:
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
-    return command + [
-        f"train.steps={STEPS}",
-        "train.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=8",
-        "algorithm.dynamic_sampling.gen_batch_prompts=16",
-        "train.val_interval=0",
-        "checkpoint.export_hf=true",
-        f"checkpoint.dir={run_dir / 'checkpoints'}",
-        f"logging.dir={run_dir / 'logs'}",
-        "logging.sinks=[jsonl]",
-        *overrides,
-    ]
+OVERRIDES = [
+    f"train.steps={STEPS}",
+    "train.prompts_per_step=4",
+    "rollout.n_samples_per_prompt=8",
+    "algorithm.dynamic_sampling.gen_batch_prompts=16",
+    "train.val_interval=0",
+    "checkpoint.export_hf=true",
+    "logging.sinks=[jsonl]",
+]
 
 
 def _run(run_dir: Path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    env = env | ({ENGINE_EXIT_ENV: fault} if fault else {})
-    return subprocess.run(_command(run_dir, *overrides), env=env, capture_output=True, text=True, timeout=900)
+    """The tiny DAPO run in ``run_dir`` (its records under ``run_dir / RUN``), the fault in its environment."""
+    env = run_env() | ({ENGINE_EXIT_ENV: fault} if fault else {})
+    command = train_command([*OVERRIDES, *overrides])
+    return subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900)
 
 
 def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir / RUN)
 
 
 def _final_weights(run_dir: Path) -> dict:
-    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    checkpoints = run_dir / RUN / "checkpoints"
+    latest = checkpoints / (checkpoints / "latest").read_text().strip()
     return {k: v for file in sorted((latest / "hf").glob("*.safetensors")) for k, v in load_file(file).items()}
 
 
