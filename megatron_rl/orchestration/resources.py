@@ -64,10 +64,15 @@ class RunResources:
     logger: MetricLogger | None = None
 
     def close(self) -> None:
-        """Stop sinks, managers, trainer ranks, engines and Ray (local Ray stops; a cluster is left)."""
-        closers = [part.close for part in (self.logger, self.rollout, self.validation) if part is not None]
+        """Stop sinks, trainer ranks, engines, managers and Ray (local Ray stops; a cluster is left).
+
+        Engines stop before the rollout managers, so requests still in flight (a run that failed while
+        generating ahead) fail at once instead of holding the managers' threads.
+        """
+        closers = [self.logger.close] if self.logger is not None else []
         closers += [self.trainers.close] if self.trainers is not None else []
         closers += [self.engine_hosts.close] if self.engine_hosts is not None else []
+        closers += [part.close for part in (self.rollout, self.validation) if part is not None]
         if self.placement is not None:
             closers.append(lambda: ray.util.remove_placement_group(self.placement))
         closers.append(ray.shutdown)

@@ -93,14 +93,11 @@ class RolloutPipeline:
             self._ahead = self._worker.submit(self._produce, ahead)
         return taken
 
-    def wait_ahead(self) -> float:
-        """Wait for the background generation (if any) and queue its rollout; seconds waited."""
-        if self._ahead is None:
-            return 0.0
-        started = time.perf_counter()
-        ahead, self._ahead = self._ahead, None
-        self._ready.append(ahead.result())
-        return time.perf_counter() - started
+    def wait_ahead(self) -> None:
+        """Wait for the background generation (if any) and queue its rollout (re-raising its failure)."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            self._ready.append(ahead.result())
 
     @property
     def generated_s(self) -> float:
@@ -112,8 +109,10 @@ class RolloutPipeline:
         return list(self._ready)
 
     def close(self) -> None:
-        """Wait for a background generation still running, then stop the thread (its errors are dropped)."""
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        """Stop the background thread without waiting: a generation still running (the run failed during
+        training) ends with its requests when the engines stop (``RunResources.close`` stops them before
+        the rollout managers); its errors are dropped."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
 
 def save_carried_over(checkpoint_dir: Path, carried: list[PipelinedRollout]) -> None:
