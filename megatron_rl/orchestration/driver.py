@@ -1,10 +1,14 @@
-"""The synchronous RL driver: one loop, every line a named phase.
+"""The RL driver: one loop, every line a named phase.
 
-Per step: generate (score, shape, filter) -> advantages -> shard (each data-parallel
-rank gets only its samples, ragged and compact) -> train (old and reference log-probs
-computed on the ranks and kept there; scalars come back) -> weight sync -> periodic
-validation -> metrics -> periodic checkpoint. The engines hold the weights of the last sync, so generation always
-uses the current policy. A step's metrics are written before its checkpoint, so a
+Per step: take the step's rollout (generated, scored, shaped, filtered) -> advantages -> shard
+(each data-parallel rank gets only its samples, ragged and compact) -> train (old and reference
+log-probs computed on the ranks and kept there; scalars come back) -> wait for the generation
+ahead -> weight sync -> periodic validation -> metrics -> periodic checkpoint. The rollout comes
+from a :class:`~megatron_rl.orchestration.rollout_pipeline.RolloutPipeline`: with
+``train.max_staleness`` 0 it is generated when the step starts, with the weights of the last sync
+(on-policy); with s > 0 it was generated while an earlier step trained, with the weights after step
+j-s-1 (a fixed schedule, so runs stay deterministic), and the rollouts generated ahead are saved
+with each checkpoint. A step's metrics are written before its checkpoint, so a
 run killed after the commit has them all; the checkpoint's own wall time is in the
 next step's record (``time/checkpoint_s``). With colocated engines the run's
 hand-over (:mod:`memory_handover`) moves memory between the phases: engines
