@@ -25,10 +25,12 @@ Tokens/s/GPU (:func:`estimate_throughput`), defined as NeMo-RL publishes it: all
 ``2 x`` the active GEMM parameters (attention projections, the top-k experts and the router, the
 output layer; :func:`active_gemm_params`) plus causal attention ``4 x layers x heads x head_dim x
 context``, the context being half the assumed mean sequence length (:data:`MEAN_SEQUENCE_FRACTION`
-of ``max_prompt_length + max_response_length``). A step runs, on all GPUs in turn: generation (one
-forward per token at :data:`GENERATION_MFU`), the old log-probs (one forward; a second for the
-reference model when ``use_kl_loss``) and training (forward + backward = 3 forwards, one more under
-full recompute), all at :data:`TRAINING_MFU` of :data:`PEAK_BF16_TFLOPS`, then the weight sync.
+of ``max_prompt_length + max_response_length``). An on-policy step runs its phases one after the
+other: generation (one forward per token at :data:`GENERATION_MFU`, on every GPU when colocated,
+on the ``rollout.num_gpus`` engine GPUs when disaggregated), the old log-probs (one forward; a
+second for the reference model when ``use_kl_loss``) and training (forward + backward = 3
+forwards, one more under full recompute), both at :data:`TRAINING_MFU` of
+:data:`PEAK_BF16_TFLOPS` on the trainer's GPUs, then the weight sync.
 Not modelled: dynamic sampling's extra generation batches, pipeline bubbles, rewards.
 """
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rl.config.hf_config import QwenArchitecture
+from megatron_rl.config.layout import trainer_world_size
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.plan.param_count import engine_gpu_weights, model_params
 
@@ -182,18 +185,21 @@ def estimate_throughput(cfg: RunConfig, arch: QwenArchitecture) -> ThroughputEst
     """Tokens/s/GPU of the recipe's on-policy step (see the module docstring for the model).
 
     ``training_forwards``: forward-pass equivalents per token on the trainer (old log-probs,
-    reference, forward + backward, recompute). Rates are per GPU over all ``cluster`` GPUs.
+    reference, forward + backward, recompute). The rate is per GPU over all ``cluster`` GPUs.
     """
     rollout, train = cfg.rollout, cfg.train
     mean_sequence = MEAN_SEQUENCE_FRACTION * (rollout.max_prompt_length + rollout.max_response_length)
     tokens = train.prompts_per_step * rollout.n_samples_per_prompt * mean_sequence
     gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    engine_gpus = (rollout.num_gpus or gpus) if rollout.placement == "disaggregated" else gpus
+    trainer_gpus = trainer_world_size(cfg.cluster, rollout)
     flops = forward_flops_per_token(arch, mean_sequence / 2)
     forwards = 1 + (1 if cfg.algorithm.use_kl_loss else 0) + 3 + (1 if train.recompute == "full" else 0)
     peak = PEAK_BF16_TFLOPS * 1e12
-    per_gpu = tokens / gpus
-    generation = Range(per_gpu * flops, per_gpu * flops).per(GENERATION_MFU.value.scaled(peak))
-    training = Range(per_gpu * flops * forwards, per_gpu * flops * forwards).per(TRAINING_MFU.value.scaled(peak))
+    generated = tokens / engine_gpus * flops
+    trained = tokens / trainer_gpus * flops * forwards
+    generation = Range(generated, generated).per(GENERATION_MFU.value.scaled(peak))
+    training = Range(trained, trained).per(TRAINING_MFU.value.scaled(peak))
     sync = estimate_sync(cfg, arch)
     step = generation + training + sync.seconds
     rate = Range(tokens / gpus / step.high, tokens / gpus / step.low)

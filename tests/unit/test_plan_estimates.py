@@ -96,3 +96,15 @@ def test_plan_prints_the_estimates_with_their_assumptions(capsys):
     assert "~ weight sync (disk): 61.06 GB" in out and "~ tokens/s/GPU: " in out
     for assumption in (GENERATION_MFU, TRAINING_MFU, FS_WRITE_GBPS, FS_READ_GBPS, NVLINK_GBPS, NETWORK_GBPS):
         assert assumption.line() in out
+
+
+def test_disaggregated_step_generates_on_the_engine_gpus_and_trains_on_the_rest():
+    cfg = _recipe("rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=auto")
+    step = estimate_throughput(cfg, ARCH_30B)
+    assert step.sync.transport == "distributed"
+    flops = forward_flops_per_token(ARCH_30B, step.mean_sequence / 2)
+    peak = PEAK_BF16_TFLOPS * 1e12
+    generation = step.tokens_per_step / 16 * flops / (GENERATION_MFU.value.high * peak)
+    training = step.tokens_per_step / 16 * flops * 5 / (TRAINING_MFU.value.high * peak)
+    assert step.step_seconds.low == pytest.approx(generation + training + step.sync.seconds.low)
+    assert step.tokens_per_second_per_gpu.high == pytest.approx(step.tokens_per_step / 32 / step.step_seconds.low)
