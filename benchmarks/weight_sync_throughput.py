@@ -15,10 +15,11 @@ model's named tensors into it through the tensor transport, by bucket size, from
 Each configuration gets a warm-up sync (buffers allocated and mapped once), then ``--repeats``
 timed syncs, each after every weight changed (``+1``) and followed by a check that the engine
 holds the new values bit for bit, then by a plain ``copy_`` of all the model's bytes into
-preallocated tensors with one intra-op thread and with two. Times are medians. Each row's ratio
-is against the faster of the two plain copies' medians taken between that row's syncs (the box is
-shared: its load changes within a run, and under load one thread can beat two); the plain-copy
-rows are the medians over the whole run. The engine is started once per ``--engine-threads`` value (its torch
+preallocated tensors with one intra-op thread and with two. Times are medians. Each sync is paired
+with the faster of the two plain copies timed right after it, and a row's ratio is the median of
+its syncs' ratios to their paired copies (the box is shared: its load changes within a run, and
+under load one thread can beat two); ``plain copy s`` is the median of those paired copies, and the
+plain-copy rows are the medians over the whole run. The engine is started once per ``--engine-threads`` value (its torch
 intra-op threads, used by its copy into its weights); the sender runs with one intra-op thread,
 as trainer ranks do on CPU (``OMP_NUM_THREADS=1``).
 
@@ -68,7 +69,8 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Result:
-    """Median sync seconds of one configuration, its bucket count and the plain-copy baseline between its syncs."""
+    """Median sync seconds of one configuration, its bucket count, the median of the plain copies paired with
+    its syncs and the median of each sync's ratio to its paired copy."""
 
     memory: str
     engine_threads: int
@@ -76,11 +78,7 @@ class Result:
     buckets: int
     seconds: float
     baseline: float
-
-    @property
-    def ratio(self) -> float:
-        """Sync seconds / the faster plain copy measured between this configuration's syncs."""
-        return self.seconds / self.baseline
+    ratio: float
 
 
 @torch.no_grad()
@@ -91,10 +89,11 @@ def _bump(named: NamedTensors) -> None:
 
 def _measure(
     engine: ReferenceEngine, named: NamedTensors, bucket_mb: int, repeats: int, copy_s: dict[int, list[float]]
-) -> tuple[float, int, float]:
-    """Median timed sync of ``named`` at ``bucket_mb``, its bucket count, and the faster median plain copy
-    timed after each sync (one per intra-op thread count in ``copy_s``, also appended there)."""
-    row_copies: dict[int, list[float]] = {threads: [] for threads in copy_s}
+) -> tuple[float, int, float, float]:
+    """Median timed sync of ``named`` at ``bucket_mb``, its bucket count, the median paired plain copy (the
+    faster of one per intra-op thread count in ``copy_s`` after each sync, each appended there) and the
+    median ratio of a sync to its paired copy."""
+    paired: list[float] = []
     checked = [(name, tensor) for name, tensor in named if name in CHECKED]
     syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=bucket_mb * MIB)
     seconds, buckets = [], 0
@@ -108,13 +107,16 @@ def _measure(
             engine_holds(engine, checked)
             seconds.append(stats.seconds)
             buckets = stats.num_buckets
+            copies_now = []
             for threads, copies in copy_s.items():
                 torch.set_num_threads(threads)
-                row_copies[threads].append(plain_copy_seconds(named, 1))
-                copies.append(row_copies[threads][-1])
+                copies_now.append(plain_copy_seconds(named, 1))
+                copies.append(copies_now[-1])
+            paired.append(min(copies_now))
     finally:
         syncer.close()
-    return statistics.median(seconds), buckets, min(statistics.median(c) for c in row_copies.values())
+    ratios = [sync / copy for sync, copy in zip(seconds, paired, strict=True)]
+    return statistics.median(seconds), buckets, statistics.median(paired), statistics.median(ratios)
 
 
 def _timed(action) -> float:
@@ -187,8 +189,8 @@ def main() -> None:
                     for bucket_mb in bucket_sizes:
                         for memory, named in sources.items():
                             start = time.perf_counter()
-                            seconds, buckets, baseline = _measure(engine, named, bucket_mb, args.repeats, copy_s)
-                            results.append(Result(memory, threads, bucket_mb, buckets, seconds, baseline))
+                            seconds, buckets, baseline, ratio = _measure(engine, named, bucket_mb, args.repeats, copy_s)
+                            results.append(Result(memory, threads, bucket_mb, buckets, seconds, baseline, ratio))
                             print(
                                 f"# {memory}, engine {threads} thread(s), {bucket_mb} MiB: "
                                 f"{time.perf_counter() - start:.1f} s",
