@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.plan.estimates import estimate_sync, estimate_throughput
 from megatron_rl.plan.memory import GIB, Amount, EnginePlan, MemoryPlan, StagePlan, stage_layers
 from megatron_rl.plan.param_count import model_params
 
@@ -168,6 +169,35 @@ def placement_section(
     return lines
 
 
+def _range(values: tuple[float, float], digits: int) -> str:
+    return f"{values[0]:,.{digits}f}-{values[1]:,.{digits}f}"
+
+
+def estimates_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:
+    """Modelled weight-sync seconds and tokens/s/GPU (:mod:`megatron_rl.plan.estimates`), with their assumptions."""
+    step = estimate_throughput(cfg, arch)
+    sync = step.sync
+    others = [estimate_sync(cfg, arch, kind) for kind in ("tensor", "distributed", "disk") if kind != sync.transport]
+    lines = [
+        "",
+        "estimated GPU figures (~ modelled from exact counts and the assumed rates below, not measured)",
+        f"  ~ weight sync ({sync.transport}): {sync.link_bytes / 1e9:.2f} GB over its slowest link -> "
+        f"{_range((sync.seconds.low, sync.seconds.high), 2)} s",
+        "  ~ other transports: "
+        + ", ".join(f"{o.transport} {_range((o.seconds.low, o.seconds.high), 2)} s" for o in others)
+        + " (tensor: engines on the sending rank's node only)",
+        f"  ~ step: {step.tokens_per_step:,.0f} tokens ({cfg.train.prompts_per_step} prompts x "
+        f"{cfg.rollout.n_samples_per_prompt} samples x {step.mean_sequence:,.0f} mean tokens) -> "
+        f"{_range((step.step_seconds.low, step.step_seconds.high), 0)} s",
+        f"  ~ tokens/s/GPU: {_range((step.tokens_per_second_per_gpu.low, step.tokens_per_second_per_gpu.high), 0)} "
+        f"({step.forward_flops_per_token / 1e9:.1f} GFLOP per token forward; generation 1 forward, "
+        f"trainer {step.training_forwards} forwards per token)",
+        "  assumptions:",
+    ]
+    assumptions = dict.fromkeys([*step.assumptions, *(a for o in others for a in o.assumptions)])
+    return lines + [f"    {a.line()}" for a in assumptions]
+
+
 def verdict_section(plan: MemoryPlan) -> list[str]:
     """Notes, then FITS or every problem with its knob."""
     lines = [""] + [f"note: {note}" for note in plan.notes]
@@ -197,6 +227,6 @@ def render_plan(
         state = ", ".join(f"{a.label} {a.nbytes / 2**20:.2f}" for a in max(plan.stages, key=lambda s: s.total).state)
         return "\n".join([*lines, "", f"CPU recipe, no GPU memory to check; trainer state per rank (MiB): {state}"])
     lines += trainer_memory_section(plan) + engine_section(cfg, arch, plan.engine, plan.gpu_bytes)
-    lines += colocated_section(plan)
+    lines += colocated_section(plan) + estimates_section(cfg, arch)
     lines += placement_section(cfg, trainer_positions, engine_positions) + verdict_section(plan)
     return "\n".join(lines)

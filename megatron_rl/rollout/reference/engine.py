@@ -18,12 +18,13 @@ def build_reference_command(
     dtype: str = "float32",
     device: str | None = None,
     seed: int = 0,
+    num_threads: int = 1,
     python: str = sys.executable,
 ) -> list[str]:
-    """``python -m megatron_rl.rollout.reference.server ...`` for one engine."""
+    """``python -m megatron_rl.rollout.reference.server ...`` for one engine (``num_threads``: torch intra-op threads)."""
     command = [python, "-m", "megatron_rl.rollout.reference.server", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--load-format", load_format, "--dtype", dtype]
-    command += ["--seed", str(seed)]
+    command += ["--seed", str(seed), "--num-threads", str(num_threads)]
     if device is not None:
         command += ["--device", device]
     return command
@@ -33,6 +34,7 @@ class ReferenceEngine(HttpEngine):
     """A reference server process on ``host:port`` (see :mod:`megatron_rl.rollout.reference.server`).
 
     ``routed_experts_shape`` = (num_hidden_layers, num_experts_per_tok) decodes routing in results;
+    ``num_threads``: the server's torch intra-op threads on CPU (its forward passes and weight loads);
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
     """
 
@@ -48,13 +50,21 @@ class ReferenceEngine(HttpEngine):
         dtype: str = "float32",
         device: str | None = None,
         seed: int = 0,
+        num_threads: int = 1,
         max_concurrent_requests: int = 64,
         request_timeout_s: float = 600.0,
         routed_experts_shape: tuple[int, int] | None = None,
         die_with_parent: bool = False,
     ) -> None:
         command = build_reference_command(
-            model_path, port, host=host, load_format=load_format, dtype=dtype, device=device, seed=seed
+            model_path,
+            port,
+            host=host,
+            load_format=load_format,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            num_threads=num_threads,
         )
         super().__init__(
             name,
