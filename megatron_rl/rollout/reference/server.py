@@ -52,7 +52,12 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.reference.backend import EngineStateError, ReferenceBackend, WeightUpdateRefused
+from megatron_rl.rollout.reference.backend import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    EngineStateError,
+    ReferenceBackend,
+    WeightUpdateRefused,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -233,12 +238,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dp-size", type=int, default=1, help="claimed data-parallel size; > 1 fails weight updates as SGLang does"
     )
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DEFAULT_MAX_RUNNING_REQUESTS,
+        help="samples decoding at once (KV cache slots); more wait",
+    )
+    parser.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reference-engine %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     _exit_when_orphaned()
     model = load_model(args.model_path, args.load_format, getattr(torch, args.dtype), args.device)
-    server = build_server(ReferenceBackend(model, seed=args.seed, dp_size=args.dp_size), args.host, args.port)
+    backend = ReferenceBackend(
+        model,
+        seed=args.seed,
+        dp_size=args.dp_size,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+    )
+    server = build_server(backend, args.host, args.port)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     server.serve_forever()
 
