@@ -90,7 +90,8 @@ class ReferenceBackend:
 
     ``dp_size``: the data-parallel size the engine claims (SGLang's ``--dp-size``); above 1
     every weight update fails as SGLang's does. ``max_running_requests``: samples decoding at
-    once (SGLang's ``--max-running-requests``; each sample of an n-sample request counts).
+    once (SGLang's ``--max-running-requests``; each sample of an n-sample request counts); a
+    request with more samples than that runs alone, on slots added for it.
     ``context_length``: positions per sequence (SGLang's ``--context-length``; default the
     model's ``max_position_embeddings``).
     """
@@ -148,8 +149,6 @@ class ReferenceBackend:
             raise EngineStateError("weights are released; call /resume_memory_occupation and update weights first")
         self._check_lengths(request)
         params = request.sampling_params
-        if params.n > self.slot_model.slots:
-            raise ValueError(f"n={params.n} exceeds the engine's --max-running-requests ({self.slot_model.slots})")
         rid = request.rid or f"ref-{id(request)}"
         sample_rids = {rid} if params.n == 1 else {f"{rid}_{i}" for i in range(params.n)}  # SGLang's registry
         generator = self.generator
@@ -225,8 +224,10 @@ class ReferenceBackend:
         for state in self._running:
             if self._stopped(state):
                 self._free_slots += state.finish(aborted)
-        while self._waiting and len(self._free_slots) >= self._waiting[0].n:
+        while self._waiting and (len(self._free_slots) >= self._waiting[0].n or not self._running):
             state = self._waiting.pop(0)
+            if len(self._free_slots) < state.n:  # more samples than max_running_requests: it runs alone
+                self._free_slots += self.slot_model.add_slots(state.n - len(self._free_slots))
             state.slots = [self._free_slots.pop(0) for _ in range(state.n)]
             state.cache_epoch = self._cache_epoch
             if state.request.sampling_params.max_new_tokens <= 0:

@@ -82,11 +82,21 @@ class SlotModel:
         """Free the cache (memory release); the next forward allocates it again, zeroed."""
         self._keys = self._values = None
 
+    def add_slots(self, count: int) -> list[int]:
+        """``count`` more slots (the cache grows at the next forward, keeping what it holds); their ids."""
+        first = self.slots
+        self.slots += count
+        return list(range(first, self.slots))
+
     def _cache(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._keys is None:
-            shape = (self.num_layers, self.slots, self.kv_heads, self.context_length, self.head_dim)
-            self._keys = torch.zeros(shape, dtype=dtype, device=device)
-            self._values = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (self.num_layers, self.slots, self.kv_heads, self.context_length, self.head_dim)
+        if self._keys is None or self._keys.shape[1] < self.slots:
+            keys = torch.zeros(shape, dtype=dtype, device=device)
+            values = torch.zeros(shape, dtype=dtype, device=device)
+            if self._keys is not None:
+                keys[:, : self._keys.shape[1]] = self._keys
+                values[:, : self._values.shape[1]] = self._values
+            self._keys, self._values = keys, values
         return self._keys, self._values
 
     def copy_slot(self, source: int, targets: list[int], length: int) -> None:
