@@ -277,3 +277,24 @@ def decode_routed_experts(encoded: str, shape: tuple[int, int]) -> np.ndarray:
     if flat.size % per_token:
         raise ValueError(f"routed_experts holds {flat.size} ids, not a multiple of layers x top_k = {per_token}")
     return flat.reshape(-1, *shape).copy()
+
+
+FORWARD_SECONDS_METRIC = "sglang:forward_execution_seconds_total"
+"""SGLang's counter (``GET /metrics`` with ``--enable-metrics``) of seconds spent in forward passes, by forward mode."""
+
+
+def parse_forward_seconds(prometheus_text: str) -> dict[str, float]:
+    """Seconds per forward-mode ``category`` from a ``/metrics`` answer (Prometheus text), summed over ranks.
+
+    Reads only :data:`FORWARD_SECONDS_METRIC` samples; a category without samples is absent.
+    """
+    seconds: dict[str, float] = {}
+    for line in prometheus_text.splitlines():
+        if not line.startswith(FORWARD_SECONDS_METRIC + "{"):
+            continue
+        labels, _, value = line[len(FORWARD_SECONDS_METRIC) + 1 :].rpartition("} ")
+        category = next(
+            (item.split("=", 1)[1].strip('"') for item in labels.split(",") if item.startswith("category=")), ""
+        )
+        seconds[category] = seconds.get(category, 0.0) + float(value)
+    return seconds

@@ -34,6 +34,7 @@ from megatron_rl.rollout.protocol import (
     SamplingParams,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
+    parse_forward_seconds,
 )
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.server import build_server
@@ -197,3 +198,15 @@ def test_a_failed_sync_closes_the_session_and_keeps_generation_paused(served):
     syncer.sync([(NORM, torch.full((32,), 7.0))], "retried")
     assert not backend._session and not backend._paused and backend.weight_version == "retried"
     syncer.close()
+
+
+def test_metrics_count_forward_seconds_under_sglangs_counter(served):
+    """``GET /metrics``: SGLang's ``sglang:forward_execution_seconds_total`` by forward mode, Prometheus text."""
+    engine, _ = served
+    with urllib.request.urlopen(engine.base_url + "/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        before = parse_forward_seconds(response.read().decode())
+    engine.generate(GenerateRequest([5, 17, 42], GREEDY))
+    after = parse_forward_seconds(engine.request("/metrics"))
+    assert set(after) == {"extend", "decode"}
+    assert after["extend"] > before["extend"] and after["decode"] > before["decode"]

@@ -39,6 +39,7 @@ from megatron_rl.parallel.device import select_device
 from megatron_rl.rollout.protocol import (
     FLUSH_CACHE_FAILED,
     FLUSH_CACHE_OK,
+    FORWARD_SECONDS_METRIC,
     AbortRequest,
     BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -67,10 +68,36 @@ _OK = {"success": True, "message": "Success"}
 
 @dataclass(frozen=True)
 class TextReply:
-    """A plain-text answer without a Content-Type (SGLang's ``Response(content=...)``)."""
+    """A plain-text answer, without a Content-Type unless given (SGLang's ``Response(content=...)``)."""
 
     text: str
     status: int = 200
+    content_type: str | None = None
+
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""What prometheus_client's ASGI app (SGLang's ``/metrics``) answers with."""
+
+
+def prometheus_metrics(backend: ReferenceBackend) -> str:
+    """SGLang's ``sglang:forward_execution_seconds_total`` counter in Prometheus' text format.
+
+    SGLang (``--enable-metrics``, ``srt/observability/metrics_collector.py``) counts the seconds its
+    device executes forward passes, labelled by forward mode (``extend``: a prefill is in the
+    batch; ``decode``). The reference engine counts the wall seconds of its forward calls; labels
+    as SGLang's for one TP/PP/EP rank.
+    """
+    name = FORWARD_SECONDS_METRIC
+    model = backend.model.config.name_or_path
+    lines = [
+        f"# HELP {name} Total time that GPU is busy executing model forward passes. "
+        "Refer to ForwardMode for category labels.",
+        f"# TYPE {name} counter",
+    ]
+    for category, seconds in backend.slot_model.forward_seconds.items():
+        labels = f'model_name="{model}",tp_rank="0",pp_rank="0",moe_ep_rank="0",category="{category}"'
+        lines.append(f"{name}{{{labels}}} {seconds!r}")
+    return "\n".join(lines) + "\n"
 
 
 def _flush(backend: ReferenceBackend, query: dict[str, list[str]]) -> TextReply:
@@ -119,7 +146,10 @@ ROUTES: dict[str, Route] = {
         UpdateWeightsFromDiskRequest.from_json,
     ),
 }
-QUERY_ROUTES: dict[str, Callable[[ReferenceBackend, dict[str, list[str]]], Any]] = {"/flush_cache": _flush}
+QUERY_ROUTES: dict[str, Callable[[ReferenceBackend, dict[str, list[str]]], Any]] = {
+    "/flush_cache": _flush,
+    "/metrics": lambda b, query: TextReply(prometheus_metrics(b), content_type=PROMETHEUS_CONTENT_TYPE),
+}
 """Endpoints whose arguments are query parameters (SGLang's ``/flush_cache?timeout=S``), GET or POST."""
 _UPDATE_ROUTES = frozenset(
     r for r in ROUTES if r.startswith(("/update_", "/init_weights", "/destroy_weights", "/begin_weight", "/end_weight"))
@@ -141,6 +171,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         if not isinstance(payload, TextReply):
             self.send_header("Content-Type", "application/json")
+        elif payload.content_type is not None:
+            self.send_header("Content-Type", payload.content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

@@ -70,7 +70,7 @@ class SlotModel:
         self.scaling = self.head_dim**-0.5
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
-        self.forward_seconds = 0.0
+        self.forward_seconds = {"extend": 0.0, "decode": 0.0}
         self.forward_calls = 0
 
     @property
@@ -115,13 +115,16 @@ class SlotModel:
         ``tokens_T``, ``slots_T``, ``positions_T``: int64 [T]; each (slot, position) at most once per
         call, positions below ``context_length``. Writes the tokens' keys and values into the cache.
         Routing: int32 [T, layers, top_k] (-1 in dense layers), or None for a model without experts.
-        Counts itself in :attr:`forward_calls` and its wall time in :attr:`forward_seconds`.
+        Counts itself in :attr:`forward_calls` and adds its wall time to :attr:`forward_seconds` under
+        SGLang's forward-mode category: ``decode`` when every slot feeds one token after cached ones,
+        else ``extend`` (a prefill is part of the call).
         """
         started = time.perf_counter()
         try:
             return self._forward(tokens_T, slots_T, positions_T, logits_rows)
         finally:
-            self.forward_seconds += time.perf_counter() - started
+            decode = bool((positions_T > 0).all()) and slots_T.unique().numel() == slots_T.numel()
+            self.forward_seconds["decode" if decode else "extend"] += time.perf_counter() - started
             self.forward_calls += 1
 
     @torch.no_grad()
