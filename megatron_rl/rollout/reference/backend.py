@@ -135,6 +135,8 @@ class ReferenceBackend:
         self._waiting: list[RequestState] = []
         self._running: list[RequestState] = []
         self._free_slots = list(range(max_running_requests))
+        self.idle_seconds = 0.0
+        """Wall seconds the scheduler waited with no request in the engine (SGLang's scheduler idle time)."""
         threading.Thread(target=self._schedule, name="reference-scheduler", daemon=True).start()
 
     def generate(self, request: GenerateRequest) -> dict | list[dict]:
@@ -243,7 +245,11 @@ class ReferenceBackend:
                     self._admit_and_abort()
                     if self._running and not self._paused:
                         break
+                    idle = not self._running and not self._waiting
+                    waited = time.perf_counter()
                     self._state.wait()
+                    if idle:
+                        self.idle_seconds += time.perf_counter() - waited
             with self._model_lock:
                 with self._state:  # re-checked under the model lock: a pause or flush may have come in between
                     self._admit_and_abort()

@@ -157,10 +157,9 @@ class RequestState:
         next_M, chosen_M = self._sample(logits_MV)
         freed = []
         max_new = self.request.sampling_params.max_new_tokens
-        for row, i in enumerate(samples):
-            token = int(next_M[row])
+        for i, token, logprob in zip(samples, next_M.tolist(), chosen_M.tolist(), strict=True):
             self.outputs[i].append(token)
-            self.logprobs[i].append(float(chosen_M[row]))
+            self.logprobs[i].append(logprob)
             if token in self.stop_ids:
                 self.reasons[i] = FinishReason("stop", matched=token)
             elif len(self.outputs[i]) >= max_new:

@@ -40,6 +40,7 @@ from megatron_rl.rollout.protocol import (
     FLUSH_CACHE_FAILED,
     FLUSH_CACHE_OK,
     FORWARD_SECONDS_METRIC,
+    IDLE_SECONDS_METRIC,
     AbortRequest,
     BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -80,23 +81,28 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def prometheus_metrics(backend: ReferenceBackend) -> str:
-    """SGLang's ``sglang:forward_execution_seconds_total`` counter in Prometheus' text format.
+    """SGLang's forward-time and scheduler-idle counters in Prometheus' text format.
 
-    SGLang (``--enable-metrics``, ``srt/observability/metrics_collector.py``) counts the seconds its
-    device executes forward passes, labelled by forward mode (``extend``: a prefill is in the
-    batch; ``decode``). The reference engine counts the wall seconds of its forward calls; labels
-    as SGLang's for one TP/PP/EP rank.
+    SGLang (``--enable-metrics``, ``srt/observability/metrics_collector.py``) counts
+    ``sglang:forward_execution_seconds_total``, the seconds its device executes forward passes,
+    labelled by forward mode (``extend``: a prefill is in the batch; ``decode``), and
+    ``sglang:scheduler_idle_seconds_total``, the wall seconds its scheduler had no request. The
+    reference engine counts the wall seconds of its forward calls and of its scheduler's waits
+    with no request; labels as SGLang's for one TP/PP/EP rank.
     """
-    name = FORWARD_SECONDS_METRIC
-    model = backend.model.config.name_or_path
+    rank = f'model_name="{backend.model.config.name_or_path}",tp_rank="0",pp_rank="0",moe_ep_rank="0"'
     lines = [
-        f"# HELP {name} Total time that GPU is busy executing model forward passes. "
+        f"# HELP {FORWARD_SECONDS_METRIC} Total time that GPU is busy executing model forward passes. "
         "Refer to ForwardMode for category labels.",
-        f"# TYPE {name} counter",
+        f"# TYPE {FORWARD_SECONDS_METRIC} counter",
     ]
     for category, seconds in backend.slot_model.forward_seconds.items():
-        labels = f'model_name="{model}",tp_rank="0",pp_rank="0",moe_ep_rank="0",category="{category}"'
-        lines.append(f"{name}{{{labels}}} {seconds!r}")
+        lines.append(f'{FORWARD_SECONDS_METRIC}{{{rank},category="{category}"}} {seconds!r}')
+    lines += [
+        f"# HELP {IDLE_SECONDS_METRIC} Total wall time while the scheduler has no runnable or queued work.",
+        f"# TYPE {IDLE_SECONDS_METRIC} counter",
+        f"{IDLE_SECONDS_METRIC}{{{rank}}} {backend.idle_seconds!r}",
+    ]
     return "\n".join(lines) + "\n"
 
 
