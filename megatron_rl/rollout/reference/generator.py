@@ -172,14 +172,14 @@ class RequestState:
 
 @dataclass
 class _Feed:
-    """The (slot, position, token) triples of one forward call and whose logits each row is."""
+    """The (slot, position, token) triples of one forward call, whose logits each row is, what to record."""
 
     slots: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
-    owners: list[tuple[RequestState, list[int], list[int]]] = field(default_factory=list)
-    routed: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+    owners: list[tuple[RequestState, list[int], int]] = field(default_factory=list)
+    routed: list[tuple[RequestState, int, int, int, int]] = field(default_factory=list)
 
     def add(self, slot: int, tokens: list[int], start: int) -> int:
         """Feed ``tokens`` at positions ``start``.. of ``slot``; returns the index of the last one."""
@@ -187,6 +187,30 @@ class _Feed:
         self.positions += range(start, start + len(tokens))
         self.tokens += tokens
         return len(self.tokens) - 1
+
+    def add_request(self, state: RequestState) -> list[int] | None:
+        """Feed every running sample of ``state``; returns its samples when they share one prompt prefill."""
+        samples = state.running()
+        prompt = state.request.input_ids
+        record = state.routing is not None
+        if not any(state.outputs[i] or state.cached[i] for i in samples):
+            last = self.add(state.slots[samples[0]], prompt, 0)
+            if record:
+                self.routed.append((state, samples[0], last + 1 - len(prompt), 0, len(prompt)))
+            self.logit_rows += [last] * len(samples)
+            self.owners.append((state, samples, len(samples)))
+            return samples
+        for i in samples:
+            outputs, start = state.outputs[i], state.cached[i]
+            total = len(prompt) + len(outputs)
+            fed = [outputs[-1]] if start == total - 1 else state.tokens(i)[start:]
+            last = self.add(state.slots[i], fed, start)
+            if record:
+                self.routed.append((state, i, last + 1 - len(fed), start, len(fed)))
+            self.logit_rows.append(last)
+            state.cached[i] = total
+        self.owners.append((state, samples, len(samples)))
+        return None
 
 
 def decode_step(slot_model: SlotModel, states: list[RequestState]) -> list[int]:
@@ -197,43 +221,24 @@ def decode_step(slot_model: SlotModel, states: list[RequestState]) -> list[int]:
     others (each token's computation does not depend on the slot, so this equals n prefills).
     """
     feed = _Feed()
-    shared: list[tuple[RequestState, list[int]]] = []
-    for state in states:
-        samples = state.running()
-        logit_rows = []
-        if not any(state.outputs[i] for i in samples) and not any(state.cached[i] for i in samples):
-            first = feed.add(state.slots[samples[0]], state.request.input_ids, 0)
-            feed.routed.append((state, samples[0], first - len(state.request.input_ids) + 1, 0))
-            logit_rows = [first] * len(samples)
-            shared.append((state, samples))
-        else:
-            for i in samples:
-                tokens = state.tokens(i)
-                start = state.cached[i]
-                last = feed.add(state.slots[i], tokens[start:], start)
-                feed.routed.append((state, i, last - (len(tokens) - start) + 1, start))
-                logit_rows.append(last)
-        feed.owners.append((state, samples, logit_rows))
-        feed.logit_rows += logit_rows
+    shared = [(state, samples) for state in states if (samples := feed.add_request(state)) is not None]
     as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=slot_model.device)  # noqa: E731
     logits, routing = slot_model.forward(
         as_tensor(feed.tokens), as_tensor(feed.slots), as_tensor(feed.positions), as_tensor(feed.logit_rows)
     )
-    for state, sample, first, start in feed.routed:
-        length = len(state.tokens(sample)) - start
-        if state.routing is not None and routing is not None:
+    if routing is not None:
+        for state, sample, first, start, length in feed.routed:
             state.routing[sample][start : start + length] = routing[first : first + length]
     for state, samples in shared:
         prompt_len = len(state.request.input_ids)
         slot_model.copy_slot(state.slots[samples[0]], [state.slots[i] for i in samples[1:]], prompt_len)
-        if state.routing is not None:
-            for i in samples[1:]:
+        for i in samples:
+            state.cached[i] = prompt_len
+            if state.routing is not None:
                 state.routing[i][:prompt_len] = state.routing[samples[0]][:prompt_len]
     freed = []
     offset = 0
-    for state, samples, logit_rows in feed.owners:
-        for i in samples:
-            state.cached[i] = len(state.tokens(i))
-        freed += state.advance(samples, logits[offset : offset + len(logit_rows)])
-        offset += len(logit_rows)
+    for state, samples, rows in feed.owners:
+        freed += state.advance(samples, logits[offset : offset + rows])
+        offset += rows
     return freed
