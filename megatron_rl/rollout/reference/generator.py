@@ -141,23 +141,11 @@ class RequestState:
             samples.append(SampleOutput(self.outputs[i], self.logprobs[i], self.reasons[i], routed))
         return samples
 
-    def _sample(self, logits_MV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        params = self.request.sampling_params
-        temperature = params.temperature if params.temperature > 0 else 1.0
-        logp_MV = torch.log_softmax(logits_MV / temperature, dim=-1)
-        if params.temperature > 0:
-            probs = _filter_logits(logits_MV / temperature, params).softmax(-1)
-            next_M = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-        else:
-            next_M = logits_MV.argmax(-1)
-        return next_M, logp_MV.gather(-1, next_M.unsqueeze(-1)).squeeze(-1)
-
-    def advance(self, samples: list[int], logits_MV: torch.Tensor) -> list[int]:
-        """Sample the next token of each of ``samples`` (rows of ``logits_MV``); returns the slots freed."""
-        next_M, chosen_M = self._sample(logits_MV)
+    def advance(self, samples: list[int], tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Append each of ``samples``' next token and its log-prob; returns the slots of samples that finished."""
         freed = []
         max_new = self.request.sampling_params.max_new_tokens
-        for i, token, logprob in zip(samples, next_M.tolist(), chosen_M.tolist(), strict=True):
+        for i, token, logprob in zip(samples, tokens, logprobs, strict=True):
             self.outputs[i].append(token)
             self.logprobs[i].append(logprob)
             if token in self.stop_ids:
@@ -168,6 +156,30 @@ class RequestState:
                 freed.append(self.slots[i])
                 self.slots[i] = None
         return freed
+
+
+def sample_rows(logits_RV: torch.Tensor, owners: list[tuple[RequestState, list[int], int]]) -> tuple[list, list]:
+    """Each row's next token and its log-prob; ``owners`` = (request, samples, rows) in row order.
+
+    Row-wise maths runs once over all rows (temperature, log_softmax, softmax: no op mixes rows);
+    each request then draws from its own rows with its own generator (filtered first when it sets
+    top-k / top-p), or takes the argmax when greedy.
+    """
+    temperatures = [s.request.sampling_params.temperature for s, _, rows in owners for _ in range(rows)]
+    scaled_RV = logits_RV / torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits_RV.device)[:, None]
+    logp_RV = torch.log_softmax(scaled_RV, dim=-1)
+    probs_RV = scaled_RV.softmax(-1)
+    next_R = logits_RV.argmax(-1)
+    offset = 0
+    for state, _, rows in owners:
+        params = state.request.sampling_params
+        if params.temperature > 0:
+            probs = probs_RV[offset : offset + rows]
+            if params.top_k > 0 or params.top_p < 1.0:
+                probs = _filter_logits(scaled_RV[offset : offset + rows], params).softmax(-1)
+            next_R[offset : offset + rows] = torch.multinomial(probs, 1, generator=state.generator).squeeze(-1)
+        offset += rows
+    return next_R.tolist(), logp_RV.gather(-1, next_R.unsqueeze(-1)).squeeze(-1).tolist()
 
 
 @dataclass
@@ -236,9 +248,10 @@ def decode_step(slot_model: SlotModel, states: list[RequestState]) -> list[int]:
             state.cached[i] = prompt_len
             if state.routing is not None:
                 state.routing[i][:prompt_len] = state.routing[samples[0]][:prompt_len]
+    tokens, logprobs = sample_rows(logits, feed.owners)
     freed = []
     offset = 0
     for state, samples, rows in feed.owners:
-        freed += state.advance(samples, logits[offset : offset + rows])
+        freed += state.advance(samples, tokens[offset : offset + rows], logprobs[offset : offset + rows])
         offset += rows
     return freed
