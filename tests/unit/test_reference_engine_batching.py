@@ -213,3 +213,12 @@ def test_a_response_does_not_depend_on_the_requests_running_with_it():
             assert key == alone[rid], f"{rid} differs when run with {[REQUESTS[i].rid for i in order]}"
         steps = backend.slot_model.forward_calls - before
         assert steps < sum(steps_alone[REQUESTS[i].rid] for i in order), "the requests did not share steps"
+
+
+def test_a_request_with_more_samples_than_slots_runs_alone_on_added_slots():
+    """``max_running_requests`` below a request's n: the request waits for the engine to empty, then runs alone."""
+    model = MODELS["moe-dense-layer"]()
+    small, large = ReferenceBackend(model, max_running_requests=2), ReferenceBackend(model)
+    requests = [REQUESTS[1], REQUESTS[0]]  # n = 4, then n = 1
+    assert _concurrently(small, requests) == {r.rid: _answer_key(large.generate(r)) for r in requests}
+    assert small.slot_model.slots == 4

@@ -34,6 +34,7 @@ backup), ``kv_cache`` frees the KV cache (allocated again at the next step).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -134,7 +135,7 @@ class ReferenceBackend:
         self._jobs: dict[RequestState, tuple[int, set[str]]] = {}
         self._waiting: list[RequestState] = []
         self._running: list[RequestState] = []
-        self._free_slots = list(range(max_running_requests))
+        self._free_slots = list(range(max_running_requests))  # a heap: the lowest free slot first
         self.idle_seconds = 0.0
         """Wall seconds the scheduler waited with no request in the engine (SGLang's scheduler idle time)."""
         threading.Thread(target=self._schedule, name="reference-scheduler", daemon=True).start()
@@ -225,17 +226,21 @@ class ReferenceBackend:
             state.done.set()
         for state in self._running:
             if self._stopped(state):
-                self._free_slots += state.finish(aborted)
+                self._free(state.finish(aborted))
         while self._waiting and (len(self._free_slots) >= self._waiting[0].n or not self._running):
             state = self._waiting.pop(0)
             if len(self._free_slots) < state.n:  # more samples than max_running_requests: it runs alone
-                self._free_slots += self.slot_model.add_slots(state.n - len(self._free_slots))
-            state.slots = [self._free_slots.pop(0) for _ in range(state.n)]
+                self._free(self.slot_model.add_slots(state.n - len(self._free_slots)))
+            state.slots = [heapq.heappop(self._free_slots) for _ in range(state.n)]
             state.cache_epoch = self._cache_epoch
             if state.request.sampling_params.max_new_tokens <= 0:
-                self._free_slots += state.finish(FinishReason("length"))
+                self._free(state.finish(FinishReason("length")))
             self._running.append(state)
         self._release_finished(list(self._running))
+
+    def _free(self, slots: list[int]) -> None:
+        for slot in slots:
+            heapq.heappush(self._free_slots, slot)
 
     def _schedule(self) -> None:
         """The scheduler thread: one batched decode step after another while requests run and no pause holds them."""
@@ -262,7 +267,7 @@ class ReferenceBackend:
                             state.cache_epoch = self._cache_epoch
                 freed = self._step(states)
             with self._state:
-                self._free_slots += freed
+                self._free(freed)
                 self._release_finished(states)
 
     def _step(self, states: list[RequestState]) -> list[int]:

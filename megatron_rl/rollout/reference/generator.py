@@ -11,8 +11,9 @@ each request samples its own unfinished samples from their logits:
   temperature (T = 1 when greedy). top-k / top-p only restrict what may be sampled; they do not
   renormalise the reported log-prob. This is what the trainer recomputes (logits / T, full
   vocabulary);
-- draws come from the request's own generator (seeded by ``sampling_seed``, else the engine's),
-  one multinomial over its unfinished samples per step, in sample order;
+- draws come from the request's own generator (seeded by ``sampling_seed``, else the engine's,
+  shared with the other unseeded requests, so their draws depend on what runs with them, as in
+  SGLang), one multinomial over its unfinished samples per step, in sample order;
 - a sample stops at a stop token (``stop_token_ids``, and the model's EOS unless ``ignore_eos``;
   the stop token is kept in ``output_ids``) or after ``max_new_tokens`` (``length``); a
   finished sample's slot is freed at once.

@@ -9,7 +9,8 @@ the other tokens of the call (:mod:`invariant_ops`), so a request's response doe
 on which requests share its forward passes.
 
 Cache: keys and values ``[layers, slots, kv_heads, context_length, head_dim]`` in the model's
-dtype, allocated at the first call. Routed experts (MoE): the top-k expert ids of every token
+dtype, allocated as slots are first used (doubling up to ``slots``; the engine hands out the
+lowest free slots, so an engine serving few samples holds a small cache). Routed experts (MoE): the top-k expert ids of every token
 fed, int32 ``[tokens, layers, top_k]``, -1 in dense layers (SGLang's layout).
 
 Supported: the default RoPE (no scaling), no sliding window; anything else is refused at
@@ -88,23 +89,27 @@ class SlotModel:
         self.slots += count
         return list(range(first, self.slots))
 
-    def _cache(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.num_layers, self.slots, self.kv_heads, self.context_length, self.head_dim)
-        if self._keys is None or self._keys.shape[1] < self.slots:
+    def _cache(self, used_slots: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache, grown (doubling, up to :attr:`slots`, contents kept) to hold slots ``0..used_slots-1``."""
+        held = 0 if self._keys is None else self._keys.shape[1]
+        if held < used_slots:
+            capacity = min(self.slots, max(used_slots, 2 * held, 1))
+            shape = (self.num_layers, capacity, self.kv_heads, self.context_length, self.head_dim)
             keys = torch.zeros(shape, dtype=dtype, device=device)
             values = torch.zeros(shape, dtype=dtype, device=device)
             if self._keys is not None:
-                keys[:, : self._keys.shape[1]] = self._keys
-                values[:, : self._values.shape[1]] = self._values
+                keys[:, :held] = self._keys
+                values[:, :held] = self._values
             self._keys, self._values = keys, values
         return self._keys, self._values
 
     def copy_slot(self, source: int, targets: list[int], length: int) -> None:
-        """Copy the first ``length`` cached positions of slot ``source`` into each slot of ``targets``."""
-        if self._keys is None or not targets:
+        """Copy the first ``length`` cached positions of slot ``source`` (fed already) into each slot of ``targets``."""
+        if not targets:
             return
-        index = torch.tensor(targets, device=self._keys.device)
-        for cache in (self._keys, self._values):
+        keys, values = self._cache(max(targets) + 1, self._keys.device, self._keys.dtype)
+        index = torch.tensor(targets, device=keys.device)
+        for cache in (keys, values):
             cache[:, index, :, :length] = cache[:, source : source + 1, :, :length]
 
     def forward(
@@ -133,7 +138,7 @@ class SlotModel:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inner = self.model.model
         hidden = inner.embed_tokens.weight[tokens_T]
-        keys, values = self._cache(hidden.device, hidden.dtype)
+        keys, values = self._cache(int(slots_T.max()) + 1, hidden.device, hidden.dtype)
         freqs = positions_T[:, None].float() * self.inv_freq.to(hidden.device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)
