@@ -126,6 +126,18 @@ START_REFUSALS = (
     ),
     Refusal("rollout/reference/backend.py", "the reference engine has 1 TP rank", ("rollout.tp=2",), "rollout.tp"),
     Refusal(
+        "rollout/reference/backend.py",
+        "longer than the model's context length",
+        ("rollout.max_prompt_length=64",),
+        "rollout.max_response_length",
+    ),
+    Refusal(
+        "rollout/reference/backend.py",
+        "exceeds the model's maximum context length",
+        ("rollout.max_response_length=60",),
+        "rollout.max_response_length",
+    ),
+    Refusal(
         "rollout/scoring.py", "num_workers must be >= 1", ("data.reward_num_workers=0",), "data.reward_num_workers"
     ),
     Refusal(
@@ -171,7 +183,9 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/manager.py", "failures[0][1]"): "an engine crash at run time, re-raised by a manager without recovery",
     ("rollout/manager.py", "RolloutExhaustedError"): "runtime outcome of dynamic sampling (algorithm.dynamic_sampling)",
     ("rollout/reference/backend.py", "EngineStateError"): "engine state at request time",
-    ("rollout/reference/backend.py", "GenerationAborted"): "an aborted request",
+    ("rollout/reference/backend.py", "state.error"): "a decode step that failed at run time, re-raised to its request",
+    ("rollout/reference/slot_model.py", ""): "the model's config.json, which config/hf_config.py refuses first "
+    "(RoPE scaling, sliding windows, activations other than SiLU)",
     ("rollout/reference/backend.py", "names, dtypes and shapes"): "wire-format contract of a weight update",
     ("rollout/reference/backend.py", "no *.safetensors"): "disk weight update contents, written by the trainer",
     ("rollout/reference/backend.py", "weight elements"): "disk weight update contents, written by the trainer",
