@@ -4,7 +4,7 @@ The rollout manager calls an :class:`EngineRecovery` when requests failed becaus
 process is gone (:class:`~megatron_rl.rollout.EngineUnavailableError`), once every other request of
 the generation batch has answered, so all engines are idle. For each crashed engine it starts a new
 process on the engine's bundle (:meth:`EngineHosts.restart`), points every trainer rank's weight sync
-at it (:meth:`TrainerGroup.engine_restarted`) and, once all are back, delivers the last synced
+at it (:meth:`TrainerGroup.engines_restarted`) and, once all are back, delivers the last synced
 weights to the engines again (:meth:`HandOver.resync`). The manager then resubmits the failed
 requests unchanged: their sampling seeds make the responses those the crashed engine would have
 given, so a crash does not change the run's results.
@@ -39,6 +39,7 @@ class EngineRecovery:
         ``crashed``: each engine with the error of one of its failed requests (it names the exit code
         and log tail). Raises EngineRestartLimitError once the run has used ``max_restarts``.
         """
+        restarted = {}
         for engine, error in crashed:
             if self.restarts >= self.max_restarts:
                 raise EngineRestartLimitError(
@@ -48,8 +49,7 @@ class EngineRecovery:
                 )
             started = time.perf_counter()
             index = next(i for i, client in enumerate(self.hosts.clients) if client is engine)
-            address = self.hosts.restart(index)
-            self.trainers.engine_restarted(index, address)
+            restarted[index] = self.hosts.restart(index)
             self.restarts += 1
             print(
                 f"# engine {engine.name} crashed ({str(error).splitlines()[0]}); started again on its bundle in "
@@ -57,4 +57,5 @@ class EngineRecovery:
                 f"{self.max_restarts}); its requests go again with their seeds",
                 flush=True,
             )
+        self.trainers.engines_restarted(restarted)
         self.hand_over.resync()

@@ -93,11 +93,12 @@ class TrainerWorker:
         """Deliver the current weights to every engine as ``version``; seconds it took on this rank."""
         return self._syncer.sync_megatron(self.actor.chunks, self.actor.arch, str(version)).seconds
 
-    def engine_restarted(self, index: int, address: EngineAddress) -> None:
-        """Engine ``index`` runs again at ``address`` (a new process): later syncs go there, from a fresh start."""
-        _, host, port = address
-        self._clients[index].rebind(host, port)
-        self._syncer.transport.engine_replaced(index)
+    def engines_restarted(self, addresses: dict[int, EngineAddress]) -> None:
+        """Engines run again (new processes) at ``addresses`` (by engine index): later syncs go there, from a
+        fresh start."""
+        for index, (_, host, port) in addresses.items():
+            self._clients[index].rebind(host, port)
+        self._syncer.transport.engines_replaced(addresses.keys())
 
     def save_checkpoint(self, directory: str) -> None:
         """Write model, optimizer and schedule shards and this rank's RNG states into ``directory``."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 import abc
 import logging
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,8 +108,8 @@ class WeightTransport(abc.ABC):
     def settle(self) -> None:  # noqa: B027 (optional hook)
         """After a failed sync: return once nothing this rank sent is still in flight (errors are logged)."""
 
-    def engine_replaced(self, index: int) -> None:  # noqa: B027 (optional hook)
-        """Engine ``index`` now runs in a new process: forget what was shared with the old one (between syncs)."""
+    def engines_replaced(self, indices: Collection[int]) -> None:  # noqa: B027 (optional hook)
+        """Engines ``indices`` now run in new processes: forget what was shared with the old ones (between syncs)."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release resources held across syncs."""
@@ -280,11 +280,11 @@ class DistributedTransport(WeightTransport):
             for post in posts:
                 post.result()
 
-    def engine_replaced(self, index: int) -> None:
-        """The broadcast group included the old process of engine ``index``: the other engines leave it, this
-        rank destroys its end, and the next sync builds a new group with the new process."""
+    def engines_replaced(self, indices: Collection[int]) -> None:
+        """The broadcast group included the old processes of engines ``indices``: the other engines leave it,
+        this rank destroys its end, and the next sync builds a new group with the new processes."""
         if self._group is not None:
-            others = [engine for i, engine in enumerate(self.engines) if i != index]
+            others = [engine for i, engine in enumerate(self.engines) if i not in indices]
             _on_every_engine(others, lambda i, e: e.destroy_weights_update_group(self.group_name))
             destroy_weight_group(self._group)
             self._group = None
