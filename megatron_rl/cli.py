@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_rl.orchestration.errors import NonFiniteTrainingError, RankCallError
+from megatron_rl.orchestration.errors import EngineRestartLimitError, NonFiniteTrainingError, RankCallError
 from megatron_rl.parallel.errors import RankFailedError
 from megatron_rl.plan.placement import PlacementError
+from megatron_rl.rollout.engine import EngineError
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import ParallelSizes
@@ -316,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         PlacementError,
         NonFiniteTrainingError,
         RankCallError,
+        EngineRestartLimitError,
+        EngineError,
     ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ dropped over the run (means over seeds). Draws the greedy validation accuracy of
 algorithm and seed against the step into ``--plot`` (PNG, matplotlib).
 
     python scripts/compare_algorithms.py --seeds 1234 1 2
+    python scripts/compare_algorithms.py --algorithms DAPO "DAPO async" --plot docs/images/async-comparison.png
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGORITHMS = {"DAPO": "dapo", "Dr.GRPO": "drgrpo", "GRPO": "grpo"}
+VARIANTS = ALGORITHMS | {"DAPO async": "dapo_async"}
+"""Every recipe the script can run, by label: ``--algorithms`` picks among them (default: ALGORITHMS)."""
 DIAGNOSTICS = {
     "train accuracy": "train/accuracy",
     "mean length": "train/response_length_mean",
@@ -83,14 +86,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "algorithm-comparison.png")
+    parser.add_argument("--algorithms", nargs="+", choices=list(VARIANTS), default=list(ALGORITHMS))
     args = parser.parse_args()
-    records = {label: [metrics(algo, seed) for seed in args.seeds] for label, algo in ALGORITHMS.items()}
+    chosen = {label: VARIANTS[label] for label in args.algorithms}
+    records = {label: [metrics(algo, seed) for seed in args.seeds] for label, algo in chosen.items()}
 
     val_steps = sorted({r["step"] for runs in records.values() for r in runs[0] if "val/reward_mean" in r})
     for title, key in (("accuracy", "val/accuracy"), ("reward", "val/reward_mean")):
         print(f"Greedy validation {title}, mean (min..max) over seeds {args.seeds}:\n")
-        print("| step | " + " | ".join(ALGORITHMS) + " |")
-        print("| --- |" + " --- |" * len(ALGORITHMS))
+        print("| step | " + " | ".join(chosen) + " |")
+        print("| --- |" + " --- |" * len(chosen))
         for step in val_steps:
             cells = [
                 spread([r[key] for run in runs for r in run if r["step"] == step and key in r])
@@ -102,8 +107,8 @@ def main() -> None:
     print(f"Validation curves: {args.plot.relative_to(ROOT) if args.plot.is_relative_to(ROOT) else args.plot}")
 
     print("\nTraining samples at the last step, mean over seeds:\n")
-    print("| | " + " | ".join(ALGORITHMS) + " |")
-    print("| --- |" + " --- |" * len(ALGORITHMS))
+    print("| | " + " | ".join(chosen) + " |")
+    print("| --- |" + " --- |" * len(chosen))
     for label, key in DIAGNOSTICS.items():
         cells = []
         for runs in records.values():

@@ -11,6 +11,7 @@ Under ``checkpoint.dir`` (the root)::
         scheduler.pt           the LR / weight-decay schedule (rank 0)
         rng/rank_00003.pt      each rank's generator states, Megatron's model-parallel ones included
         hf/                    optional (``checkpoint.export_hf``): a Hugging Face model directory
+        carried_over.pt        with ``train.max_staleness`` > 0: the rollouts generated, not yet trained
 
 ``megatron-rl convert hf-to-mcore`` writes the same ``hf_metadata/`` beside its torch_dist
 files, so ``convert mcore-to-hf`` reads both kinds of directory (:func:`model_weight_dirs`).
@@ -28,6 +29,7 @@ MEGATRON_DIR = "megatron"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_DIR = "rng"
 HF_EXPORT_DIR = "hf"
+CARRIED_OVER_FILE = "carried_over.pt"
 MEGATRON_RNG_TRACKER_KEY = "megatron_rng_tracker"
 """Key of Megatron's model-parallel generator states among the extra states of a rank's RNG file."""
 

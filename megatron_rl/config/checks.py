@@ -345,6 +345,26 @@ def _check_weight_sync(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
         )
 
 
+def _check_staleness(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    staleness = cfg.train.max_staleness
+    if staleness == 0:
+        return
+    if cfg.rollout.placement == "colocated":
+        yield _error(
+            "train.max_staleness",
+            f"{staleness} with colocated engines: engines and trainer take turns on the same GPUs (the memory "
+            "hand-over moves the KV cache out for training), so generation cannot overlap training; use "
+            "rollout.placement=disaggregated with engines on GPUs of their own, or train.max_staleness=0",
+        )
+    if cfg.algorithm.tis_cap is None:
+        yield _error(
+            "algorithm.tis_cap",
+            f"None with train.max_staleness={staleness}: samples come from weights up to {staleness} steps older "
+            "than the policy that trains on them, and without the importance correction min(pi_old / pi_rollout, "
+            "cap) the loss would treat them as on-policy; set algorithm.tis_cap (2.0 as in the TIS paper)",
+        )
+
+
 def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     train = cfg.train
     if train.precision == "fp8":
@@ -433,6 +453,7 @@ CHECKS: tuple[Check, ...] = (
     _check_loss_terms,
     _check_sampling_temperature,
     _check_weight_sync,
+    _check_staleness,
     _check_precision,
     _check_sources,
     _check_network,

@@ -14,7 +14,16 @@ from __future__ import annotations
 import ipaddress
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
@@ -192,6 +201,11 @@ class RolloutConfig(Section):
     max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight per engine.")
     startup_timeout_s: PositiveFloat = Field(600.0, description="Seconds to wait for an engine to become healthy.")
     request_timeout_s: PositiveFloat = Field(3600.0, description="Seconds before a generate request is an error.")
+    max_engine_restarts: NonNegativeInt = Field(
+        3,
+        description="Engine crashes survived in a run: each restarts the engine on its bundle, re-syncs the weights "
+        "and resubmits its requests with their seeds; one more crash ends the run (0: the first does).",
+    )
 
 
 class WeightSyncConfig(Section):
@@ -288,6 +302,12 @@ class TrainConfig(Section):
         description="An update whose loss or gradients are NaN/Inf is skipped and counted "
         "(`train/nonfinite_updates`); after this many steps in a row with a skipped update the run stops, "
         "naming the step and the metric (the last checkpoint is kept).",
+    )
+    max_staleness: NonNegativeInt = Field(
+        0,
+        description="Weight versions a step's samples may lag behind the policy they train (0: the synchronous "
+        "loop). With s > 0 and disaggregated engines, step k+s is generated (with the weights after step k-1) "
+        "while step k trains, so every sample of a step j > s comes from the weights after step j-s-1.",
     )
     seed: int = Field(1234, description="Seed of sampling order, initialisation and generation.")
     precision: Literal["bf16", "fp32", "fp8"] = Field("bf16", description="Training precision.")

@@ -169,6 +169,17 @@ def tensor_parallel_rank_size(mapping: ParamMapping) -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
+def group_holds_designated_source(mapping: ParamMapping) -> bool:
+    """Whether this rank's TP (or expert-TP) group of the parameter holds its designated source.
+
+    The same answer on every rank of the group: the group's data-parallel (expert: expert-data-parallel)
+    rank is 0. The designated source is then the group's rank 0 (:func:`is_designated_source`).
+    """
+    if mapping.expert:
+        return parallel_state.get_expert_data_parallel_rank() == 0
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
 def is_designated_source(mapping: ParamMapping) -> bool:
     """Whether this rank is the one copy of the parameter's full tensor to send or write.
 

@@ -4,11 +4,13 @@
   checkpoint, reading only the slices the rank owns; every shape is checked
   against config.json and the layout before anything is read.
 - :func:`export_hf_weights` yields ``(hf_name, full_tensor)`` pairs: each
-  tensor-parallel parameter is all-gathered over its TP (or expert-TP) group,
-  experts come from the EP rank that holds them, and each pipeline stage
-  yields only its own layers. The order is model order (embedding, layers in
-  ascending order, final norm, output layer) within each stage. All ranks of a
-  TP group must iterate the generator together (it issues collectives).
+  tensor-parallel parameter is all-gathered over its TP (or expert-TP) group
+  (with ``designated_only``: gathered to the group's designated rank only, and
+  not at all by groups that hold no designated rank), experts come from the EP
+  rank that holds them, and each pipeline stage yields only its own layers.
+  The order is model order (embedding, layers in ascending order, final norm,
+  output layer) within each stage. All ranks of a TP group must iterate the
+  generator together (it issues collectives).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
 from megatron_rl.models.weight_map import (
+    group_holds_designated_source,
     is_designated_source,
     iter_param_mappings,
     tensor_parallel_group,
@@ -55,6 +58,13 @@ def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> li
     return shards
 
 
+def _gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int) -> list[torch.Tensor]:
+    """The group's shards in rank order on group rank 0; an empty list on the others."""
+    shards = [torch.empty_like(tensor) for _ in range(size)] if rank == 0 else None
+    dist.gather(tensor.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
+    return shards or []
+
+
 @torch.no_grad()
 def export_hf_weights(
     chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, *, designated_only: bool = False
@@ -80,16 +90,20 @@ def export_hf_tensors(
     only the tensors it is the designated source of
     (:func:`~megatron_rl.models.weight_map.is_designated_source`), so that
     over all ranks every tensor is yielded exactly once. All ranks still take
-    part in every gather. A tied output layer is not yielded (Hugging Face
-    stores only the embedding).
+    part in every all-gather; with ``designated_only`` a TP group gathers only
+    to its rank 0 (the designated source is TP rank 0), and a group holding no
+    designated source (another data-parallel replica) skips the gather. A tied
+    output layer is not yielded (Hugging Face stores only the embedding).
     """
     for mapping, param in iter_param_mappings(chunks, arch):
-        if not mapping.exported:
+        if not mapping.exported or (designated_only and not group_holds_designated_source(mapping)):
             continue
-        _, size = tensor_parallel_rank_size(mapping)
-        if mapping.layout.tensor_parallel and size > 1:
-            shards = _all_gather(select(param), tensor_parallel_group(mapping), size)
-        else:
+        rank, size = tensor_parallel_rank_size(mapping)
+        if not (mapping.layout.tensor_parallel and size > 1):
             shards = [select(param)]
+        elif designated_only:
+            shards = _gather_to_first(select(param), tensor_parallel_group(mapping), size, rank)
+        else:
+            shards = _all_gather(select(param), tensor_parallel_group(mapping), size)
         if not designated_only or is_designated_source(mapping):
             yield from zip(mapping.hf_names, mapping.layout.unshard(shards), strict=True)

@@ -1,10 +1,14 @@
-"""The synchronous RL driver: one loop, every line a named phase.
+"""The RL driver: one loop, every line a named phase.
 
-Per step: generate (score, shape, filter) -> advantages -> shard (each data-parallel
-rank gets only its samples, ragged and compact) -> train (old and reference log-probs
-computed on the ranks and kept there; scalars come back) -> weight sync -> periodic
-validation -> metrics -> periodic checkpoint. The engines hold the weights of the last sync, so generation always
-uses the current policy. A step's metrics are written before its checkpoint, so a
+Per step: take the step's rollout (generated, scored, shaped, filtered) -> advantages -> shard
+(each data-parallel rank gets only its samples, ragged and compact) -> train (old and reference
+log-probs computed on the ranks and kept there; scalars come back) -> wait for the generation
+ahead -> weight sync -> periodic validation -> metrics -> periodic checkpoint. The rollout comes
+from a :class:`~megatron_rl.orchestration.rollout_pipeline.RolloutPipeline`: with
+``train.max_staleness`` 0 it is generated when the step starts, with the weights of the last sync
+(on-policy); with s > 0 it was generated while an earlier step trained, with the weights after step
+j-s-1 (a fixed schedule, so runs stay deterministic), and the rollouts generated ahead are saved
+with each checkpoint. A step's metrics are written before its checkpoint, so a
 run killed after the commit has them all; the checkpoint's own wall time is in the
 next step's record (``time/checkpoint_s``). With colocated engines the run's
 hand-over (:mod:`memory_handover`) moves memory between the phases: engines
@@ -40,6 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_rl.checkpoint import TrainerState, load_trainer_state
+from megatron_rl.checkpoint.layout import CARRIED_OVER_FILE
 from megatron_rl.checkpoint.run_checkpoint import check_same_model, checkpoint_to_resume, save_run_checkpoint
 from megatron_rl.config import RunConfig, describe_layout, layout_record
 from megatron_rl.config.schema import CheckpointConfig, TrainConfig
@@ -53,6 +58,12 @@ from megatron_rl.orchestration.batch_assembly import (
 from megatron_rl.orchestration.errors import NonFiniteTrainingError
 from megatron_rl.orchestration.preemption import PreemptionRequest, preemption_requests
 from megatron_rl.orchestration.resources import RunResources, start_run
+from megatron_rl.orchestration.rollout_pipeline import (
+    PipelinedRollout,
+    RolloutPipeline,
+    load_carried_over,
+    save_carried_over,
+)
 from megatron_rl.rollout.groups import RolloutGroup
 
 
@@ -107,10 +118,17 @@ def train(cfg: RunConfig) -> Path:
             return Path(cfg.checkpoint_dir)
     with preemption_requests() as preemption:
         run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
+        pipeline = None
         try:
             print(run.placement_notice(), flush=True)
-            if resume_from:
-                restore(run, resume_from, state)
+            carried = restore(run, resume_from, state) if resume_from else []
+            pipeline = RolloutPipeline(
+                run.rollout.generate_step,
+                lambda: run.hand_over.version or 0,
+                max_staleness=cfg.train.max_staleness,
+                last_step=cfg.train.steps,
+                carried=carried,
+            )
             if state.step == 0 and should_validate(cfg.train, 0) and not preemption.requested:
                 run.logger.log(0, validate(run))
             checkpoint_seconds: dict[str, float] = {}
@@ -119,16 +137,18 @@ def train(cfg: RunConfig) -> Path:
                 if preemption.requested:
                     print(stopped_notice(preemption, step - 1, cfg.train.steps), flush=True)
                     break
-                metrics = train_one_step(run, step)
+                metrics = train_one_step(run, step, pipeline)
                 run.logger.log(step, metrics | checkpoint_seconds)
                 checkpoint_seconds = {}
                 bad_steps = count_bad_steps(metrics, bad_steps, step, cfg.train.max_consecutive_bad_steps)
                 if should_checkpoint(cfg.checkpoint, cfg.train, step) or preemption.requested:
                     started = time.perf_counter()
                     run.hand_over.to_training()  # the engines get the weights back at the next to_rollout
-                    save_checkpoint(run, step)
+                    save_checkpoint(run, step, pipeline.carried_over())
                     checkpoint_seconds = {"time/checkpoint_s": time.perf_counter() - started}
         finally:
+            if pipeline is not None:
+                pipeline.close()
             run.close()
     return Path(cfg.checkpoint_dir)
 
@@ -161,17 +181,20 @@ def stopped_notice(preemption: PreemptionRequest, step: int, steps: int) -> str:
     )
 
 
-def train_one_step(run: RunResources, step: int) -> dict[str, float]:
-    """Generate -> advantages -> shard -> train (old/ref log-probs on the ranks) -> sync -> validate; metrics.
+def train_one_step(run: RunResources, step: int, pipeline: RolloutPipeline) -> dict[str, float]:
+    """Take the step's rollout -> advantages -> shard -> train (old/ref log-probs on the ranks) -> sync ->
+    validate; metrics.
 
-    A partial step (dynamic sampling's ``train_partial``) trains on the groups that split evenly
-    over mini-batches x DP ranks (``rollout/groups_trimmed`` counts the rest); a step left with
-    no group skips its update (``train/update_skipped`` is 1) and the run goes on.
+    The rollout comes from ``pipeline`` (:mod:`rollout_pipeline`): generated now (synchronous loop), or
+    generated earlier, while step k+s is generated in the background during training and waited for
+    before the sync. A partial step (dynamic sampling's ``train_partial``) trains on the groups that
+    split evenly over mini-batches x DP ranks (``rollout/groups_trimmed`` counts the rest); a step left
+    with no group skips its update (``train/update_skipped`` is 1) and the run goes on.
     """
     cfg, timer, started = run.cfg, PhaseTimer(), time.perf_counter()
     run.hand_over.to_rollout(timer)
     with timer("generate"):
-        rollout = run.rollout.generate_step()
+        rollout = pipeline.take(step).rollout
     run.hand_over.to_training(timer)
     unit = cfg.train.mini_batches_per_step * run.trainers.data_parallel_size
     groups = trim_to_even_split(rollout.groups, unit)
@@ -181,17 +204,47 @@ def train_one_step(run: RunResources, step: int) -> dict[str, float]:
     }
     if rollout.groups:
         metrics |= rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
+        metrics |= staleness_metrics(rollout.groups, trained_version=step - 1, max_staleness=cfg.train.max_staleness)
     tokens = 0.0
     if groups:
         train_metrics, tokens = _train_on(run, groups, timer)
         metrics |= train_metrics
+    with timer("wait_generation"):
+        pipeline.wait_ahead()
     run.hand_over.sync_weights(step, timer)
     run.hand_over.to_rollout(timer)
+    generated_s = pipeline.generated_s
     if should_validate(cfg.train, step):
         with timer("validate"):
             metrics |= validate(run)
     step_seconds = time.perf_counter() - started
-    return metrics | timer.seconds | {"time/step_s": step_seconds, "perf/tokens_per_s": tokens / step_seconds}
+    idle = {
+        "time/trainer_idle_s": timer.seconds["time/generate_s"] + timer.seconds["time/wait_generation_s"],
+        "time/engine_idle_s": max(0.0, step_seconds - generated_s),
+    }
+    return metrics | timer.seconds | idle | {"time/step_s": step_seconds, "perf/tokens_per_s": tokens / step_seconds}
+
+
+def staleness_metrics(groups: list[RolloutGroup], *, trained_version: int, max_staleness: int) -> dict[str, float]:
+    """How many weight versions the step's samples lag behind ``trained_version``, the policy they train.
+
+    A sample's version is the ``weight_version`` its engine reported (``default``: the initial weights,
+    0). ``async/staleness_mean`` and ``async/staleness_max``, and the histogram as
+    ``async/samples_at_staleness_<k>`` for k = 0..``max_staleness``. Raises RuntimeError for a sample
+    staler than ``max_staleness`` (the pipeline's schedule never makes one).
+    """
+    lags = [trained_version - _version_number(s.weight_version) for group in groups for s in group.samples]
+    if max(lags) > max_staleness:
+        raise RuntimeError(
+            f"a sample of step {trained_version + 1} is {max(lags)} weight versions old, beyond "
+            f"train.max_staleness={max_staleness}"
+        )
+    histogram = {f"async/samples_at_staleness_{k}": float(lags.count(k)) for k in range(max_staleness + 1)}
+    return histogram | {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
+
+
+def _version_number(weight_version: str | None) -> int:
+    return 0 if weight_version in (None, "default") else int(weight_version)
 
 
 def _train_on(run: RunResources, groups: list[RolloutGroup], timer: PhaseTimer) -> tuple[dict[str, float], float]:
@@ -213,36 +266,52 @@ def _train_on(run: RunResources, groups: list[RolloutGroup], timer: PhaseTimer) 
 def validate(run: RunResources) -> dict[str, float]:
     """Rewards of the validation set under the current weights (``val/reward_mean``, ``val/accuracy``, ...).
 
-    Also ``val/reward_errors`` and ``val/reward_timeouts``, the responses whose reward failed.
+    Also ``val/reward_errors`` and ``val/reward_timeouts``, the responses whose reward failed, and
+    ``val/engine_restarts``, engines restarted after a crash while validating.
     Empty when the recipe has no validation data. Engines are made ready to generate first.
     """
     if run.validation is None:
         return {}
     run.hand_over.to_rollout()
     step = run.validation.generate_step()
-    failures = {f"val/{key}": step.metrics[f"rollout/{key}"] for key in ("reward_errors", "reward_timeouts")}
+    failures = {
+        f"val/{key}": step.metrics[f"rollout/{key}"] for key in ("reward_errors", "reward_timeouts", "engine_restarts")
+    }
     return (
         rollout_metrics(step.groups, max_response_length=run.cfg.rollout.max_response_length, prefix="val") | failures
     )
 
 
-def save_checkpoint(run: RunResources, step: int) -> Path:
-    """Write and commit the run checkpoint of ``step`` (see :mod:`megatron_rl.checkpoint.layout`)."""
+def save_checkpoint(run: RunResources, step: int, carried: list[PipelinedRollout]) -> Path:
+    """Write and commit the run checkpoint of ``step`` (see :mod:`megatron_rl.checkpoint.layout`), with the
+    rollouts generated for later steps (``carried``: ``carried_over.pt``)."""
     layout = layout_record(run.cfg.parallel, run.cfg.cluster, run.cfg.rollout)
-    state = TrainerState(step=step, sampler=run.rollout.sampler.state_dict(), weight_version=step, layout=layout)
+    state = TrainerState(
+        step=step,
+        sampler=run.rollout.sampler.state_dict(),
+        weight_version=step,
+        carried_over=CARRIED_OVER_FILE if carried else None,
+        layout=layout,
+    )
+
+    def write(staging: Path) -> None:
+        save_carried_over(staging, carried)
+        run.trainers.save_checkpoint(staging)
+
     return save_run_checkpoint(
         run.cfg.checkpoint_dir,
         state,
         hf_dir=run.hf_dir,
         tokenizer=run.data.tokenizer,
-        write_rank_state=run.trainers.save_checkpoint,
+        write_rank_state=write,
         export_hf=run.trainers.export_hf if run.cfg.checkpoint.export_hf else None,
         keep_last=run.cfg.checkpoint.keep_last,
     )
 
 
-def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> None:
-    """Load ``checkpoint`` into every rank, restore the sampler and give the engines the restored weights.
+def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> list[PipelinedRollout]:
+    """Load ``checkpoint`` into every rank, restore the sampler and give the engines the restored weights;
+    the rollouts it carried over (generated for later steps, not yet trained on).
 
     At the saved layout every rank's generator states are restored (bitwise-exact resume); at
     another layout the shards are resharded and generators reseeded from ``train.seed + step``.
@@ -258,4 +327,5 @@ def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> None:
         )
         run.trainers.load_checkpoint(checkpoint, reseed=run.cfg.train.seed + state.step)
     run.rollout.sampler.load_state_dict(state.sampler)
-    run.trainers.sync_weights(state.weight_version)
+    run.hand_over.sync_weights(state.weight_version)
+    return load_carried_over(checkpoint, state.carried_over)

@@ -191,6 +191,13 @@ class EngineHost:
             raise
         return spec.name, host, port
 
+    def restart(self, spec: EngineSpec) -> EngineAddress:
+        """Stop the engine (if its process still runs) and :meth:`start` a new one from ``spec``: fresh ports,
+        the weights of ``spec.model_path``; its (name, host, port) once healthy."""
+        self.shutdown()
+        self._engine = None
+        return self.start(spec)
+
     def process_report(self, settle_s: float = 0.0) -> str:
         """The engine's exit code and log tail once its process has ended (read on this node), else ''."""
         return "" if self._engine is None else self._engine.process_report(settle_s)
@@ -239,15 +246,8 @@ class EngineHosts:
         if len(specs) != len(bundle_indices):
             raise ValueError(f"{len(specs)} engine specs for {len(bundle_indices)} bundles")
         self._specs = list(specs)
-        self._hosts = [
-            RemoteEngineHost.options(
-                num_gpus=resources.num_gpus,
-                num_cpus=resources.num_cpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, index),
-                runtime_env={"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}},
-            ).remote()
-            for index in bundle_indices
-        ]
+        self._placement, self._bundle_indices, self._resources = placement, list(bundle_indices), resources
+        self._hosts = [self._new_host(index) for index in range(len(self._specs))]
         try:
             self.addresses: list[EngineAddress] = self._gather(
                 [h.start.remote(s) for h, s in zip(self._hosts, specs, strict=True)]
@@ -269,9 +269,38 @@ class EngineHosts:
             for (name, host, port), spec, actor in zip(self.addresses, specs, self._hosts, strict=True)
         ]
 
-    def _gather(self, refs: list[ray.ObjectRef]) -> list[EngineAddress]:
+    def _new_host(self, index: int) -> ray.actor.ActorHandle:
+        """A host actor for engine ``index`` on the first of its bundles."""
+        return RemoteEngineHost.options(
+            num_gpus=self._resources.num_gpus,
+            num_cpus=self._resources.num_cpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, self._bundle_indices[index]),
+            runtime_env={"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}},
+        ).remote()
+
+    def restart(self, index: int) -> EngineAddress:
+        """Start engine ``index`` again on its bundle, as at start-up; its client now talks to the new process.
+
+        The host actor restarts it in place; a host actor that is gone is replaced on the same bundle.
+        Returns the new (name, host, port); EngineStartupError when the new process does not become healthy.
+        """
+        spec, host = self._specs[index], self._hosts[index]
+        try:
+            address = self._gather([host.restart.remote(spec)], [spec])[0]
+        except EngineStartupError as error:
+            if not isinstance(error.__cause__, ray.exceptions.RayActorError):
+                raise
+            ray.kill(host)
+            host = self._hosts[index] = self._new_host(index)
+            address = self._gather([host.start.remote(spec)], [spec])[0]
+        self.addresses[index] = address
+        _, ip, port = address
+        self.clients[index].rebind(ip, port, functools.partial(host_process_report, host, spec.name))
+        return address
+
+    def _gather(self, refs: list[ray.ObjectRef], specs: Sequence[EngineSpec] | None = None) -> list[EngineAddress]:
         addresses = []
-        for spec, ref in zip(self._specs, refs, strict=True):
+        for spec, ref in zip(self._specs if specs is None else specs, refs, strict=True):
             try:
                 addresses.append(ray.get(ref))
             except ray.exceptions.RayTaskError as error:

@@ -13,3 +13,7 @@ class RankCallError(RuntimeError):
     def __init__(self, rank: int, node_ip: str, method: str, cause: str) -> None:
         super().__init__(f"trainer rank {rank} on node {node_ip} died in {method}: {cause}")
         self.rank, self.node_ip = rank, node_ip
+
+
+class EngineRestartLimitError(RuntimeError):
+    """A rollout engine crashed once more after the run used ``rollout.max_engine_restarts``."""

@@ -90,6 +90,13 @@ class HandOver:
     def to_rollout(self, timer: Timer = _untimed) -> None:
         """Make the engines ready to generate with the last synced weights."""
 
+    def resync(self, timer: Timer = _untimed) -> None:
+        """After an engine restart, every engine idle: deliver the last synced weights again (timed as
+        ``engine_resync``), so the restarted engine, which loaded the initial checkpoint, holds them too.
+        Nothing to do before the first sync: every engine holds the initial checkpoint."""
+        if self.version is not None:
+            self.sync_weights(self.version, timer, phase="engine_resync")
+
 
 ActorState = Literal["all", "params", "none"]
 
@@ -146,6 +153,14 @@ class ColocatedHandOver(HandOver):
                 self._engines("resume", ["weights"])
         super().sync_weights(version, timer, phase=phase)
         self.engine_weights_current = True
+
+    def resync(self, timer: Timer = _untimed) -> None:
+        """As :meth:`HandOver.resync`, through the usual moves: engines release, the actor reloads, the sync,
+        and back to generation (a restarted engine starts with all its memory, like the others here)."""
+        if self.version is not None:
+            self.to_training(timer)
+            self.sync_weights(self.version, timer, phase="engine_resync")
+            self.to_rollout(timer)
 
     def to_rollout(self, timer: Timer = _untimed) -> None:
         """Also re-syncs the last synced version when the engines released it since (after a checkpoint)."""

@@ -45,6 +45,7 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
 from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts, EngineSpec
+from megatron_rl.orchestration.engine_recovery import EngineRecovery
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
 from megatron_rl.orchestration.network import LOOPBACK_ADDRESS, RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids
@@ -54,7 +55,7 @@ from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.placement import RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
-from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.manager import Recovery, RolloutManager
 
 
 @dataclass
@@ -85,10 +86,15 @@ class RunResources:
         return f"# network: {self.network.describe()}; trainer ranks on {ranks}; engines: {where}"
 
     def close(self) -> None:
-        """Stop sinks, managers, trainer ranks, engines and Ray (local Ray stops; a cluster is left)."""
-        closers = [part.close for part in (self.logger, self.rollout, self.validation) if part is not None]
+        """Stop sinks, trainer ranks, engines, managers and Ray (local Ray stops; a cluster is left).
+
+        Engines stop before the rollout managers, so requests still in flight (a run that failed while
+        generating ahead) fail at once instead of holding the managers' threads.
+        """
+        closers = [self.logger.close] if self.logger is not None else []
         closers += [self.trainers.close] if self.trainers is not None else []
         closers += [self.engine_hosts.close] if self.engine_hosts is not None else []
+        closers += [part.close for part in (self.rollout, self.validation) if part is not None]
         if self.placement is not None:
             closers.append(lambda: ray.util.remove_placement_group(self.placement))
         closers.append(ray.shutdown)
@@ -144,8 +150,12 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
             cfg, run.hf_dir, run.placement, trainer_slots, plan, run.engine_hosts.addresses, network, run.api_key
         )
         run.hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
-        run.rollout = build_rollout_manager(cfg, data, run.engines)
-        run.validation = build_validation_manager(cfg, data, run.engines)
+        recovery = EngineRecovery(
+            run.engine_hosts, run.trainers, run.hand_over, max_restarts=cfg.rollout.max_engine_restarts
+        )
+        # With max_staleness > 0 the training rollout runs beside training, which a re-sync cannot join.
+        run.rollout = build_rollout_manager(cfg, data, run.engines, None if cfg.train.max_staleness else recovery)
+        run.validation = build_validation_manager(cfg, data, run.engines, recovery)
         run.logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step
         )
@@ -309,9 +319,11 @@ def start_trainers(
     return TrainerGroup(ranks)
 
 
-def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine]) -> RolloutManager:
+def build_rollout_manager(
+    cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine], recover: Recovery | None = None
+) -> RolloutManager:
     """The training rollout: ``dynamic_sampling.gen_batch_prompts`` (default ``prompts_per_step``) prompts per
-    generation batch, sampler seeded by ``train.seed``."""
+    generation batch, sampler seeded by ``train.seed``; ``recover`` restarts crashed engines."""
     batch = cfg.algorithm.dynamic_sampling.gen_batch_prompts or cfg.train.prompts_per_step
     sampler = PromptSampler(len(data.train), batch, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return RolloutManager(
@@ -328,11 +340,15 @@ def build_rollout_manager(cfg: RunConfig, data: PreparedData, engines: list[Roll
         decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
         routing_replay=cfg.algorithm.routing_replay,
         seed=cfg.train.seed,
+        recover=recover,
     )
 
 
-def build_validation_manager(cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine]) -> RolloutManager | None:
-    """The whole validation set per call, ``val_samples_per_prompt`` at ``val_temperature``, unshaped, unfiltered."""
+def build_validation_manager(
+    cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine], recover: Recovery | None = None
+) -> RolloutManager | None:
+    """The whole validation set per call, ``val_samples_per_prompt`` at ``val_temperature``, unshaped, unfiltered;
+    ``recover`` restarts crashed engines."""
     if data.val is None or cfg.train.val_interval == 0:
         return None
     rollout = cfg.rollout.model_copy(
@@ -351,4 +367,5 @@ def build_validation_manager(cfg: RunConfig, data: PreparedData, engines: list[R
         reward_timeout_s=cfg.data.reward_timeout_s,
         decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
         uid_prefix="val",
+        recover=recover,
     )

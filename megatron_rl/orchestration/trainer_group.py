@@ -75,6 +75,10 @@ class TrainerGroup:
         """Deliver the current weights to every engine as ``version``; the slowest rank's seconds."""
         return max(self._ranks.call("sync_weights", version))
 
+    def engines_restarted(self, addresses: dict[int, tuple[str, str, int]]) -> None:
+        """Every rank's weight sync now delivers each engine index of ``addresses`` at its (name, host, port)."""
+        self._ranks.call("engines_restarted", addresses)
+
     def save_checkpoint(self, directory: Path) -> None:
         """Every rank writes its shards and generator states into ``directory``."""
         self._ranks.call("save_checkpoint", str(directory))

@@ -57,13 +57,13 @@ class TrainerWorker:
             temperature=cfg.rollout.temperature,
             hf_weights=hf_dir,
         )
-        clients = [HttpEngine(name, host, port, api_key=api_key) for name, host, port in engines]
+        self._clients = [HttpEngine(name, host, port, api_key=api_key) for name, host, port in engines]
         tp_ranks = cfg.rollout.tp if cfg.rollout.engine == "sglang" else 1  # the reference engine is one process
         self._syncer: WeightSyncer = build_syncer(
             cfg.weight_sync,
             cfg.rollout.placement,
-            clients,
-            engine_world_sizes=[tp_ranks] * len(clients),
+            self._clients,
+            engine_world_sizes=[tp_ranks] * len(self._clients),
             master_address=RunNetwork.of(cfg.cluster).address(ray.util.get_node_ip_address()),
             disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
             hf_config_dir=hf_dir,
@@ -97,6 +97,13 @@ class TrainerWorker:
     def sync_weights(self, version: int) -> float:
         """Deliver the current weights to every engine as ``version``; seconds it took on this rank."""
         return self._syncer.sync_megatron(self.actor.chunks, self.actor.arch, str(version)).seconds
+
+    def engines_restarted(self, addresses: dict[int, EngineAddress]) -> None:
+        """Engines run again (new processes) at ``addresses`` (by engine index): later syncs go there, from a
+        fresh start."""
+        for index, (_, host, port) in addresses.items():
+            self._clients[index].rebind(host, port)
+        self._syncer.transport.engines_replaced(addresses.keys())
 
     def save_checkpoint(self, directory: str) -> None:
         """Write model, optimizer and schedule shards and this rank's RNG states into ``directory``."""

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.plan.estimates import estimate_sync, estimate_throughput
 from megatron_rl.plan.memory import GIB, Amount, EnginePlan, MemoryPlan, StagePlan, stage_layers
 from megatron_rl.plan.param_count import model_params
 
@@ -111,6 +112,19 @@ def engine_section(cfg: RunConfig, arch: QwenArchitecture, engine: EnginePlan, g
         f"({engine.tokens_fit // engine.sequence_tokens} sequences of {engine.sequence_tokens:,} tokens)",
         f"    one generation batch per engine {engine.tokens_needed:>10,} tokens at full length "
         f"-> the KV cache holds {fit:.0%}",
+        *_pipeline_lines(cfg),
+    ]
+
+
+def _pipeline_lines(cfg: RunConfig) -> list[str]:
+    """What ``train.max_staleness`` > 0 does to a step (nothing for the synchronous loop)."""
+    staleness = cfg.train.max_staleness
+    if staleness == 0:
+        return []
+    return [
+        f"    pipeline: train.max_staleness {staleness}: the engines generate step k+{staleness} "
+        "(weights after step k-1) while the trainer trains step k;",
+        "              a step takes about max(generation, log-probs + training) + weight sync, not their sum",
     ]
 
 
@@ -124,7 +138,8 @@ def colocated_section(plan: MemoryPlan) -> list[str]:
     """The other per-GPU peaks of a colocated run: weight sync and rollout."""
     if not plan.sync_peak and not plan.rollout_peak:
         return []
-    lines = ["", "other peaks per GPU (GiB; trainer offloaded to host during rollout)"]
+    where = "trainer offloaded to host during rollout" if plan.sync_peak else "the engines' own GPUs"
+    lines = ["", f"other peaks per GPU (GiB; {where})"]
     if plan.sync_peak:
         lines += _peak_lines("weight sync (trainer parameters stay on the GPU)", plan.sync_peak)
     return lines + _peak_lines("rollout", plan.rollout_peak)
@@ -152,6 +167,35 @@ def placement_section(
         trainer = f"trainer ranks {_spans(ranks)} on GPUs {_spans(gpus)}" if ranks else "no trainer ranks"
         lines.append(f"  node {node}: {trainer}; engines {', '.join(engines) or '-'}")
     return lines
+
+
+def _range(values: tuple[float, float], digits: int) -> str:
+    return f"{values[0]:,.{digits}f}-{values[1]:,.{digits}f}"
+
+
+def estimates_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:
+    """Modelled weight-sync seconds and tokens/s/GPU (:mod:`megatron_rl.plan.estimates`), with their assumptions."""
+    step = estimate_throughput(cfg, arch)
+    sync = step.sync
+    others = [estimate_sync(cfg, arch, kind) for kind in ("tensor", "distributed", "disk") if kind != sync.transport]
+    lines = [
+        "",
+        "estimated GPU figures (~ modelled from exact counts and the assumed rates below, not measured)",
+        f"  ~ weight sync ({sync.transport}): {sync.link_bytes / 1e9:.2f} GB over its slowest link -> "
+        f"{_range((sync.seconds.low, sync.seconds.high), 2)} s",
+        "  ~ other transports: "
+        + ", ".join(f"{o.transport} {_range((o.seconds.low, o.seconds.high), 2)} s" for o in others)
+        + " (tensor: engines on the sending rank's node only)",
+        f"  ~ step: {step.tokens_per_step:,.0f} tokens ({cfg.train.prompts_per_step} prompts x "
+        f"{cfg.rollout.n_samples_per_prompt} samples x {step.mean_sequence:,.0f} mean tokens) -> "
+        f"{_range((step.step_seconds.low, step.step_seconds.high), 0)} s",
+        f"  ~ tokens/s/GPU: {_range((step.tokens_per_second_per_gpu.low, step.tokens_per_second_per_gpu.high), 0)} "
+        f"({step.forward_flops_per_token / 1e9:.1f} GFLOP per token forward; generation 1 forward, "
+        f"trainer {step.training_forwards} forwards per token)",
+        "  assumptions:",
+    ]
+    assumptions = dict.fromkeys([*step.assumptions, *(a for o in others for a in o.assumptions)])
+    return lines + [f"    {a.line()}" for a in assumptions]
 
 
 def verdict_section(plan: MemoryPlan) -> list[str]:
@@ -183,6 +227,6 @@ def render_plan(
         state = ", ".join(f"{a.label} {a.nbytes / 2**20:.2f}" for a in max(plan.stages, key=lambda s: s.total).state)
         return "\n".join([*lines, "", f"CPU recipe, no GPU memory to check; trainer state per rank (MiB): {state}"])
     lines += trainer_memory_section(plan) + engine_section(cfg, arch, plan.engine, plan.gpu_bytes)
-    lines += colocated_section(plan)
+    lines += colocated_section(plan) + estimates_section(cfg, arch)
     lines += placement_section(cfg, trainer_positions, engine_positions) + verdict_section(plan)
     return "\n".join(lines)

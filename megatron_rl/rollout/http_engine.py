@@ -97,6 +97,15 @@ class HttpEngine(RolloutEngine):
         self._lock = threading.Lock()
         self._samples_in_flight: dict[str, int] = {}
 
+    def rebind(self, host: str, port: int, remote_process_report: Callable[[float], str] | None = None) -> None:
+        """Talk to the engine at ``host:port`` from now on (a restarted engine); requests in flight are not moved.
+
+        ``remote_process_report`` replaces the old one when given (the restarted process has its own report).
+        """
+        self.base_url = f"http://{host}:{port}"
+        if remote_process_report is not None:
+            self.remote_process_report = remote_process_report
+
     def process_report(self, settle_s: float = 0.0) -> str:
         """``'; engine process exited with code N; log tail:\n...'`` once the engine process has ended, else ''.
 

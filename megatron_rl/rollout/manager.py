@@ -21,29 +21,36 @@ Per step (:meth:`RolloutManager.generate_step`):
    next generation batch, up to ``max_gen_batches`` (then an error, or the
    partial step when ``on_exhausted: train_partial``).
 
-Prompts of aborted groups are not re-queued (the sampler has moved on).
+Prompts of aborted groups are not re-queued (the sampler has moved on). A request whose engine
+process is gone (:class:`~megatron_rl.rollout.engine.EngineUnavailableError`) is held until every
+other request of the batch has answered; then ``recover`` restarts the crashed engines (see
+``orchestration/engine_recovery``) and the held requests go to them again unchanged, seeds
+included, so the step's groups are those of a run without the crash
+(``rollout/engine_restarts`` counts the restarts). Without ``recover`` the error is raised.
 Request ids are ``<uid_prefix><serial>``, the serial counting the sampler's
 prompts over epochs, so they (and, with ``seed``, each request's sampling seed
 ``seed * 2**32 + serial``) are the same after a resume from the sampler's state.
 Metrics: ``rollout/groups_kept``, ``groups_dropped``, ``groups_aborted``,
-``gen_batches``, ``samples``, ``reward_errors``, ``reward_timeouts``, ``seconds``. Rewards,
+``gen_batches``, ``samples``, ``reward_errors``, ``reward_timeouts``, ``engine_restarts``, ``seconds``. Rewards,
 accuracy and lengths of the kept samples are the trainer's ``train/...`` metrics (computed
 once, by the driver).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_rl.algorithms import groups_with_signal, overlong_penalty
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample, RolloutStep
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
 from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
@@ -51,6 +58,10 @@ from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
 if TYPE_CHECKING:
     from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
     from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+
+
+Recovery = Callable[[Sequence[tuple[RolloutEngine, EngineUnavailableError]]], None]
+"""Restarts the crashed engines given (each with one of its errors); returns with all engines ready."""
 
 
 class RolloutExhaustedError(RuntimeError):
@@ -82,6 +93,16 @@ _SEED_STRIDE = 1 << 32
 """Request seeds are ``seed * _SEED_STRIDE + serial``: distinct per prompt for any run of fewer than 2**32 prompts."""
 
 
+@dataclass(frozen=True)
+class _Submission:
+    """One prompt's ``/generate`` request, the engine it goes to (again, after a crash) and its group uid."""
+
+    item: PromptItem
+    uid: str
+    engine: RolloutEngine
+    request: GenerateRequest
+
+
 class _OrderedSelection:
     """Keeps groups in submission order, as if they had come back one by one: the outcome does not depend on timing.
 
@@ -96,7 +117,7 @@ class _OrderedSelection:
     def __init__(self, size: int, kept: list[RolloutGroup], needed: int, counts: dict[str, int]) -> None:
         self.cutoff = size
         self._size = size
-        self._kept, self._needed, self._counts = kept, needed, counts
+        self.kept, self._needed, self._counts = kept, needed, counts
         self._outcomes: dict[int, tuple[RolloutGroup | None, bool]] = {}
         self._settled = 0
 
@@ -129,8 +150,8 @@ class _OrderedSelection:
             if not has_signal:
                 self._counts["dropped"] += 1
                 continue
-            self._kept.append(group)
-            if len(self._kept) >= self._needed:
+            self.kept.append(group)
+            if len(self.kept) >= self._needed:
                 self.cutoff = self._settled
 
 
@@ -168,6 +189,7 @@ class RolloutManager:
         routing_replay: bool = False,
         uid_prefix: str = "g",
         seed: int | None = None,
+        recover: Recovery | None = None,
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -185,6 +207,7 @@ class RolloutManager:
         self._threads = ThreadPoolExecutor(max_workers=rollout.max_concurrent_requests * len(self.engines))
         self._uid_prefix = uid_prefix
         self.seed = seed
+        self.recover = recover
         self._engine_cycle = itertools.cycle(self.engines)
 
     def _request(self, item: PromptItem, uid: str, serial: int) -> GenerateRequest:
@@ -233,39 +256,82 @@ class RolloutManager:
 
     def _run_batch(self, indices: list[int], kept: list[RolloutGroup], counts: dict[str, int], bar: _Progress) -> None:
         serial = self._next_serial()
-        generating: dict[Future, tuple[int, PromptItem, str, RolloutEngine]] = {}
+        requests: dict[int, _Submission] = {}
         for position, index in enumerate(indices):
-            item, uid, engine = self.dataset[index], f"{self._uid_prefix}{serial + position}", next(self._engine_cycle)
-            future = self._threads.submit(engine.generate, self._request(item, uid, serial + position))
-            generating[future] = (position, item, uid, engine)
-        scoring: dict[Future, tuple[int, PromptItem, str, list[GenerateResult]]] = {}
+            item, uid = self.dataset[index], f"{self._uid_prefix}{serial + position}"
+            request = self._request(item, uid, serial + position)
+            requests[position] = _Submission(item, uid, next(self._engine_cycle), request)
         selection = _OrderedSelection(len(indices), kept, self.prompts_per_step, counts)
+        while requests:
+            crashed = self._generate(requests, selection, bar)
+            requests = {position: requests[position] for position in crashed if position < selection.cutoff}
+            if requests:
+                counts["engine_restarts"] += self._recover_engines([crashed[position] for position in requests])
+        selection.finish()
+
+    def _recover_engines(self, failures: list[tuple[RolloutEngine, EngineUnavailableError]]) -> int:
+        """Hand each crashed engine (with one of its errors) to ``recover``; how many engines that was.
+
+        Without ``recover``, the first error is raised."""
+        if self.recover is None:
+            raise failures[0][1]
+        first_error: dict[int, tuple[RolloutEngine, EngineUnavailableError]] = {}
+        for engine, error in failures:
+            first_error.setdefault(id(engine), (engine, error))
+        self.recover(list(first_error.values()))
+        return len(first_error)
+
+    def _generate(
+        self, requests: dict[int, _Submission], selection: _OrderedSelection, bar: _Progress
+    ) -> dict[int, tuple[RolloutEngine, EngineUnavailableError]]:
+        """Send ``requests`` (by position), score what comes back, and decide each group in ``selection``.
+
+        Returns once every request has answered or failed and every score is in; the positions whose
+        engine was unreachable (its process gone), with the engine and the error, are returned undecided.
+        """
+        generating = {
+            self._threads.submit(sub.engine.generate, sub.request): position for position, sub in requests.items()
+        }
+        scoring: dict[Future, tuple[int, list[GenerateResult]]] = {}
+        crashed: dict[int, tuple[RolloutEngine, EngineUnavailableError]] = {}
         while generating or scoring:
             done, _ = wait([*generating, *scoring], return_when=FIRST_COMPLETED)
             for future in done:
                 if future in generating:
-                    position, item, uid, _ = generating.pop(future)
-                    results = future.result()
+                    position = generating.pop(future)
+                    sub = requests[position]
+                    try:
+                        results = future.result()
+                    except EngineUnavailableError as error:
+                        crashed[position] = (sub.engine, error)
+                        continue
                     if any(r.aborted for r in results) or position >= selection.cutoff:
                         selection.discard(position)
                         continue
                     texts = [self.decode(r.output_ids) for r in results]
-                    scoring[self.rewards.submit(texts, item.ground_truth, item.extra_info, label=uid)] = (
-                        position,
-                        item,
-                        uid,
-                        results,
-                    )
+                    scored = self.rewards.submit(texts, sub.item.ground_truth, sub.item.extra_info, label=sub.uid)
+                    scoring[scored] = (position, results)
                 else:
-                    position, item, uid, results = scoring.pop(future)
-                    group = self._group(item, uid, results, future.result())
+                    position, results = scoring.pop(future)
+                    sub = requests[position]
+                    group = self._group(sub.item, sub.uid, results, future.result())
                     if position < selection.cutoff:
                         selection.decide(position, group, self._has_signal(group))
-            bar.update(len(kept), f"rollout: {len(kept)}/{self.prompts_per_step} groups")
-            for position, _, uid, engine in generating.values():
-                if position >= selection.cutoff:
-                    engine.abort(uid)
-        selection.finish()
+            bar.update(len(selection.kept), f"rollout: {len(selection.kept)}/{self.prompts_per_step} groups")
+            self._abort_surplus(requests, generating.values(), selection.cutoff, crashed)
+        return crashed
+
+    @staticmethod
+    def _abort_surplus(
+        requests: dict[int, _Submission], in_flight: Iterable[int], cutoff: int, crashed: dict[int, tuple]
+    ) -> None:
+        """Abort the requests in flight at or past ``cutoff`` (an engine found gone has nothing to abort)."""
+        gone = {id(engine) for engine, _ in crashed.values()}
+        for position in in_flight:
+            sub = requests[position]
+            if position >= cutoff and id(sub.engine) not in gone:
+                with contextlib.suppress(EngineUnavailableError):  # its own request fails the same way
+                    sub.engine.abort(sub.uid)
 
     def _next_serial(self) -> int:
         """Serial number of the sampler's next prompt (epoch * dataset size + position): resume-safe request ids."""
@@ -276,7 +342,8 @@ class RolloutManager:
         """Kept groups for one training step and the step's rollout metrics."""
         start = time.perf_counter()
         kept: list[RolloutGroup] = []
-        counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
+        counts = {name: 0 for name in ("aborted", "dropped", "samples", "reward_errors", "reward_timeouts")}
+        counts["engine_restarts"] = 0
         max_batches = self.dynamic_sampling.max_gen_batches if self.dynamic_sampling.enable else 1
         bar = _Progress(self.prompts_per_step)
         try:
@@ -304,6 +371,7 @@ class RolloutManager:
             "rollout/samples": float(counts["samples"]),
             "rollout/reward_errors": float(counts["reward_errors"]),
             "rollout/reward_timeouts": float(counts["reward_timeouts"]),
+            "rollout/engine_restarts": float(counts["engine_restarts"]),
             "rollout/seconds": seconds,
         }
 

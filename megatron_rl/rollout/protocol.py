@@ -277,3 +277,29 @@ def decode_routed_experts(encoded: str, shape: tuple[int, int]) -> np.ndarray:
     if flat.size % per_token:
         raise ValueError(f"routed_experts holds {flat.size} ids, not a multiple of layers x top_k = {per_token}")
     return flat.reshape(-1, *shape).copy()
+
+
+FORWARD_SECONDS_METRIC = "sglang:forward_execution_seconds_total"
+"""SGLang's counter (``GET /metrics`` with ``--enable-metrics``) of seconds spent in forward passes, by forward mode."""
+IDLE_SECONDS_METRIC = "sglang:scheduler_idle_seconds_total"
+"""SGLang's counter of wall seconds its scheduler had no runnable or queued work."""
+
+
+def metric_samples(prometheus_text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of metric ``name`` in a ``/metrics`` answer (Prometheus text format)."""
+    samples = []
+    for line in prometheus_text.splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line[len(name) + 1 :].rpartition("} ")
+        elif line.startswith(name + " "):
+            labels, value = "", line[len(name) + 1 :]
+        else:
+            continue
+        pairs = (item.split("=", 1) for item in labels.split(",") if "=" in item)
+        samples.append(({key: raw.strip('"') for key, raw in pairs}, float(value)))
+    return samples
+
+
+def metric_total(prometheus_text: str, name: str) -> float:
+    """The sum of every sample of metric ``name`` (all labels: forward modes, ranks); 0 when absent."""
+    return sum(value for _, value in metric_samples(prometheus_text, name))

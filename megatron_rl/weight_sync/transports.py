@@ -11,9 +11,10 @@ the syncer's controller opens and closes.
 
 - :class:`TensorTransport` (colocated): ``/update_weights_from_tensor`` with
   IPC handles: CUDA tensors as they are (their device named by UUID), CPU tensors
-  packed into two reused shared-memory buffers per rank, used in turn (one copy,
-  the model's storage untouched). One bucket is in flight while the next is
-  gathered and packed. CUDA IPC handles open only on the sender's node: the
+  in shared memory as they are too (the engine's copy into its weights is then the
+  only copy), other CPU tensors packed into two reused shared-memory buffers per
+  rank, used in turn (one copy, the model's storage untouched). One bucket is in
+  flight while the next is gathered and packed. CUDA IPC handles open only on the sender's node: the
   recipe check refuses colocated engines on nodes without the sending rank.
 - :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
   broadcast group with every engine rank (engine ``i`` at rank offset
@@ -35,7 +36,7 @@ from __future__ import annotations
 import abc
 import logging
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -83,6 +84,11 @@ def _on_every_engine(engines: Sequence[RolloutEngine], call: Callable[[int, Roll
             future.result()
 
 
+def _opens_in_place(tensor: torch.Tensor) -> bool:
+    """Whether an engine can open ``tensor`` where it is: a CUDA tensor, or a CPU tensor in shared memory."""
+    return tensor.is_cuda or (tensor.device.type == "cpu" and tensor.untyped_storage().is_shared())
+
+
 class WeightTransport(abc.ABC):
     """Delivers this rank's buckets of (Hugging Face name, full tensor) to every engine."""
 
@@ -102,6 +108,9 @@ class WeightTransport(abc.ABC):
     def settle(self) -> None:  # noqa: B027 (optional hook)
         """After a failed sync: return once nothing this rank sent is still in flight (errors are logged)."""
 
+    def engines_replaced(self, indices: Collection[int]) -> None:  # noqa: B027 (optional hook)
+        """Engines ``indices`` now run in new processes: forget what was shared with the old ones (between syncs)."""
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release resources held across syncs."""
 
@@ -118,9 +127,14 @@ class TensorTransport(WeightTransport):
     the caller prepares (gathers, packs) bucket k+1 while the engines load bucket k. The
     next :meth:`send_bucket` and :meth:`finish` wait for the bucket in flight (re-raising its
     failure), so the engines receive buckets in order, one at a time, and every bucket is
-    loaded when :meth:`finish` returns. CPU buckets are packed into two reused shared-memory
-    buffers used in turn (2 x the largest bucket): packing bucket k+1 never writes the memory
-    the engines are reading. CUDA buckets are sent as they are and kept alive until loaded.
+    loaded when :meth:`finish` returns. CPU tensors in private memory are packed into two reused
+    shared-memory buffers used in turn (2 x the largest bucket): packing bucket k+1 never writes
+    the memory the engines are reading. CUDA tensors and CPU tensors already in shared memory
+    (``storage.is_shared()``, e.g. weights moved there once with ``share_memory_()``) are sent as
+    they are, views of the sender's storage, kept alive until loaded: the engines read the
+    sender's memory directly, so the caller must not write such a tensor before :meth:`finish`
+    returns (a trainer does not: the sync runs between optimizer steps). A CPU storage shared by
+    file descriptor is moved to a named shared-memory file on its first send (by torch, once).
     """
 
     NUM_BUFFERS = 2
@@ -134,23 +148,29 @@ class TensorTransport(WeightTransport):
         self._in_flight: Future[None] | None = None
 
     def _shareable(self, bucket: list[NamedTensor]) -> list[NamedTensor]:
-        """The bucket as tensors the engines can open: CUDA ones as they are, CPU ones packed into shared memory."""
-        if all(t.is_cuda for _, t in bucket):
-            return [(name, t.contiguous()) for name, t in bucket]
+        """The bucket as tensors the engines can open, copying only what is in private CPU memory.
+
+        CUDA tensors and CPU tensors in shared memory go as they are (views of the sender's storage);
+        the other CPU tensors are packed into this bucket's shared buffer.
+        """
+        private = [i for i, (_, tensor) in enumerate(bucket) if not _opens_in_place(tensor)]
+        shared = [(name, tensor.contiguous() if tensor.is_cuda else tensor) for name, tensor in bucket]
+        if not private:
+            return shared
         offsets, total = [], 0
-        for _, tensor in bucket:
+        for i in private:
             offsets.append(total)
-            total += -(-tensor_bytes(tensor) // ALIGN_BYTES) * ALIGN_BYTES
+            total += -(-tensor_bytes(bucket[i][1]) // ALIGN_BYTES) * ALIGN_BYTES
         index = self._next_buffer
         self._next_buffer = (index + 1) % self.NUM_BUFFERS
         buffer = self._buffers[index]
         if buffer is None or buffer.numel() < total:
             buffer = self._buffers[index] = torch.empty(total, dtype=torch.uint8).share_memory_()
-        shared = []
-        for (name, tensor), offset in zip(bucket, offsets, strict=True):
+        for i, offset in zip(private, offsets, strict=True):
+            name, tensor = bucket[i]
             view = buffer[offset : offset + tensor_bytes(tensor)].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
-            shared.append((name, view))
+            shared[i] = (name, view)
         return shared
 
     def _post(self, shared: list[NamedTensor], version: str) -> None:
@@ -268,6 +288,15 @@ class DistributedTransport(WeightTransport):
                 broadcast_from_trainer(group, tensor.contiguous())
             for post in posts:
                 post.result()
+
+    def engines_replaced(self, indices: Collection[int]) -> None:
+        """The broadcast group included the old processes of engines ``indices``: the other engines leave it,
+        this rank destroys its end, and the next sync builds a new group with the new processes."""
+        if self._group is not None:
+            others = [engine for i, engine in enumerate(self.engines) if i not in indices]
+            _on_every_engine(others, lambda i, e: e.destroy_weights_update_group(self.group_name))
+            destroy_weight_group(self._group)
+            self._group = None
 
     def close(self) -> None:
         if self._group is not None:

@@ -5,8 +5,8 @@ the 2-layer Qwen3-MoE checkpoint of ``tests.actor_setup``:
 
 - old and reference log-probs and entropies equal those of
   log_softmax(logits / T) of transformers on the same weights;
-- the reference engine's log-probs of its own samples at T (its generation
-  core, ``generate_samples``, in this process) equal the actor's log-probs of
+- the reference engine's log-probs of its own samples at T (its backend,
+  ``ReferenceBackend``, in this process) equal the actor's log-probs of
   the same tokens: the rollout/train mismatch is fp32 noise;
 - the gradient of the training loss (PPO clip, token-mean, entropy bonus) is
   that of the tempered distribution: Megatron's ``main_grad`` after one
@@ -28,7 +28,7 @@ from megatron_rl.actor import ActorBatch
 from megatron_rl.models.weight_transfer import export_hf_tensors
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.rollout import GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference.generator import generate_samples
+from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.server import load_model
 from tests.actor_setup import (
     algorithm_config,
@@ -49,19 +49,20 @@ LAYOUTS = {"tp1": (ParallelSizes(), 1), "tp2": (ParallelSizes(tp=2), 2)}
 
 
 def _engine_samples(hf_dir: Path) -> ActorBatch:
-    """Two samples per prompt from the reference engine's generator at TEMPERATURE, with its log-probs.
+    """Two samples per prompt from the reference engine's backend at TEMPERATURE, with its log-probs.
 
     ``rollout_log_probs`` holds the engine's log-prob of each response token at
     that token's position; ``response_mask`` marks the response tokens.
     """
-    model = load_model(str(hf_dir), "auto", torch.float32, "cpu")
+    backend = ReferenceBackend(load_model(str(hf_dir), "auto", torch.float32, "cpu"))
     rows = []
     for seed, prompt in enumerate(PROMPTS):
         params = SamplingParams(
             max_new_tokens=MAX_NEW, temperature=TEMPERATURE, n=2, sampling_seed=seed, ignore_eos=True
         )
-        samples = generate_samples(model, GenerateRequest(list(prompt), params), None, lambda: None, torch.Generator())
-        rows += [(list(prompt), sample.output_ids, sample.logprobs) for sample in samples]
+        for answer in backend.generate(GenerateRequest(list(prompt), params)):
+            logprobs = [logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]]
+            rows.append((list(prompt), answer["output_ids"], logprobs))
     seq_length = max(len(prompt) + len(output) for prompt, output, _ in rows)
     input_ids = torch.zeros(len(rows), seq_length, dtype=torch.long)
     response_mask = torch.zeros(len(rows), seq_length, dtype=torch.bool)

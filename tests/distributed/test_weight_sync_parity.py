@@ -6,6 +6,8 @@ transport and into engines ``dist0``/``dist1`` (rank offsets 1 and 2) with the
 distributed transport (gloo), each with a 4 KiB bucket so that every rank
 sends several buckets. Then:
 
+- the designated export (each TP group gathering to its rank 0, other data-parallel
+  replicas skipping the gather) yields every checkpoint tensor exactly once, bit for bit;
 - every engine weight equals the exported tensor bit for bit (fp32 values
   read back through ``/get_weights_by_name``);
 - generation results carry the synced weight version;
@@ -20,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from megatron_rl.algorithms import importance_correction
 from megatron_rl.config.hf_config import load_hf_config
@@ -120,6 +123,9 @@ def test_sync_tp2_pp2_ep2_is_bit_exact_and_logprobs_match(hf_dir, tmp_path, reco
         for result in per_rank:
             assert not set(exported) & set(result["exported"]), "a tensor was exported by two ranks"
             exported.update(result["exported"])
+        checkpoint = {name: t for path in sorted(hf_dir.glob("*.safetensors")) for name, t in load_file(path).items()}
+        assert sorted(exported) == sorted(checkpoint)
+        assert all(torch.equal(exported[name], tensor) for name, tensor in checkpoint.items())
         assert sum(r["bytes"] for r in per_rank) == 2 * sum(t.numel() * 4 for t in exported.values())
         for name, engine in engines.items():
             differing = [n for n, t in exported.items() if not torch.equal(torch.tensor(engine.weights_by_name(n)), t)]

@@ -1,6 +1,8 @@
 """Exact resume: a run killed with SIGKILL, after its first checkpoint and again while writing its second, ends as the straight run.
 
-Both runs: the tiny DAPO recipe, 4 steps, a checkpoint every 2 steps. The second run's
+Both runs: the tiny DAPO recipe, 4 steps, a checkpoint every 2 steps; again with its async variant
+(``train.max_staleness: 1``, disaggregated), whose checkpoints also hold the rollout generated
+ahead (``carried_over.pt``), which the resumed run trains on. The second run's
 process group is killed as soon as ``latest`` exists; the same command runs again, resumes
 from it, and is killed while the step-4 checkpoint is being written (its staging directory
 holds Megatron's shard directory); ``latest`` must still name the step-2 checkpoint. The
@@ -21,7 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.tiny_runs import RUN, megatron_contents, read_metrics, run_env, run_train, train_command
+from tests.e2e.tiny_runs import RECIPE, ROOT, megatron_contents, read_metrics, run_env, run_train, train_command
+
+RECIPES = {
+    "sync": (RECIPE, Path("runs") / "tiny-moe-cpu-dapo"),
+    "async": (ROOT / "recipes" / "tiny_moe_cpu_dapo_async.yaml", Path("runs") / "tiny-moe-cpu-dapo-async"),
+}
 
 OVERRIDES = [
     "train.steps=4",
@@ -34,10 +41,10 @@ OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
 WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
 
 
-def _run_killed_when(cwd: Path, moment: Callable[[], bool], what: str) -> None:
+def _run_killed_when(cwd: Path, recipe: Path, moment: Callable[[], bool], what: str) -> None:
     """Start the run in ``cwd`` and SIGKILL its whole process group as soon as ``moment()`` holds."""
     process = subprocess.Popen(
-        train_command(OVERRIDES),
+        train_command(OVERRIDES, recipe),
         cwd=cwd,
         env=run_env(),
         stdout=subprocess.DEVNULL,
@@ -58,24 +65,29 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path, loop: str) -> None:
+    recipe, run = RECIPES[loop]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     straight.mkdir(), resumed.mkdir()
-    run_train(straight, OVERRIDES)
-    checkpoints = resumed / RUN / "checkpoints"
+    run_train(straight, OVERRIDES, recipe)
+    checkpoints = resumed / run / "checkpoints"
     latest = checkpoints / "latest"
-    _run_killed_when(resumed, latest.exists, "its first checkpoint")
+    _run_killed_when(resumed, recipe, latest.exists, "its first checkpoint")
     saving = checkpoints / ".staging_step_000004" / "megatron"
-    _run_killed_when(resumed, saving.exists, "it wrote its second checkpoint")
+    _run_killed_when(resumed, recipe, saving.exists, "it wrote its second checkpoint")
     assert latest.read_text().strip() == "step_000002"
-    run_train(resumed, OVERRIDES)
+    assert (checkpoints / "step_000002" / "carried_over.pt").exists() == (loop == "async")
+    run_train(resumed, OVERRIDES, recipe)
 
-    straight_metrics, resumed_metrics = _metrics(straight / RUN), _metrics(resumed / RUN)
+    straight_metrics, resumed_metrics = _metrics(straight / run), _metrics(resumed / run)
     assert [r["step"] for r in resumed_metrics] == [0, 1, 2, 3, 4]
     assert all(r["train/update_skipped"] == 0.0 for r in straight_metrics[1:])  # every step updated the weights
     for expected, actual in zip(straight_metrics, resumed_metrics, strict=True):
         assert actual == expected, f"step {expected['step']} differs"
-    final = [megatron_contents(run / RUN / "checkpoints" / "step_000004", tmp_path) for run in (straight, resumed)]
+    if loop == "async":  # steps 2..4 trained on samples of the weights one step older
+        assert [r["async/staleness_max"] for r in straight_metrics[1:]] == [0.0, 1.0, 1.0, 1.0]
+    final = [megatron_contents(root / run / "checkpoints" / "step_000004", tmp_path) for root in (straight, resumed)]
     assert final[0].keys() == final[1].keys()
     for key, expected in final[0].items():
         actual = final[1][key]

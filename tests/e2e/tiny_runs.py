@@ -17,9 +17,9 @@ RUN = Path("runs") / "tiny-moe-cpu-dapo"
 """The run directory, relative to the working directory of the command."""
 
 
-def train_command(overrides: list[str]) -> list[str]:
-    """``python -m megatron_rl.cli train <tiny DAPO recipe> <overrides>``."""
-    return [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), *overrides]
+def train_command(overrides: list[str], recipe: Path = RECIPE) -> list[str]:
+    """``python -m megatron_rl.cli train <recipe (the tiny DAPO one)> <overrides>``."""
+    return [sys.executable, "-m", "megatron_rl.cli", "train", str(recipe), *overrides]
 
 
 def run_env() -> dict[str, str]:
@@ -27,10 +27,16 @@ def run_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def run_train(cwd: Path, overrides: list[str]) -> str:
+def run_train(cwd: Path, overrides: list[str], recipe: Path = RECIPE) -> str:
     """Run the command in ``cwd`` to completion; its stdout. Fails the test with stderr's tail on a non-zero exit."""
     result = subprocess.run(
-        train_command(overrides), cwd=cwd, env=run_env(), capture_output=True, text=True, timeout=600, check=False
+        train_command(overrides, recipe),
+        cwd=cwd,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout

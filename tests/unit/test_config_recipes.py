@@ -22,13 +22,15 @@ def _problems(recipe: Path, *overrides: str) -> list[str]:
     return info.value.problems
 
 
-@pytest.mark.parametrize("recipe", ["tiny_moe_cpu_dapo", "tiny_moe_cpu_drgrpo", "tiny_moe_cpu_grpo"])
+@pytest.mark.parametrize(
+    "recipe", ["tiny_moe_cpu_dapo", "tiny_moe_cpu_drgrpo", "tiny_moe_cpu_grpo", "tiny_moe_cpu_dapo_async"]
+)
 def test_shipped_tiny_recipes_validate(recipe: str) -> None:
     cfg, _ = load_recipe(RECIPES / f"{recipe}.yaml")
     assert cfg.cluster.gpus_per_node == 0 and cfg.rollout.engine == "reference"
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b_dapo", "qwen3_30b_a3b_drgrpo"])
+@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b_dapo", "qwen3_30b_a3b_drgrpo", "qwen3_30b_a3b_dapo_async"])
 def test_shipped_qwen3_30b_recipes_validate(recipe: str, qwen3_30b_overrides: list[str]) -> None:
     cfg, warnings = load_recipe(RECIPES / f"{recipe}.yaml", qwen3_30b_overrides, require_files=False)
     assert cfg.parallel.ep == 8 and cfg.cluster.nodes * cfg.cluster.gpus_per_node == 32
@@ -164,6 +166,14 @@ def test_moe_with_tensor_parallel_requires_sequence_parallel() -> None:
 def test_batch_must_split_over_data_parallel_ranks() -> None:
     problems = _problems(TINY, "train.prompts_per_step=3", "rollout.n_samples_per_prompt=3")
     assert any(p.startswith("train.prompts_per_step: each mini-batch has 9 responses") for p in problems)
+
+
+def test_async_needs_disaggregated_engines_and_the_importance_correction() -> None:
+    problems = _problems(TINY, "train.max_staleness=1")
+    assert any(p.startswith("train.max_staleness: 1 with colocated engines") for p in problems)
+    assert any(p.startswith("algorithm.tis_cap: None with train.max_staleness=1") for p in problems)
+    cfg, _ = load_recipe(TINY, ["train.max_staleness=1", "rollout.placement=disaggregated", "algorithm.tis_cap=2.0"])
+    assert cfg.train.max_staleness == 1
 
 
 def test_mini_batches_must_divide_prompts() -> None:

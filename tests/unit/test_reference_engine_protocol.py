@@ -30,10 +30,13 @@ from megatron_rl.rollout.http_engine import HttpEngine
 from megatron_rl.rollout.protocol import (
     FLUSH_CACHE_FAILED,
     FLUSH_CACHE_OK,
+    FORWARD_SECONDS_METRIC,
+    IDLE_SECONDS_METRIC,
     GenerateRequest,
     SamplingParams,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
+    metric_samples,
 )
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.server import build_server
@@ -197,3 +200,25 @@ def test_a_failed_sync_closes_the_session_and_keeps_generation_paused(served):
     syncer.sync([(NORM, torch.full((32,), 7.0))], "retried")
     assert not backend._session and not backend._paused and backend.weight_version == "retried"
     syncer.close()
+
+
+def test_metrics_count_forward_seconds_under_sglangs_counter(served):
+    """``GET /metrics``: SGLang's forward seconds by forward mode and scheduler idle seconds, Prometheus text."""
+    engine, _ = served
+    with urllib.request.urlopen(engine.base_url + "/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        before = response.read().decode()
+    time.sleep(0.05)
+    engine.generate(GenerateRequest([5, 17, 42], GREEDY))
+    after = engine.request("/metrics")
+
+    def by_mode(text: str) -> dict[str, float]:
+        return {labels["category"]: value for labels, value in metric_samples(text, FORWARD_SECONDS_METRIC)}
+
+    assert set(by_mode(after)) == {"extend", "decode"}
+    assert all(by_mode(after)[mode] > by_mode(before)[mode] for mode in ("extend", "decode"))
+    (idle_before,), (idle_after,) = (
+        metric_samples(before, IDLE_SECONDS_METRIC),
+        metric_samples(after, IDLE_SECONDS_METRIC),
+    )
+    assert idle_after[1] >= idle_before[1] + 0.05

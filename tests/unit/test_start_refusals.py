@@ -126,6 +126,18 @@ START_REFUSALS = (
     ),
     Refusal("rollout/reference/backend.py", "the reference engine has 1 TP rank", ("rollout.tp=2",), "rollout.tp"),
     Refusal(
+        "rollout/reference/backend.py",
+        "longer than the model's context length",
+        ("rollout.max_prompt_length=64",),
+        "rollout.max_response_length",
+    ),
+    Refusal(
+        "rollout/reference/backend.py",
+        "exceeds the model's maximum context length",
+        ("rollout.max_response_length=60",),
+        "rollout.max_response_length",
+    ),
+    Refusal(
         "rollout/scoring.py", "num_workers must be >= 1", ("data.reward_num_workers=0",), "data.reward_num_workers"
     ),
     Refusal(
@@ -180,9 +192,12 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("models/safetensors_reader.py", "CheckpointTensorError"): "checkpoint contents",
     ("models/weight_map.py", ""): "internal: every parameter the builder makes is mapped",
     ("rollout/manager.py", "generation batch"): "the driver sizes the sampler from train.prompts_per_step",
+    ("rollout/manager.py", "failures[0][1]"): "an engine crash at run time, re-raised by a manager without recovery",
     ("rollout/manager.py", "RolloutExhaustedError"): "runtime outcome of dynamic sampling (algorithm.dynamic_sampling)",
     ("rollout/reference/backend.py", "EngineStateError"): "engine state at request time",
-    ("rollout/reference/backend.py", "GenerationAborted"): "an aborted request",
+    ("rollout/reference/backend.py", "state.error"): "a decode step that failed at run time, re-raised to its request",
+    ("rollout/reference/slot_model.py", ""): "the model's config.json, which config/hf_config.py refuses first "
+    "(RoPE scaling, sliding windows, activations other than SiLU)",
     ("rollout/reference/backend.py", "names, dtypes and shapes"): "wire-format contract of a weight update",
     ("rollout/reference/backend.py", "no *.safetensors"): "disk weight update contents, written by the trainer",
     ("rollout/reference/backend.py", "weight elements"): "disk weight update contents, written by the trainer",
@@ -195,6 +210,10 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "check makes every full step split; the driver trims a partial one first",
     ("actor/step_data.py", "does not split over"): "validate's batch divisibility check makes every full step "
     "split; the driver trims a partial one first",
+    ("orchestration/engine_recovery.py", "EngineRestartLimitError"): "engine crashes at run time, past "
+    "rollout.max_engine_restarts",
+    ("orchestration/rollout_pipeline.py", "is due"): "internal: the driver takes steps in order",
+    ("orchestration/driver.py", "weight versions old"): "internal: the pipeline's schedule never makes such a sample",
     ("orchestration/driver.py", "NonFiniteTrainingError"): "a run-time outcome of training "
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",

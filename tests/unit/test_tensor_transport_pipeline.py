@@ -5,7 +5,9 @@
 - ``send_bucket`` returns while its bucket is still loading; ``finish`` returns once it is loaded;
 - a bucket that fails in flight fails the next ``send_bucket`` or ``finish``; ``settle`` only waits;
 - the reference engine keeps the sender's buffers mapped across syncs (at most the buffers of the
-  last sync), and every sync still lands exactly, also when the sender's buffers grow.
+  last sync), and every sync still lands exactly, also when the sender's buffers grow;
+- CPU tensors already in shared memory are sent in place (the engine reads the sender's memory, the
+  one copy is the engine's), private ones are packed and stay private.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class RecordingEngine:
     def __init__(self, fail_on: int | None = None) -> None:
         self.gate = threading.Event()
         self.received: list[list[tuple[str, torch.Tensor]]] = []
+        self.read_from: list[list[int]] = []
         self.concurrent = self.max_concurrent = 0
         self.fail_on = fail_on
         self._lock = threading.Lock()
@@ -50,7 +53,9 @@ class RecordingEngine:
                 self.received.append([])
                 raise RuntimeError(f"bucket {self.fail_on} refused")
             (payload,) = request.serialized_named_tensors
-            self.received.append([(name, t.clone()) for name, t in deserialize_named_tensors(payload)])
+            opened = deserialize_named_tensors(payload)
+            self.read_from.append([t.data_ptr() for _, t in opened])
+            self.received.append([(name, t.clone()) for name, t in opened])
         finally:
             with self._lock:
                 self.concurrent -= 1
@@ -92,6 +97,23 @@ def test_a_bucket_that_fails_in_flight_fails_the_next_call():
     engine.fail_on = 3
     transport.send_bucket(_bucket(3), "v")
     transport.settle()  # logs the failure, raises nothing
+    transport.close()
+
+
+def test_shared_memory_tensors_are_sent_in_place_and_private_ones_packed():
+    engine = RecordingEngine()
+    engine.gate.set()
+    transport = TensorTransport([engine])
+    weights = torch.arange(12.0).share_memory_()
+    private = torch.full((5,), 7.0)
+    bucket = [("row", weights.view(3, 4)[1]), ("private", private), ("all", weights)]
+    transport.send_bucket(bucket, "v")
+    transport.finish("v")
+    (read_from,) = engine.read_from
+    assert read_from[0] == weights.view(3, 4)[1].data_ptr() and read_from[2] == weights.data_ptr()
+    assert read_from[1] != private.data_ptr() and not private.is_shared()
+    (received,) = engine.received
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bucket, received, strict=True))
     transport.close()
 
 
@@ -158,4 +180,20 @@ def test_repeated_syncs_through_kept_mappings_land_exactly(backend, bucket_bytes
         assert all(torch.equal(backend.params[name], t) for name, t in named), step
         if order is orders[step - 2]:  # no buffer grew in this sync: only its two buffers stay mapped
             assert len(backend._shared_buffers) == TensorTransport.NUM_BUFFERS
+    syncer.close()
+
+
+def test_syncs_from_shared_memory_weights_land_exactly_without_packing(backend):
+    engine = InProcessEngine(backend)
+    syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=1 << 14)
+    names = sorted(backend.params)
+    weights = {name: torch.empty(backend.params[name].shape).share_memory_() for name in names}
+    for step in (1, 2):
+        generator = torch.Generator().manual_seed(10 + step)
+        for tensor in weights.values():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        stats = syncer.sync(list(weights.items()), f"shared-{step}")
+        assert stats.num_buckets > 2
+        assert all(torch.equal(backend.params[name], weights[name]) for name in names), step
+        assert len(backend._shared_buffers) == len(weights)  # the engine holds the sender's own storages
     syncer.close()

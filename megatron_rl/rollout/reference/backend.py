@@ -16,21 +16,29 @@ It enforces SGLang 0.5.23's protocol (each rule names its SGLang source in
 - an update whose ``flush_cache`` flag is set fails after loading when the
   flush is refused, with SGLang's message.
 
-Concurrency: any number of handler threads; one model lock serialises forward
-passes and weight writes, so a weight update waits for the running request to
-finish or pause. A paused request gives the model lock up at its next token;
-``in_place`` keeps its KV cache, ``retract`` lets a flush drop it. Aborts are
-checked before every forward step. Memory release (CPU or GPU): ``weights``
-frees every parameter's storage (generation is refused until resumed and
-updated: resumed weights are zeros, as with SGLang's memory saver without CPU
-backup), ``kv_cache`` is bookkeeping only (the cache is per request).
+Concurrency (continuous batching): any number of handler threads hand requests to
+one scheduler thread, which admits them in arrival order while cache slots are free
+(``max_running_requests`` samples) and runs one batched decode step after another for
+all admitted requests (:mod:`generator`). A response does not depend on which requests
+share its steps (the forward is batch-invariant, :mod:`slot_model`). Like SGLang: a
+request longer than the context length is refused; a weight update outside a pause waits
+until no request is in flight, and new requests wait while it waits or runs (SGLang's
+``model_update_lock``); inside a pause it runs at once. A pause holds every admitted
+request at its next step (admission goes on); ``in_place`` keeps its KV cache,
+``retract`` lets a flush drop it (it then prefills again). Aborts are checked before
+every step. One model lock serialises steps and weight writes. Memory release (CPU or
+GPU): ``weights`` frees every parameter's storage (generation is refused until resumed
+and updated: resumed weights are zeros, as with SGLang's memory saver without CPU
+backup), ``kv_cache`` frees the KV cache (allocated again at the next step).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +47,15 @@ from safetensors.torch import load_file
 
 from megatron_rl.rollout.protocol import (
     MEMORY_TAGS,
+    FinishReason,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
     encode_routed_experts,
 )
-from megatron_rl.rollout.reference.generator import GenerationAborted, RouterRecorder, generate_samples
+from megatron_rl.rollout.reference.generator import RequestState, decode_step, eos_ids
 from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
+from megatron_rl.rollout.reference.slot_model import SlotModel
 from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
 from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors
 from megatron_rl.weight_sync.weight_group import (
@@ -72,18 +82,36 @@ class WeightUpdateRefused(EngineStateError):
     """A weight-update request SGLang answers with ``{"success": false, "message"}`` and HTTP 400."""
 
 
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+"""Cache slots (samples decoding at once) unless ``--max-running-requests`` says otherwise."""
+
+
 class ReferenceBackend:
     """One model, its weight version, pause/abort state, weight-update session and groups.
 
     ``dp_size``: the data-parallel size the engine claims (SGLang's ``--dp-size``); above 1
-    every weight update fails as SGLang's does.
+    every weight update fails as SGLang's does. ``max_running_requests``: samples decoding at
+    once (SGLang's ``--max-running-requests``; each sample of an n-sample request counts); a
+    request with more samples than that runs alone, on slots added for it.
+    ``context_length``: positions per sequence (SGLang's ``--context-length``; default the
+    model's ``max_position_embeddings``).
     """
 
-    def __init__(self, model: torch.nn.Module, *, seed: int = 0, dp_size: int = 1) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        seed: int = 0,
+        dp_size: int = 1,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+        context_length: int | None = None,
+    ) -> None:
         self.model = model.eval()
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
-        self.recorder = RouterRecorder(model)
+        context = context_length or model.config.max_position_embeddings
+        self.slot_model = SlotModel(model, slots=max_running_requests, context_length=context)
+        self._eos = eos_ids(model)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = "default"
         self._model_lock = threading.Lock()
@@ -103,61 +131,156 @@ class ReferenceBackend:
         self._shapes: dict[str, torch.Size] = {}
         self._groups: dict[str, WeightGroup] = {}
         self._shared_buffers = SharedBufferMappings()
+        self._writers = 0
+        self._jobs: dict[RequestState, tuple[int, set[str]]] = {}
+        self._waiting: list[RequestState] = []
+        self._running: list[RequestState] = []
+        self._free_slots = list(range(max_running_requests))  # a heap: the lowest free slot first
+        self.idle_seconds = 0.0
+        """Wall seconds the scheduler waited with no request in the engine (SGLang's scheduler idle time)."""
+        threading.Thread(target=self._schedule, name="reference-scheduler", daemon=True).start()
 
     def generate(self, request: GenerateRequest) -> dict | list[dict]:
-        """SGLang ``/generate`` answer: one dict per sample (a list when n > 1)."""
+        """SGLang ``/generate`` answer: one dict per sample (a list when n > 1).
+
+        The request joins the batch the scheduler thread decodes; it returns when all its samples
+        are done (or aborted). Like SGLang, it waits while a weight update waits or runs.
+        """
         if request.stream:
             raise EngineStateError("the reference engine does not stream; send stream=false")
         if "weights" in self._released:
             raise EngineStateError("weights are released; call /resume_memory_occupation and update weights first")
+        self._check_lengths(request)
+        params = request.sampling_params
         rid = request.rid or f"ref-{id(request)}"
-        epoch = self._abort_epoch
-
-        n = request.sampling_params.n
-        sample_rids = {rid} if n == 1 else {f"{rid}_{i}" for i in range(n)}  # the rids SGLang registers
-
-        def stopped() -> bool:
-            return self._abort_epoch != epoch or not sample_rids.isdisjoint(self._aborted_rids)
-
-        cache_epoch = [self._cache_epoch]
-
-        def checkpoint() -> bool:  # runs with the model lock held; gives it up while paused
-            while True:
-                with self._state:
-                    if stopped():
-                        raise GenerationAborted(f"request {rid} aborted")
-                    if not self._paused:
-                        flushed, cache_epoch[0] = cache_epoch[0] != self._cache_epoch, self._cache_epoch
-                        return flushed
-                self._model_lock.release()
-                with self._state:
-                    self._state.wait_for(lambda: not self._paused or stopped())
-                self._model_lock.acquire()
-
+        sample_rids = {rid} if params.n == 1 else {f"{rid}_{i}" for i in range(params.n)}  # SGLang's registry
+        generator = self.generator
+        if params.sampling_seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
+        routing_shape = None
+        if request.return_routed_experts and self.slot_model.routes_experts:
+            routing_shape = (self.slot_model.context_length, self.slot_model.num_layers, self.slot_model.top_k)
+        stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self._eos)
+        state = RequestState(request, generator, stop_ids, routing_shape)
         with self._state:
+            self._state.wait_for(lambda: not self._writers)
+            self._jobs[state] = (self._abort_epoch, sample_rids)
+            self._waiting.append(state)
             self._in_flight += 1
             self._active_rids |= sample_rids
+            self._state.notify_all()
         try:
-            with self._model_lock:
-                with self._state:
-                    self._decoding += 1
-                    cache_epoch[0] = self._cache_epoch
-                try:
-                    samples = generate_samples(self.model, request, self.recorder, checkpoint, self.generator)
-                finally:
-                    with self._state:
-                        self._decoding -= 1
-                version = self.weight_version
+            state.done.wait()
         finally:
             with self._state:
                 self._in_flight -= 1
                 self._active_rids -= sample_rids
                 self._aborted_rids -= sample_rids
-        multiple = request.sampling_params.n > 1
+                self._jobs.pop(state, None)
+                self._state.notify_all()
+        if state.error is not None:
+            raise state.error
+        multiple = params.n > 1
         answers = [
-            self._sample_json(rid, i, s, len(request.input_ids), version, multiple) for i, s in enumerate(samples)
+            self._sample_json(rid, i, s, len(request.input_ids), state.weight_version, multiple)
+            for i, s in enumerate(state.results())
         ]
         return answers if multiple else answers[0]
+
+    def _check_lengths(self, request: GenerateRequest) -> None:
+        """SGLang's context-length checks (``TokenizerManager._validate_input_ids_in_context_length``)."""
+        context, prompt = self.slot_model.context_length, len(request.input_ids)
+        if prompt >= context:
+            raise ValueError(
+                f"The input ({prompt} tokens) is longer than the model's context length ({context} tokens)."
+            )
+        max_new = request.sampling_params.max_new_tokens
+        if max_new is not None and prompt + max_new > context:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                f"You requested a total of {prompt + max_new} tokens: {prompt} tokens from the input messages and "
+                f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
+                "or the completion to fit within the limit."
+            )
+
+    def _stopped(self, state: RequestState) -> bool:
+        epoch, sample_rids = self._jobs[state]
+        return self._abort_epoch != epoch or not sample_rids.isdisjoint(self._aborted_rids)
+
+    def _release_finished(self, states: list[RequestState]) -> None:
+        """Hand back done requests (called with ``_state`` held)."""
+        for state in states:
+            if not state.running():
+                state.weight_version = self.weight_version
+                self._running.remove(state)
+                state.done.set()
+        self._decoding = len(self._running)
+
+    def _admit_and_abort(self) -> None:
+        """Abort stopped requests, admit waiting ones while slots are free (arrival order); ``_state`` held."""
+        aborted = FinishReason("abort", message="aborted")
+        for state in [s for s in self._waiting if self._stopped(s)]:
+            state.finish(aborted)
+            self._waiting.remove(state)
+            state.weight_version = self.weight_version
+            state.done.set()
+        for state in self._running:
+            if self._stopped(state):
+                self._free(state.finish(aborted))
+        while self._waiting and (len(self._free_slots) >= self._waiting[0].n or not self._running):
+            state = self._waiting.pop(0)
+            if len(self._free_slots) < state.n:  # more samples than max_running_requests: it runs alone
+                self._free(self.slot_model.add_slots(state.n - len(self._free_slots)))
+            state.slots = [heapq.heappop(self._free_slots) for _ in range(state.n)]
+            state.cache_epoch = self._cache_epoch
+            if state.request.sampling_params.max_new_tokens <= 0:
+                self._free(state.finish(FinishReason("length")))
+            self._running.append(state)
+        self._release_finished(list(self._running))
+
+    def _free(self, slots: list[int]) -> None:
+        for slot in slots:
+            heapq.heappush(self._free_slots, slot)
+
+    def _schedule(self) -> None:
+        """The scheduler thread: one batched decode step after another while requests run and no pause holds them."""
+        while True:
+            with self._state:
+                while True:
+                    self._admit_and_abort()
+                    if self._running and not self._paused:
+                        break
+                    idle = not self._running and not self._waiting
+                    waited = time.perf_counter()
+                    self._state.wait()
+                    if idle:
+                        self.idle_seconds += time.perf_counter() - waited
+            with self._model_lock:
+                with self._state:  # re-checked under the model lock: a pause or flush may have come in between
+                    self._admit_and_abort()
+                    if self._paused or not self._running:
+                        continue
+                    states = list(self._running)
+                    for state in states:
+                        if state.cache_epoch != self._cache_epoch:
+                            state.drop_cache()
+                            state.cache_epoch = self._cache_epoch
+                freed = self._step(states)
+            with self._state:
+                self._free(freed)
+                self._release_finished(states)
+
+    def _step(self, states: list[RequestState]) -> list[int]:
+        """One batched decode step (model lock held); a failing step fails its requests, the engine goes on."""
+        try:
+            return decode_step(self.slot_model, states)
+        except Exception as error:  # noqa: BLE001 - the handler threads re-raise it (HTTP 500)
+            logger.error("decode step failed:\n%s", traceback.format_exc())
+            freed = []
+            for state in states:
+                state.error = error
+                freed += state.finish(FinishReason("abort", message=str(error)))
+            return freed
 
     @staticmethod
     def _sample_json(rid: str, index: int, sample, prompt_tokens: int, version: str, multiple: bool = False) -> dict:
@@ -229,7 +352,7 @@ class ReferenceBackend:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(FLUSH_POLL_S)
-        with self._model_lock, self._state:  # every decoding request is now held at a checkpoint or gone
+        with self._model_lock, self._state:  # no step runs now: every admitted request is between steps
             if not self._flushable():
                 return False
             self._cache_epoch += 1
@@ -246,6 +369,8 @@ class ReferenceBackend:
                     for name, param in self.params.items():
                         self._shapes[name] = param.shape
                         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                if tag == "kv_cache":
+                    self.slot_model.drop_cache()
                 self._released.add(tag)
 
     def resume(self, tags: list[str] | None) -> None:
@@ -260,10 +385,19 @@ class ReferenceBackend:
     def _load(self, named_tensors: list[tuple[str, torch.Tensor]], version: str | None, flush: bool) -> None:
         if "weights" in self._released:
             raise EngineStateError("weights are released; call /resume_memory_occupation before updating them")
-        with self._model_lock:
-            load_named_tensors(self.params, named_tensors)
-            if version is not None:
-                self.weight_version = version
+        with self._state:
+            self._writers += 1
+        try:
+            with self._state:  # SGLang's writer lock: unless paused, wait until no request is in flight
+                self._state.wait_for(lambda: self._paused or self._in_flight == 0)
+            with self._model_lock:
+                load_named_tensors(self.params, named_tensors)
+                if version is not None:
+                    self.weight_version = version
+        finally:
+            with self._state:
+                self._writers -= 1
+                self._state.notify_all()
         if flush and not self.flush_cache():
             raise WeightUpdateRefused(FLUSH_REFUSED_AFTER_UPDATE)
 

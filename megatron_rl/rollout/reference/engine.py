@@ -20,15 +20,17 @@ def build_reference_command(
     dtype: str = "float32",
     device: str | None = None,
     seed: int = 0,
+    num_threads: int = 1,
     python: str = sys.executable,
 ) -> list[str]:
-    """``python -m megatron_rl.rollout.reference.server ...`` for one engine (ValueError for a wildcard host).
+    """``python -m megatron_rl.rollout.reference.server ...`` for one engine (ValueError for a wildcard host;
+    ``num_threads``: torch intra-op threads).
 
     Never carries an API key: the key goes through the environment (:data:`~megatron_rl.rollout.access.API_KEY_ENV`).
     """
     command = [python, "-m", "megatron_rl.rollout.reference.server", "--model-path", str(model_path)]
     command += ["--host", check_listen_host(host), "--port", str(port), "--load-format", load_format, "--dtype", dtype]
-    command += ["--seed", str(seed)]
+    command += ["--seed", str(seed), "--num-threads", str(num_threads)]
     if device is not None:
         command += ["--device", device]
     return command
@@ -38,6 +40,7 @@ class ReferenceEngine(HttpEngine):
     """A reference server process on ``host:port`` (see :mod:`megatron_rl.rollout.reference.server`).
 
     ``routed_experts_shape`` = (num_hidden_layers, num_experts_per_tok) decodes routing in results;
+    ``num_threads``: the server's torch intra-op threads on CPU (its forward passes and weight loads);
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
     ``api_key``: the server requires it (passed in its environment, kept out of its log) and this
     client sends it; ``env``: more environment variables for the server (e.g. ``GLOO_SOCKET_IFNAME``).
@@ -55,6 +58,7 @@ class ReferenceEngine(HttpEngine):
         dtype: str = "float32",
         device: str | None = None,
         seed: int = 0,
+        num_threads: int = 1,
         max_concurrent_requests: int = 64,
         request_timeout_s: float = 600.0,
         routed_experts_shape: tuple[int, int] | None = None,
@@ -63,7 +67,14 @@ class ReferenceEngine(HttpEngine):
         env: Mapping[str, str] | None = None,
     ) -> None:
         command = build_reference_command(
-            model_path, port, host=host, load_format=load_format, dtype=dtype, device=device, seed=seed
+            model_path,
+            port,
+            host=host,
+            load_format=load_format,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            num_threads=num_threads,
         )
         server_env = dict(env or {}) | {API_KEY_ENV: api_key or ""}  # never a key inherited from this process
         process = ServerProcess(

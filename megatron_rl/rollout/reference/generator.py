@@ -1,36 +1,42 @@
-"""Token generation with a transformers Qwen3 / Qwen3-MoE model in plain PyTorch (the reference engine's core).
+"""Decoding of the requests in flight, batched: one forward pass per step for all of them.
 
-One request = one prompt, ``n`` samples decoded together as a batch of ``n``
-(same prompt length, so no padding), with a KV cache. Per step:
+A request (:class:`RequestState`) = one prompt and ``n`` samples; each sample holds a cache
+slot of the :class:`~megatron_rl.rollout.reference.slot_model.SlotModel`. Per step
+(:func:`decode_step`), every running sample feeds the tokens its slot has not cached yet (the
+prompt at its first step, shared by its ``n`` samples: fed once and copied; then the token
+sampled last; after a cache flush, everything again), all requests in one forward call. Then
+each request samples its own unfinished samples from their logits:
 
-- ``logprob`` of the sampled token = log_softmax(logits / T) at that token,
-  where T is the temperature (T = 1 when greedy). top-k / top-p only restrict
-  what may be sampled; they do not renormalise the reported log-prob. This is
-  what the trainer recomputes (logits / T, full vocabulary);
-- a sample stops at a stop token (``stop_token_ids``, and the model's EOS unless
-  ``ignore_eos``; the stop token is kept in ``output_ids``) or after
-  ``max_new_tokens`` (``length``); finished samples keep being fed (their
-  outputs are discarded) until all are done.
+- ``logprob`` of the sampled token = log_softmax(logits / T) at that token, where T is the
+  temperature (T = 1 when greedy). top-k / top-p only restrict what may be sampled; they do not
+  renormalise the reported log-prob. This is what the trainer recomputes (logits / T, full
+  vocabulary);
+- draws come from the request's own generator (seeded by ``sampling_seed``, else the engine's,
+  shared with the other unseeded requests, so their draws depend on what runs with them, as in
+  SGLang), one multinomial over its unfinished samples per step, in sample order;
+- a sample stops at a stop token (``stop_token_ids``, and the model's EOS unless ``ignore_eos``;
+  the stop token is kept in ``output_ids``) or after ``max_new_tokens`` (``length``); a
+  finished sample's slot is freed at once.
 
-Routed experts (MoE): forward hooks on every ``mlp.gate`` router record the
-top-k expert ids of each token fed through the model; a sample's routing is
-``[prompt_len + len(output) - 1 - start, num_hidden_layers, top_k]`` int32,
--1 for dense layers (SGLang's layout, ``routed_experts_start_len = start``).
+Since the forward is batch-invariant and each request's sampling uses only its own rows and
+generator, a request's outputs, log-probs and routed experts do not depend on the requests
+decoded with it (``tests/unit/test_reference_engine_batching.py``).
+
+Routed experts (MoE): each sample's ``[prompt_len + len(output) - 1 - start, layers, top_k]``
+int32 routing of the tokens it fed, -1 for dense layers (SGLang's layout,
+``routed_experts_start_len = start``); a re-prefill after a flush records them again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, SamplingParams
-
-
-class GenerationAborted(Exception):
-    """Raised by the ``checkpoint`` callback to stop a request (the samples then finish with ``abort``)."""
+from megatron_rl.rollout.reference.slot_model import SlotModel
 
 
 @dataclass
@@ -43,7 +49,8 @@ class SampleOutput:
     routed_experts: np.ndarray | None
 
 
-def _eos_ids(model: torch.nn.Module) -> set[int]:
+def eos_ids(model: torch.nn.Module) -> set[int]:
+    """The model config's EOS token ids (none when it has none)."""
     eos = getattr(model.config, "eos_token_id", None)
     if eos is None:
         return set()
@@ -63,142 +70,189 @@ def _filter_logits(logits_NV: torch.Tensor, params: SamplingParams) -> torch.Ten
     return logits_NV
 
 
-class RouterRecorder:
-    """Records each MoE router's top-k ids per forward call while a request asks for them.
+@dataclass(eq=False)
+class RequestState:
+    """One ``/generate`` request while the engine holds it: its samples' tokens, slots and results.
 
-    Routers are the ``mlp.gate`` modules whose output[2] is the ``[tokens, top_k]`` index tensor
-    (transformers' Qwen3-MoE top-k router).
+    ``slots``: one cache slot per sample, assigned at admission, None once the sample is done.
+    ``cached[i]``: how many of sample i's tokens its slot holds (0: prefill at the next step).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        layers = model.model.layers
-        self.num_layers = len(layers)
-        self.top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
-        self._calls: list[dict[int, torch.Tensor]] = []
-        self._rows = 1
-        self._active = False
-        for index, layer in enumerate(layers):
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "top_k"):
-                gate.register_forward_hook(self._hook(index))
+    request: GenerateRequest
+    generator: torch.Generator
+    stop_ids: set[int]
+    routing_shape: tuple[int, int, int] | None
+    slots: list[int | None] = field(init=False)
+    outputs: list[list[int]] = field(init=False)
+    logprobs: list[list[float]] = field(init=False)
+    reasons: list[FinishReason | None] = field(init=False)
+    cached: list[int] = field(init=False)
+    routing: list[torch.Tensor] | None = field(init=False)
+    cache_epoch: int = 0
+    weight_version: str = "default"
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
-    def _hook(self, layer: int) -> Callable:
-        def record(module, inputs, output) -> None:
-            if self._active:
-                self._calls[-1][layer] = output[2].detach().to(torch.int32)
+    def __post_init__(self) -> None:
+        n = self.request.sampling_params.n
+        self.outputs = [[] for _ in range(n)]
+        self.logprobs = [[] for _ in range(n)]
+        self.reasons = [None] * n
+        self.cached = [0] * n
+        self.slots = [None] * n
+        self.routing = None
+        if self.routing_shape is not None:
+            self.routing = [torch.full(self.routing_shape, -1, dtype=torch.int32) for _ in range(n)]
 
-        return record
+    @property
+    def n(self) -> int:
+        """Samples of the request."""
+        return self.request.sampling_params.n
 
-    def start(self, num_rows: int) -> None:
-        """Begin recording a request decoded as ``num_rows`` sequences."""
-        self._calls, self._rows, self._active = [], num_rows, True
+    def running(self) -> list[int]:
+        """The samples still decoding, in order."""
+        return [i for i in range(self.n) if self.reasons[i] is None]
 
-    def begin_forward(self) -> None:
-        """Mark the start of one forward call (prefill or one decode step)."""
-        self._calls.append({})
+    def tokens(self, sample: int) -> list[int]:
+        """Every token of ``sample`` so far: the prompt, then its outputs."""
+        return self.request.input_ids + self.outputs[sample]
 
-    def stop(self) -> None:
-        """Stop recording (hooks become no-ops)."""
-        self._active = False
+    def drop_cache(self) -> None:
+        """The cache was flushed: every running sample prefills all its tokens again at its next step."""
+        self.cached = [0] * self.n
 
-    def routing(self, row: int) -> np.ndarray:
-        """int32 ``[tokens fed for row, num_layers, top_k]`` over the recorded calls (-1: dense layer)."""
-        pieces = []
-        for call in self._calls:
-            if not call:
-                continue
-            tokens = next(iter(call.values())).shape[0] // self._rows
-            block = torch.full((tokens, self.num_layers, self.top_k), -1, dtype=torch.int32)
-            for layer, ids in call.items():
-                block[:, layer] = ids.view(self._rows, tokens, self.top_k)[row]
-            pieces.append(block)
-        empty = np.zeros((0, self.num_layers, self.top_k), dtype=np.int32)
-        return torch.cat(pieces).numpy() if pieces else empty
+    def finish(self, reason: FinishReason) -> list[int]:
+        """End every running sample with ``reason``; returns the slots they held."""
+        freed = []
+        for i in self.running():
+            self.reasons[i] = reason
+            freed.append(self.slots[i])
+            self.slots[i] = None
+        return [s for s in freed if s is not None]
+
+    def results(self) -> list[SampleOutput]:
+        """Each sample's output (every sample must be finished)."""
+        prompt_len, start = len(self.request.input_ids), self.request.routed_experts_start_len
+        samples = []
+        for i in range(self.n):
+            routed = None
+            if self.routing is not None:
+                fed = min(self.cached[i], prompt_len + len(self.outputs[i]) - 1)
+                routed = self.routing[i][start : max(start, fed)].numpy()
+            samples.append(SampleOutput(self.outputs[i], self.logprobs[i], self.reasons[i], routed))
+        return samples
+
+    def advance(self, samples: list[int], tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Append each of ``samples``' next token and its log-prob; returns the slots of samples that finished."""
+        freed = []
+        max_new = self.request.sampling_params.max_new_tokens
+        for i, token, logprob in zip(samples, tokens, logprobs, strict=True):
+            self.outputs[i].append(token)
+            self.logprobs[i].append(logprob)
+            if token in self.stop_ids:
+                self.reasons[i] = FinishReason("stop", matched=token)
+            elif len(self.outputs[i]) >= max_new:
+                self.reasons[i] = FinishReason("length")
+            if self.reasons[i] is not None:
+                freed.append(self.slots[i])
+                self.slots[i] = None
+        return freed
 
 
-@torch.no_grad()
-def generate_samples(
-    model: torch.nn.Module,
-    request: GenerateRequest,
-    recorder: RouterRecorder | None,
-    checkpoint: Callable[[], bool],
-    generator: torch.Generator,
-) -> list[SampleOutput]:
-    """Decode ``request.sampling_params.n`` samples of ``request.input_ids``.
+def sample_rows(logits_RV: torch.Tensor, owners: list[tuple[RequestState, list[int], int]]) -> tuple[list, list]:
+    """Each row's next token and its log-prob; ``owners`` = (request, samples, rows) in row order.
 
-    ``generator`` draws the samples unless the request sets ``sampling_seed``.
-    ``checkpoint()`` runs before every forward step: it may block (pause) or
-    raise :class:`GenerationAborted`, after which every sample ends with an
-    ``abort`` finish reason and the tokens decoded so far. It returns True when
-    the request's KV cache was flushed while it was held (SGLang's ``retract``):
-    the next step then prefills every token fed so far again, with the weights
-    the model holds now (routing, when recorded, restarts with that prefill).
+    Row-wise maths runs once over all rows (temperature, log_softmax, softmax: no op mixes rows);
+    each request then draws from its own rows with its own generator (filtered first when it sets
+    top-k / top-p), or takes the argmax when greedy.
     """
-    params = request.sampling_params
-    n = params.n
-    device = next(model.parameters()).device
-    if params.sampling_seed is not None:
-        generator = torch.Generator(device=device).manual_seed(params.sampling_seed)
-    stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else _eos_ids(model))
-    track_routing = recorder is not None and request.return_routed_experts and recorder.top_k > 0
-    if track_routing:
-        recorder.start(n)
-    tokens_N1 = torch.tensor([request.input_ids] * n, device=device)
-    fed_NL = tokens_N1
-    outputs: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[float]] = [[] for _ in range(n)]
-    reasons: list[FinishReason | None] = [None] * n
-    cache = None
-    try:
-        for _ in range(params.max_new_tokens):
-            if checkpoint() and cache is not None:
-                cache, tokens_N1 = None, fed_NL
-                if track_routing:
-                    recorder.start(n)
-            if track_routing:
-                recorder.begin_forward()
-            out = model(input_ids=tokens_N1, cache=cache, use_cache=True, logits_to_keep=1)
-            cache = out.cache
-            logits_NV = out.logits[:, -1].float()
-            temperature = params.temperature if params.temperature > 0 else 1.0
-            logp_NV = torch.log_softmax(logits_NV / temperature, dim=-1)
-            if params.temperature > 0:
-                probs = _filter_logits(logits_NV / temperature, params).softmax(-1)
-                next_N = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            else:
-                next_N = logits_NV.argmax(-1)
-            chosen_logp = logp_NV.gather(-1, next_N.unsqueeze(-1)).squeeze(-1)
-            for i in range(n):
-                if reasons[i] is not None:
-                    continue
-                token = int(next_N[i])
-                outputs[i].append(token)
-                logprobs[i].append(float(chosen_logp[i]))
-                if token in stop_ids:
-                    reasons[i] = FinishReason("stop", matched=token)
-            if all(r is not None for r in reasons):
-                break
-            tokens_N1 = next_N.unsqueeze(-1)
-            fed_NL = torch.cat([fed_NL, tokens_N1], dim=1)
-    except GenerationAborted as error:
-        reasons = [r or FinishReason("abort", message=str(error) or "aborted") for r in reasons]
-    finally:
-        if track_routing:
-            recorder.stop()
-    reasons = [r or FinishReason("length") for r in reasons]
-    return [
-        SampleOutput(
-            outputs[i],
-            logprobs[i],
-            reasons[i],
-            _sample_routing(recorder, i, len(request.input_ids), len(outputs[i]), request.routed_experts_start_len)
-            if track_routing
-            else None,
-        )
-        for i in range(n)
-    ]
+    temperatures = [s.request.sampling_params.temperature for s, _, rows in owners for _ in range(rows)]
+    scaled_RV = logits_RV / torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits_RV.device)[:, None]
+    logp_RV = torch.log_softmax(scaled_RV, dim=-1)
+    probs_RV = scaled_RV.softmax(-1)
+    next_R = logits_RV.argmax(-1)
+    offset = 0
+    for state, _, rows in owners:
+        params = state.request.sampling_params
+        if params.temperature > 0:
+            probs = probs_RV[offset : offset + rows]
+            if params.top_k > 0 or params.top_p < 1.0:
+                probs = _filter_logits(scaled_RV[offset : offset + rows], params).softmax(-1)
+            next_R[offset : offset + rows] = torch.multinomial(probs, 1, generator=state.generator).squeeze(-1)
+        offset += rows
+    return next_R.tolist(), logp_RV.gather(-1, next_R.unsqueeze(-1)).squeeze(-1).tolist()
 
 
-def _sample_routing(recorder: RouterRecorder, row: int, prompt_len: int, num_out: int, start: int) -> np.ndarray:
-    fed = recorder.routing(row)[: prompt_len + num_out - 1]
-    return fed[start:]
+@dataclass
+class _Feed:
+    """The (slot, position, token) triples of one forward call, whose logits each row is, what to record."""
+
+    slots: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    owners: list[tuple[RequestState, list[int], int]] = field(default_factory=list)
+    routed: list[tuple[RequestState, int, int, int, int]] = field(default_factory=list)
+
+    def add(self, slot: int, tokens: list[int], start: int) -> int:
+        """Feed ``tokens`` at positions ``start``.. of ``slot``; returns the index of the last one."""
+        self.slots += [slot] * len(tokens)
+        self.positions += range(start, start + len(tokens))
+        self.tokens += tokens
+        return len(self.tokens) - 1
+
+    def add_request(self, state: RequestState) -> list[int] | None:
+        """Feed every running sample of ``state``; returns its samples when they share one prompt prefill."""
+        samples = state.running()
+        prompt = state.request.input_ids
+        record = state.routing is not None
+        if not any(state.outputs[i] or state.cached[i] for i in samples):
+            last = self.add(state.slots[samples[0]], prompt, 0)
+            if record:
+                self.routed.append((state, samples[0], last + 1 - len(prompt), 0, len(prompt)))
+            self.logit_rows += [last] * len(samples)
+            self.owners.append((state, samples, len(samples)))
+            return samples
+        for i in samples:
+            outputs, start = state.outputs[i], state.cached[i]
+            total = len(prompt) + len(outputs)
+            fed = [outputs[-1]] if start == total - 1 else state.tokens(i)[start:]
+            last = self.add(state.slots[i], fed, start)
+            if record:
+                self.routed.append((state, i, last + 1 - len(fed), start, len(fed)))
+            self.logit_rows.append(last)
+            state.cached[i] = total
+        self.owners.append((state, samples, len(samples)))
+        return None
+
+
+def decode_step(slot_model: SlotModel, states: list[RequestState]) -> list[int]:
+    """One forward pass for every running sample of ``states``, then one new token each; returns slots freed.
+
+    A request whose samples all wait for their prefill (first step, or after a flush before any
+    output) feeds its prompt once, in its first sample's slot, and copies that slot's cache to the
+    others (each token's computation does not depend on the slot, so this equals n prefills).
+    """
+    feed = _Feed()
+    shared = [(state, samples) for state in states if (samples := feed.add_request(state)) is not None]
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=slot_model.device)  # noqa: E731
+    logits, routing = slot_model.forward(
+        as_tensor(feed.tokens), as_tensor(feed.slots), as_tensor(feed.positions), as_tensor(feed.logit_rows)
+    )
+    if routing is not None:
+        for state, sample, first, start, length in feed.routed:
+            state.routing[sample][start : start + length] = routing[first : first + length]
+    for state, samples in shared:
+        prompt_len = len(state.request.input_ids)
+        slot_model.copy_slot(state.slots[samples[0]], [state.slots[i] for i in samples[1:]], prompt_len)
+        for i in samples:
+            state.cached[i] = prompt_len
+            if state.routing is not None:
+                state.routing[i][:prompt_len] = state.routing[samples[0]][:prompt_len]
+    tokens, logprobs = sample_rows(logits, feed.owners)
+    freed = []
+    offset = 0
+    for state, samples, rows in feed.owners:
+        freed += state.advance(samples, tokens[offset : offset + rows], logprobs[offset : offset + rows])
+        offset += rows
+    return freed

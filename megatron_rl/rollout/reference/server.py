@@ -55,6 +55,8 @@ from megatron_rl.rollout.access import (
 from megatron_rl.rollout.protocol import (
     FLUSH_CACHE_FAILED,
     FLUSH_CACHE_OK,
+    FORWARD_SECONDS_METRIC,
+    IDLE_SECONDS_METRIC,
     AbortRequest,
     BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -68,7 +70,13 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.reference.backend import EngineStateError, ReferenceBackend, WeightUpdateRefused
+from megatron_rl.rollout.reference.backend import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    EngineStateError,
+    ReferenceBackend,
+    WeightUpdateRefused,
+)
+from megatron_rl.rollout.reference.fault_injection import exit_if_asked
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +86,41 @@ _OK = {"success": True, "message": "Success"}
 
 @dataclass(frozen=True)
 class TextReply:
-    """A plain-text answer without a Content-Type (SGLang's ``Response(content=...)``)."""
+    """A plain-text answer, without a Content-Type unless given (SGLang's ``Response(content=...)``)."""
 
     text: str
     status: int = 200
+    content_type: str | None = None
+
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""What prometheus_client's ASGI app (SGLang's ``/metrics``) answers with."""
+
+
+def prometheus_metrics(backend: ReferenceBackend) -> str:
+    """SGLang's forward-time and scheduler-idle counters in Prometheus' text format.
+
+    SGLang (``--enable-metrics``, ``srt/observability/metrics_collector.py``) counts
+    ``sglang:forward_execution_seconds_total``, the seconds its device executes forward passes,
+    labelled by forward mode (``extend``: a prefill is in the batch; ``decode``), and
+    ``sglang:scheduler_idle_seconds_total``, the wall seconds its scheduler had no request. The
+    reference engine counts the wall seconds of its forward calls and of its scheduler's waits
+    with no request; labels as SGLang's for one TP/PP/EP rank.
+    """
+    rank = f'model_name="{backend.model.config.name_or_path}",tp_rank="0",pp_rank="0",moe_ep_rank="0"'
+    lines = [
+        f"# HELP {FORWARD_SECONDS_METRIC} Total time that GPU is busy executing model forward passes. "
+        "Refer to ForwardMode for category labels.",
+        f"# TYPE {FORWARD_SECONDS_METRIC} counter",
+    ]
+    for category, seconds in backend.slot_model.forward_seconds.items():
+        lines.append(f'{FORWARD_SECONDS_METRIC}{{{rank},category="{category}"}} {seconds!r}')
+    lines += [
+        f"# HELP {IDLE_SECONDS_METRIC} Total wall time while the scheduler has no runnable or queued work.",
+        f"# TYPE {IDLE_SECONDS_METRIC} counter",
+        f"{IDLE_SECONDS_METRIC}{{{rank}}} {backend.idle_seconds!r}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _flush(backend: ReferenceBackend, query: dict[str, list[str]]) -> TextReply:
@@ -101,11 +140,16 @@ def _update(fn: Callable[[ReferenceBackend, Any], None], parse: Callable[[dict],
     return route
 
 
+def _generate(backend: ReferenceBackend, body: dict[str, Any]) -> Any:
+    exit_if_asked()
+    return backend.generate(GenerateRequest.from_json(body))
+
+
 ROUTES: dict[str, Route] = {
     "/health": lambda b, body: None,
     "/health_generate": lambda b, body: None,
     "/model_info": lambda b, body: {"model_path": b.model.config.name_or_path, "weight_version": b.weight_version},
-    "/generate": lambda b, body: b.generate(GenerateRequest.from_json(body)),
+    "/generate": _generate,
     "/abort_request": lambda b, body: b.abort(**AbortRequest.from_json(body).to_json()),
     "/pause_generation": lambda b, body: b.pause(PauseGenerationRequest.from_json(body).mode),
     "/continue_generation": lambda b, body: b.resume_generation(),
@@ -130,7 +174,10 @@ ROUTES: dict[str, Route] = {
         UpdateWeightsFromDiskRequest.from_json,
     ),
 }
-QUERY_ROUTES: dict[str, Callable[[ReferenceBackend, dict[str, list[str]]], Any]] = {"/flush_cache": _flush}
+QUERY_ROUTES: dict[str, Callable[[ReferenceBackend, dict[str, list[str]]], Any]] = {
+    "/flush_cache": _flush,
+    "/metrics": lambda b, query: TextReply(prometheus_metrics(b), content_type=PROMETHEUS_CONTENT_TYPE),
+}
 """Endpoints whose arguments are query parameters (SGLang's ``/flush_cache?timeout=S``), GET or POST."""
 _UPDATE_ROUTES = frozenset(
     r for r in ROUTES if r.startswith(("/update_", "/init_weights", "/destroy_weights", "/begin_weight", "/end_weight"))
@@ -153,6 +200,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         if not isinstance(payload, TextReply):
             self.send_header("Content-Type", "application/json")
+        elif payload.content_type is not None:
+            self.send_header("Content-Type", payload.content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -275,6 +324,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dp-size", type=int, default=1, help="claimed data-parallel size; > 1 fails weight updates as SGLang does"
     )
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=DEFAULT_MAX_RUNNING_REQUESTS,
+        help="samples decoding at once (KV cache slots); more wait",
+    )
+    parser.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     args = parser.parse_args(argv)
     api_key = args.api_key or os.environ.pop(API_KEY_ENV, None) or None
     check_listen_host(args.host)
@@ -282,7 +338,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.num_threads)
     _exit_when_orphaned()
     model = load_model(args.model_path, args.load_format, getattr(torch, args.dtype), args.device)
-    backend = ReferenceBackend(model, seed=args.seed, dp_size=args.dp_size)
+    backend = ReferenceBackend(
+        model,
+        seed=args.seed,
+        dp_size=args.dp_size,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+    )
     server = build_server(backend, args.host, args.port, api_key=api_key)
     logger.info(
         "serving %s on http://%s:%d (%s)",

@@ -1,11 +1,12 @@
 """Keeps the senders' shared-memory buffers mapped between weight updates (CPU tensor transport).
 
-A sender packs every bucket into the same few shared-memory buffers
-(:class:`~megatron_rl.weight_sync.transports.TensorTransport`). Opening one maps its
-file again and touches every page anew, which costs more than copying the bucket out
-(measured on the 2-core box: about 3x). Torch reuses an open mapping for a handle while
-the storage is alive, so holding the storages makes every later bucket from the same
-buffer open at no cost.
+A sender packs every bucket into the same few shared-memory buffers, or sends weights that
+already live in shared memory in place
+(:class:`~megatron_rl.weight_sync.transports.TensorTransport`): either way each sync sends
+views of the same storages. Opening one maps its file again and touches every page anew,
+which costs more than copying the bucket out (measured on the 2-core box: about 3x). Torch
+reuses an open mapping for a handle while the storage is alive, so holding the storages
+makes every later bucket from the same storage open at no cost.
 
 Held: the CPU storages received in the sync in progress and in the last one that ended.
 At the end of a sync, buffers it did not use are let go, so a buffer the sender replaced

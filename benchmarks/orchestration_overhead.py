@@ -1,0 +1,158 @@
+"""The tiny run's orchestration overhead: the share of each step spent outside model compute.
+
+Runs the tiny CPU recipe's steps with the driver's own step function (``train_one_step``: Ray,
+the reference engines, 2 trainer ranks, weight sync, validation every ``--val-interval``
+steps) and splits every step's wall time into phases with their model compute:
+
+* ``generate`` / ``validate``: wall ``time/generate_s`` / ``time/validate_s``; compute = the
+  engines' forward-pass seconds in that phase, read from their ``GET /metrics`` counter
+  (``sglang:forward_execution_seconds_total``, SGLang's) before and after the phase;
+* ``train``: wall ``time/train_s`` (the driver's call into the ranks); compute = the ranks'
+  ``actor/time_old_log_probs_s`` (+ ``time_ref_log_probs_s``) + per update
+  ``time_forward_backward_s`` + ``time_update_s`` (the optimizer step), times ``num_updates``;
+* everything else (``shard``, ``weight_sync``, the colocated hand-over moves, what no phase
+  covers): no model compute.
+
+Overhead share = 1 - compute / wall, per phase and for the step. Steps after the first
+``--warmup`` are summarised (medians per step). The goal (issue 15) is an overhead under 10%.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/orchestration_overhead.py [--steps 20] [--warmup 2] [overrides ...]
+
+The last line states the step's median overhead share and whether the goal is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_rl.config import load_recipe
+from megatron_rl.orchestration.driver import train_one_step
+from megatron_rl.orchestration.resources import RunResources, start_run
+from megatron_rl.rollout.http_engine import HttpEngine
+from megatron_rl.rollout.protocol import FORWARD_SECONDS_METRIC, IDLE_SECONDS_METRIC, metric_total
+
+RECIPE = "recipes/tiny_moe_cpu_dapo.yaml"
+GOAL = 0.10
+
+
+def engine_seconds(engines: list[HttpEngine]) -> tuple[float, float]:
+    """(forward-pass, scheduler-idle) seconds the engines have counted so far, summed over engines."""
+    texts = [engine.request("/metrics") for engine in engines]
+    return sum(metric_total(t, FORWARD_SECONDS_METRIC) for t in texts), sum(
+        metric_total(t, IDLE_SECONDS_METRIC) for t in texts
+    )
+
+
+def _counted(phase: Callable, engines: list[HttpEngine], into: dict[str, float], key: str) -> Callable:
+    def run(*args, **kwargs):
+        forward, idle = engine_seconds(engines)
+        try:
+            return phase(*args, **kwargs)
+        finally:
+            forward_after, idle_after = engine_seconds(engines)
+            into[key] = into.get(key, 0.0) + forward_after - forward
+            into[f"{key}_idle"] = into.get(f"{key}_idle", 0.0) + idle_after - idle
+
+    return run
+
+
+def _instrument(run: RunResources, forward: dict[str, float]) -> None:
+    """Count the engines' forward seconds of every generation (training) and validation call."""
+    engines = list(run.engines)
+    run.rollout.generate_step = _counted(run.rollout.generate_step, engines, forward, "generate")
+    if run.validation is not None:
+        run.validation.generate_step = _counted(run.validation.generate_step, engines, forward, "validate")
+
+
+def _phases(metrics: dict[str, float], forward: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """(wall, compute) seconds per phase of one step."""
+    updates = metrics.get("actor/num_updates", 0.0)
+    train_compute = (
+        metrics.get("actor/time_old_log_probs_s", 0.0)
+        + metrics.get("actor/time_ref_log_probs_s", 0.0)
+        + updates * (metrics.get("actor/time_forward_backward_s", 0.0) + metrics.get("actor/time_update_s", 0.0))
+    )
+    phases = {
+        "generate": (metrics["time/generate_s"], forward.get("generate", 0.0)),
+        "train": (metrics.get("time/train_s", 0.0), train_compute),
+        "validate": (metrics.get("time/validate_s", 0.0), forward.get("validate", 0.0)),
+    }
+    timed = sum(wall for wall, _ in phases.values())
+    phases["rest"] = (metrics["time/step_s"] - timed, 0.0)
+    phases["step"] = (metrics["time/step_s"], sum(compute for _, compute in phases.values()))
+    return phases
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)) + " |")
+    print("| " + " | ".join("-" * (w - 1) + ":" for w in widths) + " |")
+    for row in rows:
+        print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--val-interval", type=int, default=5)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, section.field=value")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="orchestration-overhead-"))
+    overrides = [
+        f"train.steps={args.steps}",
+        f"train.val_interval={args.val_interval}",
+        "checkpoint.interval=0",
+        f"checkpoint.dir={work}/checkpoints",
+        f"logging.dir={work}/logs",
+        "logging.sinks=[jsonl]",
+        *args.overrides,
+    ]
+    cfg, _ = load_recipe(RECIPE, overrides)
+    run = start_run(cfg, resume_step=-1)
+    steps: list[dict[str, tuple[float, float]]] = []
+    idle: list[float] = []
+    forward: dict[str, float] = {}
+    _instrument(run, forward)
+    try:
+        for step in range(1, args.steps + 1):
+            forward.clear()
+            started = time.perf_counter()
+            metrics = train_one_step(run, step)
+            print(f"step {step}: {time.perf_counter() - started:.2f} s", flush=True)
+            if step > args.warmup:
+                steps.append(_phases(metrics, forward))
+                idle.append(forward.get("generate_idle", 0.0))
+    finally:
+        run.close()
+    rows = []
+    for phase in ("generate", "train", "validate", "rest", "step"):
+        walls = [s[phase][0] for s in steps]
+        computes = [s[phase][1] for s in steps]
+        wall, compute = statistics.median(walls), statistics.median(computes)
+        total_wall = sum(walls)
+        share = 1 - sum(computes) / total_wall if total_wall > 0 else 0.0
+        rows.append([phase, f"{wall:.3f}", f"{compute:.3f}", f"{total_wall - sum(computes):.2f}", f"{share:.0%}"])
+    _table(["phase", "wall s/step (median)", "compute s/step (median)", "outside compute s (total)", "overhead"], rows)
+    generate_outside = sum(s["generate"][0] - s["generate"][1] for s in steps)
+    print(
+        f"generate, outside forward passes ({generate_outside:.2f} s in total): engines idle, no request in them "
+        f"(HTTP, reward scoring, the manager between generation batches) {sum(idle):.2f} s; engines holding "
+        f"requests outside forward passes (scheduling, sampling, answers) {generate_outside - sum(idle):.2f} s"
+    )
+    step_walls = [s["step"][0] for s in steps]
+    step_share = 1 - sum(s["step"][1] for s in steps) / sum(step_walls)
+    verdict = "met" if step_share < GOAL else "not met"
+    print(
+        f"orchestration overhead of the tiny run: {step_share:.0%} of each step outside model compute over "
+        f"{len(steps)} steps (goal < {GOAL:.0%}: {verdict})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Modelled GPU figures of a recipe: weight-sync seconds and tokens/s/GPU, from exact counts and named assumptions.
+
+Nothing here is measured. Every figure is a range ``low-high`` that comes from the recipe's
+exact byte and FLOP counts divided by an assumed rate; the assumptions are the constants below,
+each with its range and basis, and ``megatron-rl plan`` prints them next to the figures.
+
+Weight sync (:func:`estimate_sync`): the bytes to move are every parameter of the Hugging Face
+model once, in bf16 (2 B; with ``rollout.quantization=fp8`` the engine still receives bf16 and
+quantises it itself). The transport is the one :func:`~megatron_rl.weight_sync.syncer.build_transport`
+picks (``auto``: tensor when colocated, distributed otherwise), and its slowest link:
+
+- ``tensor`` (CUDA IPC, same node): each engine GPU copies its own share of the weights
+  (:func:`~megatron_rl.plan.param_count.engine_gpu_weights`, bf16) from the trainer's GPUs, all
+  engine GPUs at once: that share / :data:`NVLINK_GBPS`;
+- ``distributed`` (NCCL broadcast): the send lock lets one sending rank broadcast at a time, so
+  the whole model crosses one sender's network link: model bytes / :data:`NETWORK_GBPS`;
+- ``disk``: every byte is written to the shared filesystem, then (after a barrier, no overlap)
+  every node reads all of it: model bytes / :data:`FS_WRITE_GBPS` + model bytes / :data:`FS_READ_GBPS`.
+
+Not modelled: the trainer's TP all-gathers, per-bucket request round trips and the engines'
+post-processing, so the figure is the data movement alone.
+
+Tokens/s/GPU (:func:`estimate_throughput`), defined as NeMo-RL publishes it: all tokens of a step
+(prompt + response, every sample) / (step seconds x GPUs). Per token, a forward pass costs
+``2 x`` the active GEMM parameters (attention projections, the top-k experts and the router, the
+output layer; :func:`active_gemm_params`) plus causal attention ``4 x layers x heads x head_dim x
+context``, the context being half the assumed mean sequence length (:data:`MEAN_SEQUENCE_FRACTION`
+of ``max_prompt_length + max_response_length``). An on-policy step runs its phases one after the
+other: generation (one forward per token at :data:`GENERATION_MFU`, on every GPU when colocated,
+on the ``rollout.num_gpus`` engine GPUs when disaggregated), the old log-probs (one forward; a
+second for the reference model when ``use_kl_loss``) and training (forward + backward = 3
+forwards, one more under full recompute), both at :data:`TRAINING_MFU` of
+:data:`PEAK_BF16_TFLOPS` on the trainer's GPUs, then the weight sync.
+Not modelled: dynamic sampling's extra generation batches, pipeline bubbles, rewards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.config.hf_config import QwenArchitecture
+from megatron_rl.config.layout import trainer_world_size
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.plan.param_count import engine_gpu_weights, model_params
+
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed interval ``[low, high]`` (low <= high)."""
+
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        if self.low > self.high:
+            raise ValueError(f"range low {self.low} > high {self.high}")
+
+    def scaled(self, factor: float) -> Range:
+        """Both ends times ``factor`` (>= 0)."""
+        return Range(self.low * factor, self.high * factor)
+
+    def per(self, rate: Range) -> Range:
+        """``self / rate`` over both intervals (positive rates): the fewest over the most, the most over the fewest."""
+        return Range(self.low / rate.high, self.high / rate.low)
+
+    def __add__(self, other: Range) -> Range:
+        return Range(self.low + other.low, self.high + other.high)
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """A named rate the estimates divide by: its range, unit and where the range comes from."""
+
+    name: str
+    value: Range
+    unit: str
+    basis: str
+
+    def line(self) -> str:
+        """``name: low-high unit (basis)``."""
+        return f"{self.name}: {self.value.low:g}-{self.value.high:g} {self.unit} ({self.basis})"
+
+
+NVLINK_GBPS = Assumption(
+    "NVLink copy per GPU", Range(200, 350), "GB/s", "H100 NVLink 4: 450 GB/s per direction nominal"
+)
+NETWORK_GBPS = Assumption(
+    "network per sending GPU", Range(20, 45), "GB/s", "NCCL broadcast over one 400 Gb/s (50 GB/s) NIC"
+)
+FS_WRITE_GBPS = Assumption("shared filesystem write", Range(2, 10), "GB/s", "all writers together")
+FS_READ_GBPS = Assumption("shared filesystem read per node", Range(2, 10), "GB/s", "every node reads it all")
+PEAK_BF16_TFLOPS = 989.0
+"""H100 SXM dense bf16 peak (TFLOP/s), the base of both MFUs."""
+TRAINING_MFU = Assumption(
+    "training MFU", Range(0.10, 0.30), "of 989 TFLOP/s", "Megatron MoE fwd/bwd with EP all-to-all"
+)
+GENERATION_MFU = Assumption(
+    "generation MFU", Range(0.02, 0.08), "of 989 TFLOP/s", "SGLang decode is memory-bound at RL batch sizes"
+)
+MEAN_SEQUENCE_FRACTION = 0.5
+"""Assumed mean sequence length as a fraction of ``max_prompt_length + max_response_length``."""
+
+
+def resolved_transport(cfg: RunConfig) -> str:
+    """The transport a sync uses: ``weight_sync.transport``, ``auto`` resolved as ``build_transport`` does."""
+    kind = cfg.weight_sync.transport
+    if kind == "auto":
+        return "tensor" if cfg.rollout.placement == "colocated" else "distributed"
+    return kind
+
+
+@dataclass(frozen=True)
+class SyncEstimate:
+    """Modelled seconds of one weight sync: bytes over the transport's slowest link(s)."""
+
+    transport: str
+    model_bytes: int
+    link_bytes: int
+    seconds: Range
+    assumptions: tuple[Assumption, ...]
+
+
+def estimate_sync(cfg: RunConfig, arch: QwenArchitecture, transport: str | None = None) -> SyncEstimate:
+    """Seconds of one sync with ``transport`` (default: the recipe's, resolved); see the module docstring.
+
+    ``link_bytes``: what crosses the limiting link (tensor: one engine GPU's share; otherwise the model).
+    Raises ValueError for an unknown transport.
+    """
+    kind = transport or resolved_transport(cfg)
+    model_bytes = model_params(arch).total * BF16_BYTES
+    if kind == "tensor":
+        weights = engine_gpu_weights(arch, cfg.rollout)
+        share = (weights.gemm + weights.other) * BF16_BYTES
+        return SyncEstimate(kind, model_bytes, share, Range(share, share).per(NVLINK_GBPS.value.scaled(1e9)),
+                            (NVLINK_GBPS,))  # fmt: skip
+    exact = Range(model_bytes, model_bytes)
+    if kind == "distributed":
+        return SyncEstimate(kind, model_bytes, model_bytes, exact.per(NETWORK_GBPS.value.scaled(1e9)), (NETWORK_GBPS,))
+    if kind == "disk":
+        seconds = exact.per(FS_WRITE_GBPS.value.scaled(1e9)) + exact.per(FS_READ_GBPS.value.scaled(1e9))
+        return SyncEstimate(kind, model_bytes, model_bytes, seconds, (FS_WRITE_GBPS, FS_READ_GBPS))
+    raise ValueError(f"unknown weight-sync transport {kind!r}: expected tensor, distributed or disk")
+
+
+def active_gemm_params(arch: QwenArchitecture) -> int:
+    """GEMM weight elements one token passes through: attention projections, its MLP (top-k experts and
+    the router in MoE layers), the output layer. Embedding lookups and norms are no GEMMs."""
+    hidden, head_dim = arch.hidden_size, arch.head_dim
+    attention = (arch.num_attention_heads + 2 * arch.num_query_groups) * head_dim * hidden
+    attention += hidden * arch.num_attention_heads * head_dim
+    total = 0
+    for layer in range(arch.num_layers):
+        total += attention
+        if arch.moe_layer_pattern and arch.moe_layer_pattern[layer]:
+            total += arch.moe_router_topk * 3 * arch.moe_ffn_hidden_size * hidden + arch.num_experts * hidden
+        else:
+            total += 3 * arch.ffn_hidden_size * hidden
+    return total + arch.vocab_size * hidden
+
+
+def forward_flops_per_token(arch: QwenArchitecture, context: float) -> float:
+    """FLOPs of one token's forward pass attending to ``context`` earlier tokens: 2 x active GEMM
+    parameters + 4 x layers x heads x head_dim x context (scores and weighted values)."""
+    attention = 4 * arch.num_layers * arch.num_attention_heads * arch.head_dim * context
+    return 2 * active_gemm_params(arch) + attention
+
+
+@dataclass(frozen=True)
+class ThroughputEstimate:
+    """Modelled step of a recipe: tokens, seconds and tokens/s/GPU (NeMo-RL's definition)."""
+
+    tokens_per_step: float
+    mean_sequence: float
+    forward_flops_per_token: float
+    training_forwards: int
+    step_seconds: Range
+    tokens_per_second_per_gpu: Range
+    sync: SyncEstimate
+    assumptions: tuple[Assumption, ...]
+
+
+def estimate_throughput(cfg: RunConfig, arch: QwenArchitecture) -> ThroughputEstimate:
+    """Tokens/s/GPU of the recipe's on-policy step (see the module docstring for the model).
+
+    ``training_forwards``: forward-pass equivalents per token on the trainer (old log-probs,
+    reference, forward + backward, recompute). The rate is per GPU over all ``cluster`` GPUs.
+    """
+    rollout, train = cfg.rollout, cfg.train
+    mean_sequence = MEAN_SEQUENCE_FRACTION * (rollout.max_prompt_length + rollout.max_response_length)
+    tokens = train.prompts_per_step * rollout.n_samples_per_prompt * mean_sequence
+    gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    engine_gpus = (rollout.num_gpus or gpus) if rollout.placement == "disaggregated" else gpus
+    trainer_gpus = trainer_world_size(cfg.cluster, rollout)
+    flops = forward_flops_per_token(arch, mean_sequence / 2)
+    forwards = 1 + (1 if cfg.algorithm.use_kl_loss else 0) + 3 + (1 if train.recompute == "full" else 0)
+    peak = PEAK_BF16_TFLOPS * 1e12
+    generated = tokens / engine_gpus * flops
+    trained = tokens / trainer_gpus * flops * forwards
+    generation = Range(generated, generated).per(GENERATION_MFU.value.scaled(peak))
+    training = Range(trained, trained).per(TRAINING_MFU.value.scaled(peak))
+    sync = estimate_sync(cfg, arch)
+    step = generation + training + sync.seconds
+    rate = Range(tokens / gpus / step.high, tokens / gpus / step.low)
+    assumptions = (GENERATION_MFU, TRAINING_MFU, *sync.assumptions)
+    return ThroughputEstimate(tokens, mean_sequence, flops, forwards, step, rate, sync, assumptions)

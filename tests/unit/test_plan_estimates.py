@@ -1,0 +1,110 @@
+"""`megatron-rl plan`'s modelled GPU figures: FLOPs and bytes by hand, the rate ranges, the 30B recipe's report."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.cli import main
+from megatron_rl.config import load_recipe
+from megatron_rl.plan.estimates import (
+    FS_READ_GBPS,
+    FS_WRITE_GBPS,
+    GENERATION_MFU,
+    NETWORK_GBPS,
+    NVLINK_GBPS,
+    PEAK_BF16_TFLOPS,
+    TRAINING_MFU,
+    Range,
+    active_gemm_params,
+    estimate_sync,
+    estimate_throughput,
+    forward_flops_per_token,
+    resolved_transport,
+)
+from megatron_rl.plan.param_count import engine_gpu_weights, model_params
+from tests.unit.test_memory_plan import ARCH_30B, RECIPE, TINY_MOE
+
+
+def test_range_division_pairs_the_opposite_ends():
+    assert Range(10, 20).per(Range(2, 5)) == Range(2, 10)
+    assert Range(1, 2) + Range(3, 5) == Range(4, 7)
+    with pytest.raises(ValueError, match="low"):
+        Range(2, 1)
+
+
+def test_active_gemm_params_by_hand():
+    # per layer: qkv (4 + 2*2) heads x 16 x 32 + proj 32 x 4*16 = 6144; MoE layers 0, 2, 3: top-2 experts
+    # x 3 x 16 x 32 + router 4 x 32 = 3200; dense layer 1: 3 x 48 x 32 = 4608; output layer 100 x 32
+    assert active_gemm_params(TINY_MOE) == 4 * 6144 + 3 * 3200 + 4608 + 3200
+    assert forward_flops_per_token(TINY_MOE, context=10) == 2 * 41984 + 4 * 4 * 4 * 16 * 10
+    # Qwen3-30B-A3B: 48 x (18,874,368 attention + 38,010,880 MoE) + 151,936 x 2,048 output layer
+    assert active_gemm_params(ARCH_30B) == 48 * (18_874_368 + 38_010_880) + 151_936 * 2_048
+
+
+def _recipe(*overrides: str):
+    return load_recipe(RECIPE, list(overrides), require_files=False)[0]
+
+
+def test_sync_seconds_are_bytes_over_the_assumed_link():
+    model_bytes = model_params(ARCH_30B).total * 2
+    cfg = _recipe()
+    disk = estimate_sync(cfg, ARCH_30B)
+    assert disk.transport == "disk" and disk.model_bytes == model_bytes
+    write, read = FS_WRITE_GBPS.value, FS_READ_GBPS.value
+    assert disk.seconds.low == pytest.approx(model_bytes / (write.high * 1e9) + model_bytes / (read.high * 1e9))
+    assert disk.seconds.high == pytest.approx(model_bytes / (write.low * 1e9) + model_bytes / (read.low * 1e9))
+    distributed = estimate_sync(cfg, ARCH_30B, "distributed")
+    assert distributed.seconds.low == pytest.approx(model_bytes / (NETWORK_GBPS.value.high * 1e9))
+    tensor = estimate_sync(cfg, ARCH_30B, "tensor")
+    weights = engine_gpu_weights(ARCH_30B, cfg.rollout)
+    assert tensor.link_bytes == (weights.gemm + weights.other) * 2 < model_bytes
+    assert tensor.seconds.high == pytest.approx(tensor.link_bytes / (NVLINK_GBPS.value.low * 1e9))
+    with pytest.raises(ValueError, match="unknown weight-sync transport"):
+        estimate_sync(cfg, ARCH_30B, "carrier-pigeon")
+
+
+def test_auto_transport_follows_the_placement():
+    cfg = _recipe()
+    auto = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(update={"transport": "auto"})})
+    assert resolved_transport(auto) == "tensor"
+    disaggregated = auto.model_copy(update={"rollout": cfg.rollout.model_copy(update={"placement": "disaggregated"})})
+    assert resolved_transport(disaggregated) == "distributed"
+    assert resolved_transport(cfg) == "disk"
+
+
+def test_throughput_of_the_30b_recipe_by_hand():
+    cfg = _recipe()
+    step = estimate_throughput(cfg, ARCH_30B)
+    mean_sequence = (2048 + 20480) / 2
+    assert step.tokens_per_step == 512 * 16 * mean_sequence
+    assert step.training_forwards == 5  # old log-probs, forward + backward (3), full recompute; no KL
+    flops = forward_flops_per_token(ARCH_30B, mean_sequence / 2)
+    per_gpu, peak = step.tokens_per_step / 32, PEAK_BF16_TFLOPS * 1e12
+    fastest = per_gpu * flops / (GENERATION_MFU.value.high * peak) + per_gpu * flops * 5 / (
+        TRAINING_MFU.value.high * peak
+    )
+    assert step.step_seconds.low == pytest.approx(fastest + step.sync.seconds.low)
+    assert step.tokens_per_second_per_gpu.high == pytest.approx(per_gpu / step.step_seconds.low)
+    with_kl = estimate_throughput(_recipe("algorithm.preset=custom", "algorithm.use_kl_loss=true"), ARCH_30B)
+    assert with_kl.training_forwards == 6 and with_kl.step_seconds.low > step.step_seconds.low
+
+
+def test_plan_prints_the_estimates_with_their_assumptions(capsys):
+    main(["plan", str(RECIPE)])
+    out = capsys.readouterr().out
+    assert "estimated GPU figures (~ modelled" in out
+    assert "~ weight sync (disk): 61.06 GB" in out and "~ tokens/s/GPU: " in out
+    for assumption in (GENERATION_MFU, TRAINING_MFU, FS_WRITE_GBPS, FS_READ_GBPS, NVLINK_GBPS, NETWORK_GBPS):
+        assert assumption.line() in out
+
+
+def test_disaggregated_step_generates_on_the_engine_gpus_and_trains_on_the_rest():
+    cfg = _recipe("rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=auto")
+    step = estimate_throughput(cfg, ARCH_30B)
+    assert step.sync.transport == "distributed"
+    flops = forward_flops_per_token(ARCH_30B, step.mean_sequence / 2)
+    peak = PEAK_BF16_TFLOPS * 1e12
+    generation = step.tokens_per_step / 16 * flops / (GENERATION_MFU.value.high * peak)
+    training = step.tokens_per_step / 16 * flops * 5 / (TRAINING_MFU.value.high * peak)
+    assert step.step_seconds.low == pytest.approx(generation + training + step.sync.seconds.low)
+    assert step.tokens_per_second_per_gpu.high == pytest.approx(step.tokens_per_step / 32 / step.step_seconds.low)

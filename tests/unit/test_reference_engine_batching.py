@@ -1,0 +1,224 @@
+"""The batched reference engine: a response does not depend on which requests share its forward passes.
+
+Which requests run together depends on timing, so exact resume and identical metrics between
+placements need every response to be a function of its own request. Checked bitwise:
+
+- the forward (``SlotModel``): a sequence's logits and routed experts computed alone equal
+  those computed inside calls with other sequences (other slots, lengths, prefills and decodes,
+  1 to 100+ tokens per call), on the test checkpoints, the tiny recipe's model and a wider one;
+  a prompt fed at once equals it fed token by token (prefill and decode are the same maths);
+- the engine (``ReferenceBackend``): each request answered alone equals the same request
+  answered while other requests run (greedy and seeded sampling, n > 1, top-p/top-k, stop
+  tokens, routed experts), in several arrival orders.
+
+And the forward computes what transformers' Qwen3 / Qwen3-MoE compute, up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.rollout.reference.slot_model import SlotModel
+
+CONTEXT = 64
+
+
+def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    return model.eval()
+
+
+def _moe(hidden: int, intermediate: int, experts: int, vocab: int, layers: int, **extra) -> torch.nn.Module:
+    config = Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * intermediate,
+        moe_intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=CONTEXT,
+        **extra,
+    )
+    return _randomised(Qwen3MoeForCausalLM(config), seed=hidden)
+
+
+MODELS = {
+    # the tiny CPU recipe's model (recipes/base/tiny_moe_cpu.yaml)
+    "tiny-recipe": lambda: _moe(64, 64, 4, 32, 2, norm_topk_prob=True),
+    # the test checkpoints' MoE: a dense layer among sparse ones
+    "moe-dense-layer": lambda: _moe(32, 16, 4, 100, 4, norm_topk_prob=True, mlp_only_layers=[1]),
+    "wide": lambda: _moe(512, 256, 8, 1000, 2, norm_topk_prob=False),
+    "dense-tied": lambda: _randomised(
+        Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=100,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                tie_word_embeddings=True,
+                max_position_embeddings=CONTEXT,
+            )
+        ),
+        seed=1,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request) -> torch.nn.Module:
+    return MODELS[request.param]()
+
+
+def _feed(slot_model: SlotModel, calls: list[list[tuple[int, int, int]]], watched_slot: int):
+    """Run each call's (slot, position, token) triples; the watched slot's last-token logits and all its routing."""
+    logits, routing = [], []
+    for call in calls:
+        slots, positions, tokens = (torch.tensor(column) for column in zip(*call, strict=True))
+        mine = (slots == watched_slot).nonzero().flatten()
+        mine = mine[positions[mine].argsort()]
+        out, routed = slot_model.forward(tokens, slots, positions, mine[-1:])
+        logits.append(out[0])
+        if routed is not None:
+            routing.append(routed[mine])
+    return logits, routing
+
+
+def _sequence_calls(slot: int, tokens: list[int], prompt_len: int) -> list[list[tuple[int, int, int]]]:
+    """A prefill of the first ``prompt_len`` tokens, then one decode call per further token."""
+    prefill = [(slot, p, tokens[p]) for p in range(prompt_len)]
+    return [prefill] + [[(slot, p, tokens[p])] for p in range(prompt_len, len(tokens))]
+
+
+def test_a_sequence_computes_the_same_bits_alone_and_among_others(model):
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    target = torch.randint(vocab, (9,), generator=generator).tolist()
+    alone = _feed(SlotModel(model, slots=40, context_length=CONTEXT), _sequence_calls(3, target, 5), watched_slot=3)
+    for others, target_slot in ((1, 0), (7, 11), (30, 39)):
+        calls = _sequence_calls(target_slot, target, 5)
+        free = [s for s in range(40) if s != target_slot]
+        for call_index, call in enumerate(calls):
+            for other in free[:others]:  # other sequences: prefills of various lengths and single decodes
+                length = int(torch.randint(1, 12, (1,), generator=generator))
+                start = call_index * 12
+                call.extend(
+                    (other, start + p, int(torch.randint(vocab, (1,), generator=generator))) for p in range(length)
+                )
+            order = torch.randperm(len(call), generator=generator).tolist()
+            calls[call_index] = [call[i] for i in order]
+        together = _feed(SlotModel(model, slots=40, context_length=CONTEXT), calls, watched_slot=target_slot)
+        for a, b in zip(alone[0], together[0], strict=True):
+            assert torch.equal(a, b), f"logits differ with {others} other sequences"
+        for a, b in zip(alone[1], together[1], strict=True):
+            assert torch.equal(a, b), f"routed experts differ with {others} other sequences"
+
+
+def test_a_prompt_fed_at_once_equals_it_fed_token_by_token(model):
+    tokens = torch.randint(model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    at_once = _feed(SlotModel(model, slots=2, context_length=CONTEXT), [[(0, p, t) for p, t in enumerate(tokens)]], 0)
+    stepwise = _feed(SlotModel(model, slots=2, context_length=CONTEXT), _sequence_calls(0, tokens, 1), 0)
+    assert torch.equal(at_once[0][-1], stepwise[0][-1])
+    if at_once[1]:
+        assert torch.equal(at_once[1][0], torch.cat(stepwise[1]))
+
+
+def test_the_forward_computes_transformers_logits(model):
+    """Same maths as transformers' model, summed in another order: fp32 rounding only.
+
+    Bound: each output is a chain of a few dozen fp32 dot products of <= 1,024 terms of magnitude
+    <= ~10 (randomised weights at 0.15 scale); reassociating such a sum moves it by at most
+    terms * eps * magnitude ~ 1e3 * 6e-8 * 10 = 6e-4 per operation in the worst case, and
+    errors of independent operations do not line up: 1e-3 absolute on logits of magnitude ~10.
+    """
+    tokens = torch.randint(model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    expected = model(input_ids=tokens).logits[0].float()
+    slot_model = SlotModel(model, slots=1, context_length=CONTEXT)
+    positions = torch.arange(10)
+    ours, _ = slot_model.forward(tokens[0], torch.zeros(10, dtype=torch.long), positions, positions)
+    torch.testing.assert_close(ours, expected, atol=1e-3, rtol=0)
+
+
+REQUESTS = [
+    GenerateRequest([5, 17, 42], SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True), rid="greedy"),
+    GenerateRequest([3, 8], SamplingParams(max_new_tokens=6, temperature=1.0, n=4, sampling_seed=11), rid="seeded-n4"),
+    GenerateRequest(
+        [7, 7, 1, 9, 2, 2, 2],
+        SamplingParams(max_new_tokens=5, temperature=0.8, top_p=0.9, top_k=10, n=3, sampling_seed=5),
+        rid="top-p-k",
+        return_routed_experts=True,
+    ),
+    GenerateRequest(
+        [1],
+        SamplingParams(max_new_tokens=9, temperature=1.0, n=2, sampling_seed=2, stop_token_ids=[3, 4, 5, 6]),
+        rid="stops",
+        return_routed_experts=True,
+        routed_experts_start_len=1,
+    ),
+]
+
+
+def _answer_key(answer: dict | list[dict]) -> list:
+    answers = answer if isinstance(answer, list) else [answer]
+    return [
+        (a["output_ids"], a["meta_info"]["output_token_logprobs"], a["meta_info"].get("routed_experts"))
+        for a in answers
+    ]
+
+
+def _concurrently(backend: ReferenceBackend, requests: list[GenerateRequest]) -> dict[str, list]:
+    answers: dict[str, list] = {}
+    start = threading.Barrier(len(requests))
+
+    def run(request: GenerateRequest) -> None:
+        start.wait()
+        answers[request.rid] = _answer_key(backend.generate(request))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return answers
+
+
+def test_a_response_does_not_depend_on_the_requests_running_with_it():
+    backend = ReferenceBackend(MODELS["moe-dense-layer"]())
+    alone, steps_alone = {}, {}
+    for request in REQUESTS:
+        before = backend.slot_model.forward_calls
+        alone[request.rid] = _answer_key(backend.generate(request))
+        steps_alone[request.rid] = backend.slot_model.forward_calls - before
+    assert len({str(v) for v in alone.values()}) == len(REQUESTS)
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3], [2, 0, 3]):
+        before = backend.slot_model.forward_calls
+        together = _concurrently(backend, [REQUESTS[i] for i in order])
+        for rid, key in together.items():
+            assert key == alone[rid], f"{rid} differs when run with {[REQUESTS[i].rid for i in order]}"
+        steps = backend.slot_model.forward_calls - before
+        assert steps < sum(steps_alone[REQUESTS[i].rid] for i in order), "the requests did not share steps"
+
+
+def test_a_request_with_more_samples_than_slots_runs_alone_on_added_slots():
+    """``max_running_requests`` below a request's n: the request waits for the engine to empty, then runs alone."""
+    model = MODELS["moe-dense-layer"]()
+    small, large = ReferenceBackend(model, max_running_requests=2), ReferenceBackend(model)
+    requests = [REQUESTS[1], REQUESTS[0]]  # n = 4, then n = 1
+    assert _concurrently(small, requests) == {r.rid: _answer_key(large.generate(r)) for r in requests}
+    assert small.slot_model.slots == 4
