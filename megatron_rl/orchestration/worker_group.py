@@ -22,7 +22,9 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -33,6 +35,9 @@ from megatron_rl.orchestration.errors import RankCallError
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot
 from megatron_rl.rollout.server_process import kill_when_parent_dies
+
+KILL_GRACE_S = 2.0
+"""Seconds :meth:`RankWorkerGroup.shutdown` gives ranks to exit through Ray's kill before SIGKILL."""
 
 
 @ray.remote
@@ -161,20 +166,36 @@ class RankWorkerGroup:
         return ray.get(refs)
 
     def shutdown(self) -> None:
-        """Kill every rank's actor; ranks on this node are also killed by process id, at once.
+        """Kill every rank's actor; ranks on this node still running after :data:`KILL_GRACE_S` are killed by
+        process id.
 
         A rank blocked in a collective with a dead one does not run Ray's kill until the
         collective times out, and would outlive the job (holding its memory and the driver's
-        output pipes) if Ray stopped first; SIGKILL ends it now.
+        output pipes) if Ray stopped first; SIGKILL ends it. The grace lets the ranks that do run
+        Ray's kill exit through it (killed at once, Ray printed each as a worker that "died or was
+        killed ... by an unexpected system error" at the end of every run).
         """
         for host in self._hosts:
             ray.kill(host)
         here = ray.util.get_node_ip_address()
-        for pid, node_ip in zip(self._pids, self._node_ips, strict=True):
-            if node_ip == here:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+        local = [pid for pid, node_ip in zip(self._pids, self._node_ips, strict=True) if node_ip == here]
+        deadline = time.monotonic() + KILL_GRACE_S
+        while local and time.monotonic() < deadline:
+            time.sleep(0.05)
+            local = [pid for pid in local if _running(pid)]
+        for pid in local:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         self._hosts = []
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _local_ranks(slots: Sequence[RankSlot]) -> list[int]:
