@@ -30,9 +30,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.tables import print_table
 from megatron_rl.config import load_recipe
 from megatron_rl.orchestration.driver import train_one_step
 from megatron_rl.orchestration.resources import RunResources, start_run
+from megatron_rl.orchestration.rollout_pipeline import RolloutPipeline
 from megatron_rl.rollout.http_engine import HttpEngine
 from megatron_rl.rollout.protocol import FORWARD_SECONDS_METRIC, IDLE_SECONDS_METRIC, metric_total
 
@@ -88,14 +90,6 @@ def _phases(metrics: dict[str, float], forward: dict[str, float]) -> dict[str, t
     return phases
 
 
-def _table(columns: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-    print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)) + " |")
-    print("| " + " | ".join("-" * (w - 1) + ":" for w in widths) + " |")
-    for row in rows:
-        print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)) + " |")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -119,16 +113,23 @@ def main() -> None:
     idle: list[float] = []
     forward: dict[str, float] = {}
     _instrument(run, forward)
+    pipeline = RolloutPipeline(
+        run.rollout.generate_step,
+        lambda: run.hand_over.version or 0,
+        max_staleness=cfg.train.max_staleness,
+        last_step=args.steps,
+    )
     try:
         for step in range(1, args.steps + 1):
             forward.clear()
             started = time.perf_counter()
-            metrics = train_one_step(run, step)
+            metrics = train_one_step(run, step, pipeline)
             print(f"step {step}: {time.perf_counter() - started:.2f} s", flush=True)
             if step > args.warmup:
                 steps.append(_phases(metrics, forward))
                 idle.append(forward.get("generate_idle", 0.0))
     finally:
+        pipeline.close()
         run.close()
     rows = []
     for phase in ("generate", "train", "validate", "rest", "step"):
@@ -138,7 +139,9 @@ def main() -> None:
         total_wall = sum(walls)
         share = 1 - sum(computes) / total_wall if total_wall > 0 else 0.0
         rows.append([phase, f"{wall:.3f}", f"{compute:.3f}", f"{total_wall - sum(computes):.2f}", f"{share:.0%}"])
-    _table(["phase", "wall s/step (median)", "compute s/step (median)", "outside compute s (total)", "overhead"], rows)
+    print_table(
+        ["phase", "wall s/step (median)", "compute s/step (median)", "outside compute s (total)", "overhead"], rows
+    )
     generate_outside = sum(s["generate"][0] - s["generate"][1] for s in steps)
     print(
         f"generate, outside forward passes ({generate_outside:.2f} s in total): engines idle, no request in them "

@@ -36,6 +36,7 @@ from functools import partial
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from benchmarks.tables import print_table
 from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 
@@ -126,14 +127,6 @@ def _timed(run: Callable[[], int]) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-def _table(columns: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-    print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)) + " |")
-    print("| " + " | ".join("-" * (w - 1) + ":" for w in widths) + " |")
-    for row in rows:
-        print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)) + " |")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -161,7 +154,7 @@ def main() -> None:
                 rows.append([model_name, workload, name, f"{rate:,.0f}", f"{rate / base:.2f}"])
             if (model_name, workload) == ("tiny recipe", "train 8x16"):
                 headline = statistics.median(samples["batched, all in flight"]) / base
-    _table(["model", "workload", "method", "tokens/s (median)", "vs transformers 1 at a time"], rows)
+    print_table(["model", "workload", "method", "tokens/s (median)", "vs transformers 1 at a time"], rows)
     print(
         f"batched engine, all requests in flight, on the tiny recipe's training generation: {headline:.2f}x the "
         "tokens/s of the one-request-at-a-time engine"

@@ -1,4 +1,4 @@
-"""Shared pieces of the weight-sync benchmarks: the plain-copy baseline, exactness checks, the table."""
+"""Shared pieces of the weight-sync benchmarks: the plain-copy baseline and exactness checks."""
 
 from __future__ import annotations
 
@@ -34,12 +34,3 @@ def engine_holds(engine: ReferenceEngine, named: NamedTensors, rows: int = 4) ->
     for name, tensor in named:
         held = torch.tensor(engine.weights_by_name(name, rows), dtype=tensor.dtype)
         assert torch.equal(held, tensor[:rows]), f"engine {engine.name}: {name} differs from what was sent"
-
-
-def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """A Markdown table, columns right-aligned to their widest cell."""
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-    print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)) + " |")
-    print("| " + " | ".join("-" * (w - 1) + ":" for w in widths) + " |")
-    for row in rows:
-        print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)) + " |")

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from benchmarks.sync_timing import engine_holds, plain_copy_seconds, print_table
+from benchmarks.sync_timing import engine_holds, plain_copy_seconds
+from benchmarks.tables import print_table
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights

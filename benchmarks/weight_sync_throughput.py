@@ -49,7 +49,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from benchmarks.sync_timing import engine_holds, plain_copy_seconds, print_table
+from benchmarks.sync_timing import engine_holds, plain_copy_seconds
+from benchmarks.tables import print_table
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout import ReferenceEngine
 from megatron_rl.weight_sync.buckets import MIB
