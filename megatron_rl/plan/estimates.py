@@ -68,6 +68,10 @@ class Range:
     def __add__(self, other: Range) -> Range:
         return Range(self.low + other.low, self.high + other.high)
 
+    def longer(self, other: Range) -> Range:
+        """The longer of two concurrent spans, end by end: ``[max(lows), max(highs)]``."""
+        return Range(max(self.low, other.low), max(self.high, other.high))
+
 
 @dataclass(frozen=True)
 class Assumption:
@@ -182,10 +186,12 @@ class ThroughputEstimate:
 
 
 def estimate_throughput(cfg: RunConfig, arch: QwenArchitecture) -> ThroughputEstimate:
-    """Tokens/s/GPU of the recipe's on-policy step (see the module docstring for the model).
+    """Tokens/s/GPU of the recipe's step (see the module docstring for the model).
 
     ``training_forwards``: forward-pass equivalents per token on the trainer (old log-probs,
     reference, forward + backward, recompute). The rate is per GPU over all ``cluster`` GPUs.
+    A step is generation + training + sync; with ``train.max_staleness`` > 0 generation runs
+    beside training (the rollout pipeline), so it is the longer of the two + sync.
     """
     rollout, train = cfg.rollout, cfg.train
     mean_sequence = MEAN_SEQUENCE_FRACTION * (rollout.max_prompt_length + rollout.max_response_length)
@@ -201,7 +207,8 @@ def estimate_throughput(cfg: RunConfig, arch: QwenArchitecture) -> ThroughputEst
     generation = Range(generated, generated).per(GENERATION_MFU.value.scaled(peak))
     training = Range(trained, trained).per(TRAINING_MFU.value.scaled(peak))
     sync = estimate_sync(cfg, arch)
-    step = generation + training + sync.seconds
+    overlapped = train.max_staleness > 0
+    step = (generation.longer(training) if overlapped else generation + training) + sync.seconds
     rate = Range(tokens / gpus / step.high, tokens / gpus / step.low)
     assumptions = (GENERATION_MFU, TRAINING_MFU, *sync.assumptions)
     return ThroughputEstimate(tokens, mean_sequence, flops, forwards, step, rate, sync, assumptions)

@@ -188,7 +188,8 @@ def estimates_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:
         + " (tensor: engines on the sending rank's node only)",
         f"  ~ step: {step.tokens_per_step:,.0f} tokens ({cfg.train.prompts_per_step} prompts x "
         f"{cfg.rollout.n_samples_per_prompt} samples x {step.mean_sequence:,.0f} mean tokens) -> "
-        f"{_range((step.step_seconds.low, step.step_seconds.high), 0)} s",
+        f"{_range((step.step_seconds.low, step.step_seconds.high), 0)} s"
+        + (" (generation beside training: the longer of the two + sync)" if cfg.train.max_staleness else ""),
         f"  ~ tokens/s/GPU: {_range((step.tokens_per_second_per_gpu.low, step.tokens_per_second_per_gpu.high), 0)} "
         f"({step.forward_flops_per_token / 1e9:.1f} GFLOP per token forward; generation 1 forward, "
         f"trainer {step.training_forwards} forwards per token)",

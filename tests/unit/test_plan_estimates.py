@@ -108,3 +108,16 @@ def test_disaggregated_step_generates_on_the_engine_gpus_and_trains_on_the_rest(
     training = step.tokens_per_step / 16 * flops * 5 / (TRAINING_MFU.value.high * peak)
     assert step.step_seconds.low == pytest.approx(generation + training + step.sync.seconds.low)
     assert step.tokens_per_second_per_gpu.high == pytest.approx(step.tokens_per_step / 32 / step.step_seconds.low)
+
+
+def test_an_async_step_is_the_longer_of_generation_and_training_plus_the_sync():
+    overrides = ("rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=auto")
+    synchronous = estimate_throughput(_recipe(*overrides), ARCH_30B)
+    pipelined = estimate_throughput(_recipe(*overrides, "train.max_staleness=1"), ARCH_30B)
+    flops = forward_flops_per_token(ARCH_30B, pipelined.mean_sequence / 2)
+    peak = PEAK_BF16_TFLOPS * 1e12
+    generation = pipelined.tokens_per_step / 16 * flops / (GENERATION_MFU.value.high * peak)
+    training = pipelined.tokens_per_step / 16 * flops * 5 / (TRAINING_MFU.value.high * peak)
+    assert pipelined.step_seconds.low == pytest.approx(max(generation, training) + pipelined.sync.seconds.low)
+    assert pipelined.step_seconds.high < synchronous.step_seconds.high
+    assert Range(1, 5).longer(Range(2, 3)) == Range(2, 5)
