@@ -115,7 +115,6 @@ def main() -> None:
     _instrument(run, forward)
     pipeline = RolloutPipeline(
         run.rollout.generate_step,
-        lambda: run.hand_over.version or 0,
         max_staleness=cfg.train.max_staleness,
         last_step=args.steps,
     )

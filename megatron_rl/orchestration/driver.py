@@ -124,7 +124,6 @@ def train(cfg: RunConfig) -> Path:
             carried = restore(run, resume_from, state) if resume_from else []
             pipeline = RolloutPipeline(
                 run.rollout.generate_step,
-                lambda: run.hand_over.version or 0,
                 max_staleness=cfg.train.max_staleness,
                 last_step=cfg.train.steps,
                 carried=carried,
@@ -233,7 +232,7 @@ def staleness_metrics(groups: list[RolloutGroup], *, trained_version: int, max_s
     ``async/samples_at_staleness_<k>`` for k = 0..``max_staleness``. Raises RuntimeError for a sample
     staler than ``max_staleness`` (the pipeline's schedule never makes one).
     """
-    lags = [trained_version - _version_number(s.weight_version) for group in groups for s in group.samples]
+    lags = [trained_version - weight_version_number(s.weight_version) for group in groups for s in group.samples]
     if max(lags) > max_staleness:
         raise RuntimeError(
             f"a sample of step {trained_version + 1} is {max(lags)} weight versions old, beyond "
@@ -243,7 +242,8 @@ def staleness_metrics(groups: list[RolloutGroup], *, trained_version: int, max_s
     return histogram | {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
 
 
-def _version_number(weight_version: str | None) -> int:
+def weight_version_number(weight_version: str | None) -> int:
+    """The step whose weights an engine-reported ``weight_version`` names (``default``, the initial weights: 0)."""
     return 0 if weight_version in (None, "default") else int(weight_version)
 
 

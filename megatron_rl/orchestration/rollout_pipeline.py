@@ -36,10 +36,9 @@ from megatron_rl.rollout.groups import RolloutStep
 
 @dataclass
 class PipelinedRollout:
-    """A generated rollout step, the step it is for and the weight version the engines held."""
+    """A generated rollout step and the step it is for (each sample carries the engine's ``weight_version``)."""
 
     step: int
-    version: int
     rollout: RolloutStep
 
 
@@ -47,20 +46,19 @@ class RolloutPipeline:
     """Rollouts for steps in order under the schedule of the module docstring.
 
     ``generate()`` produces the next step's rollout (the rollout manager's ``generate_step``; the
-    pipeline calls it in step order, one at a time). ``version()`` is the weight version the
-    engines hold now. ``carried`` are rollouts restored from a checkpoint, in step order.
+    pipeline calls it in step order, one at a time). ``carried`` are rollouts restored from a
+    checkpoint, in step order.
     """
 
     def __init__(
         self,
         generate: Callable[[], RolloutStep],
-        version: Callable[[], int],
         *,
         max_staleness: int,
         last_step: int,
         carried: list[PipelinedRollout] | None = None,
     ) -> None:
-        self._generate, self._version = generate, version
+        self._generate = generate
         self.max_staleness, self.last_step = max_staleness, last_step
         self._ready: deque[PipelinedRollout] = deque(carried or [])
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
@@ -68,11 +66,10 @@ class RolloutPipeline:
         self._generated_s = 0.0
 
     def _produce(self, step: int) -> PipelinedRollout:
-        version = self._version()
         started = time.perf_counter()
         rollout = self._generate()
         self._generated_s += time.perf_counter() - started
-        return PipelinedRollout(step, version, rollout)
+        return PipelinedRollout(step, rollout)
 
     def take(self, step: int) -> PipelinedRollout:
         """The rollout ``step`` trains on; generates what the schedule needs first (the trainer waits).
@@ -118,7 +115,7 @@ class RolloutPipeline:
 def save_carried_over(checkpoint_dir: Path, carried: list[PipelinedRollout]) -> None:
     """Write ``carried`` into the (staging) checkpoint as ``CARRIED_OVER_FILE`` (nothing when it is empty)."""
     if carried:
-        records = [(item.step, item.version, item.rollout) for item in carried]
+        records = [(item.step, item.rollout) for item in carried]
         torch.save(records, checkpoint_dir / CARRIED_OVER_FILE)
 
 
@@ -127,4 +124,4 @@ def load_carried_over(checkpoint_dir: Path, name: str | None) -> list[PipelinedR
     if name is None:
         return []
     records = torch.load(checkpoint_dir / name, weights_only=False)  # our own checkpoint's rollout groups
-    return [PipelinedRollout(step, version, rollout) for step, version, rollout in records]
+    return [PipelinedRollout(step, rollout) for step, rollout in records]

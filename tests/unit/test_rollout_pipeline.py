@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.orchestration.driver import staleness_metrics
+from megatron_rl.orchestration.driver import staleness_metrics, weight_version_number
 from megatron_rl.orchestration.rollout_pipeline import (
     RolloutPipeline,
     load_carried_over,
@@ -56,7 +56,7 @@ def _train(pipeline: RolloutPipeline, engines: Engines, steps: range) -> list[tu
     trained = []
     for step in steps:
         taken = pipeline.take(step)
-        trained.append((taken.step, taken.version))
+        trained.append((taken.step, weight_version_number(taken.rollout.groups[0].samples[0].weight_version)))
         pipeline.wait_ahead()
         engines.sync(step)
     return trained
@@ -65,7 +65,7 @@ def _train(pipeline: RolloutPipeline, engines: Engines, steps: range) -> list[tu
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_step_j_trains_on_the_weights_after_step_j_minus_s_minus_1(staleness: int) -> None:
     engines = Engines()
-    pipeline = RolloutPipeline(engines.generate, lambda: engines.version, max_staleness=staleness, last_step=6)
+    pipeline = RolloutPipeline(engines.generate, max_staleness=staleness, last_step=6)
     try:
         trained = _train(pipeline, engines, range(1, 7))
     finally:
@@ -77,16 +77,14 @@ def test_step_j_trains_on_the_weights_after_step_j_minus_s_minus_1(staleness: in
 
 def test_a_resume_from_the_carried_over_rollouts_continues_the_same_schedule(tmp_path: Path) -> None:
     straight_engines = Engines()
-    straight = RolloutPipeline(
-        straight_engines.generate, lambda: straight_engines.version, max_staleness=2, last_step=7
-    )
+    straight = RolloutPipeline(straight_engines.generate, max_staleness=2, last_step=7)
     try:
         expected = _train(straight, straight_engines, range(1, 8))
     finally:
         straight.close()
 
     engines = Engines()
-    first = RolloutPipeline(engines.generate, lambda: engines.version, max_staleness=2, last_step=7)
+    first = RolloutPipeline(engines.generate, max_staleness=2, last_step=7)
     try:
         done = _train(first, engines, range(1, 4))
         save_carried_over(tmp_path, first.carried_over())
@@ -96,9 +94,7 @@ def test_a_resume_from_the_carried_over_rollouts_continues_the_same_schedule(tmp
     carried = load_carried_over(tmp_path, "carried_over.pt")
     assert [item.rollout.groups[0].uid for item in carried] == ["g4", "g5"]
     resumed_engines = Engines(version=3, generated=5)  # the restored weights; the sampler past step 5
-    resumed = RolloutPipeline(
-        resumed_engines.generate, lambda: resumed_engines.version, max_staleness=2, last_step=7, carried=carried
-    )
+    resumed = RolloutPipeline(resumed_engines.generate, max_staleness=2, last_step=7, carried=carried)
     try:
         done += _train(resumed, resumed_engines, range(4, 8))
     finally:
@@ -109,14 +105,12 @@ def test_a_resume_from_the_carried_over_rollouts_continues_the_same_schedule(tmp
 
 def test_lowering_the_staleness_at_a_resume_trains_the_carried_steps_first() -> None:
     engines = Engines()
-    first = RolloutPipeline(engines.generate, lambda: engines.version, max_staleness=2, last_step=6)
+    first = RolloutPipeline(engines.generate, max_staleness=2, last_step=6)
     try:
         _train(first, engines, range(1, 3))
     finally:
         first.close()
-    synchronous = RolloutPipeline(
-        engines.generate, lambda: engines.version, max_staleness=0, last_step=6, carried=first.carried_over()
-    )
+    synchronous = RolloutPipeline(engines.generate, max_staleness=0, last_step=6, carried=first.carried_over())
     try:
         trained = _train(synchronous, engines, range(3, 7))
     finally:
