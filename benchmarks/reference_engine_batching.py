@@ -32,28 +32,23 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from benchmarks.tables import print_table
+from megatron_rl.config import load_recipe
 from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 
-TINY = dict(
-    vocab_size=32,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    max_position_embeddings=64,
-)
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    key: value
+    for key, value in load_recipe(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")[0].model.random_init.items()
+    if key != "architectures"
+}
+"""The tiny recipe's model, as its ``model.random_init`` says."""
 WIDE = TINY | dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_experts=8)
 MAX_NEW = 12
 
