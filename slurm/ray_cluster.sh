@@ -4,8 +4,10 @@
 # set, then stop Ray everywhere, whatever the command's outcome. Exit status: the command's.
 #
 # SIGUSR1 and SIGTERM sent to this script (Slurm's `--signal=B:USR1@N`, `scancel --batch --signal=...`) are
-# forwarded to the command. With REQUEUE_AFTER_SIGNAL=1, a command that exits 0 after such a signal gets the
-# job requeued (`scontrol requeue`, once Ray is stopped), so it starts again and resumes.
+# forwarded to the command. With REQUEUE_AFTER_SIGNAL=1, a command that exits 0 after such a signal and has
+# written its stop notice to the file named by MEGATRON_RL_STOPPED_EARLY_FILE (the driver writes it when it stopped with steps left;
+# a signal during the last step leaves a finished run, nothing to requeue) gets the job requeued
+# (`scontrol requeue`, once Ray is stopped), so it starts again and resumes.
 #
 # Addresses: a one-node job keeps Ray on 127.0.0.1: Ray's cluster mode is turned off
 # (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, exported to the command too, whose Ray client would otherwise replace
@@ -92,6 +94,8 @@ forward() {
     echo "[ray_cluster] SIG$1 received; forwarding it to the command"
     kill -s "$1" "$child" 2>/dev/null || true
 }
+MEGATRON_RL_STOPPED_EARLY_FILE="$(mktemp "${TMPDIR:-/tmp}/megatron-rl-stopped-early.XXXXXX")"
+export MEGATRON_RL_STOPPED_EARLY_FILE
 "$@" &
 child=$!
 trap 'forward USR1' USR1
@@ -104,9 +108,16 @@ while :; do
     kill -0 "$child" 2>/dev/null || break  # else a trapped signal interrupted the wait: the command still runs
 done
 trap - USR1 TERM
+stopped_early=0
+[ -s "$MEGATRON_RL_STOPPED_EARLY_FILE" ] && stopped_early=1
+rm -f "$MEGATRON_RL_STOPPED_EARLY_FILE"
 if [ -n "$signalled" ] && [ "$status" = 0 ] && [ "${REQUEUE_AFTER_SIGNAL:-0}" = 1 ]; then
     stop_ray
-    echo "[ray_cluster] the command stopped after SIG$signalled; requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID"
+    if [ "$stopped_early" = 1 ]; then
+        echo "[ray_cluster] the command stopped after SIG$signalled; requeueing job $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "[ray_cluster] the command finished its work despite SIG$signalled; not requeueing job $SLURM_JOB_ID"
+    fi
 fi
 exit "$status"

@@ -56,7 +56,7 @@ from megatron_rl.orchestration.batch_assembly import (
     trim_to_even_split,
 )
 from megatron_rl.orchestration.errors import NonFiniteTrainingError
-from megatron_rl.orchestration.preemption import PreemptionRequest, preemption_requests
+from megatron_rl.orchestration.preemption import PreemptionRequest, preemption_requests, record_stopped_early
 from megatron_rl.orchestration.resources import RunResources, start_run
 from megatron_rl.orchestration.rollout_pipeline import (
     PipelinedRollout,
@@ -134,7 +134,9 @@ def train(cfg: RunConfig) -> Path:
             bad_steps = 0
             for step in range(state.step + 1, cfg.train.steps + 1):
                 if preemption.requested:
-                    print(stopped_notice(preemption, step - 1, cfg.train.steps), flush=True)
+                    notice = stopped_notice(preemption, step - 1, cfg.train.steps)
+                    print(notice, flush=True)
+                    record_stopped_early(notice)
                     break
                 metrics = train_one_step(run, step, pipeline)
                 run.logger.log(step, metrics | checkpoint_seconds)
@@ -145,6 +147,13 @@ def train(cfg: RunConfig) -> Path:
                     run.hand_over.to_training()  # the engines get the weights back at the next to_rollout
                     save_checkpoint(run, step, pipeline.carried_over())
                     checkpoint_seconds = {"time/checkpoint_s": time.perf_counter() - started}
+            else:
+                if preemption.requested:
+                    print(
+                        f"# {preemption.signal_name} arrived during the last step; the run is finished "
+                        f"(step {cfg.train.steps} of {cfg.train.steps} is saved)",
+                        flush=True,
+                    )
         finally:
             if pipeline is not None:
                 pipeline.close()

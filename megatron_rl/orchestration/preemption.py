@@ -9,18 +9,26 @@ that step just saved one, and returns. Started again (``--requeue`` does it on
 Slurm), the run resumes from that checkpoint as from any other, bitwise-exact on CPU.
 A second signal changes nothing: the step still ends and the checkpoint is still
 written, so nothing on disk is left half done.
+
+Whether a start stopped early or reached ``train.steps`` (a signal can land in the last
+step) decides whether a requeue has work to do: the driver writes its stop notice to the
+file named by ``MEGATRON_RL_STOPPED_EARLY_FILE`` (set by ``slurm/ray_cluster.sh``) only
+when steps remain, and the script requeues the job only when that file is not empty.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
 PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+STOPPED_EARLY_FILE_ENV = "MEGATRON_RL_STOPPED_EARLY_FILE"
 
 
 class PreemptionRequest:
@@ -58,3 +66,14 @@ def preemption_requests() -> Iterator[PreemptionRequest]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sys.stdout.flush()
+
+
+def record_stopped_early(notice: str) -> None:
+    """Write ``notice`` to the file named by ``MEGATRON_RL_STOPPED_EARLY_FILE``, when that variable is set.
+
+    Only a start that stopped with steps left calls this; the notice in the file is what tells
+    ``slurm/ray_cluster.sh`` to requeue the job.
+    """
+    path = os.environ.get(STOPPED_EARLY_FILE_ENV)
+    if path:
+        Path(path).write_text(notice + "\n")

@@ -1,10 +1,11 @@
 """Pre-emption on a real (one-node) Slurm cluster: signalled, the job saves, exits 0, is requeued and resumes.
 
-`slurm/train.sbatch` runs the tiny DAPO recipe for 5 steps. Once step 2 is in its metrics, the batch
-script gets SIGUSR1 (`scancel --batch --signal=USR1`, what `--signal=B:USR1@N` sends before a time
+`slurm/train.sbatch` runs the tiny DAPO recipe for 40 steps (about 0.2 s each here: enough that the
+signal lands while steps remain). Once step 2 is in its metrics, the batch script gets SIGUSR1 (`scancel --batch --signal=USR1`, what `--signal=B:USR1@N` sends before a time
 limit). The driver finishes its step, saves a checkpoint and exits 0; the script requeues the job,
 which starts again, resumes from `latest` and finishes. Its final weights (the Hugging Face export
 of the last checkpoint) equal, bit for bit, those of the same run trained without interruption.
+A command that finishes its work despite the signal (a signal in the last step) is not requeued.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from safetensors.torch import load_file
 from tests.slurm.local_slurm import local_slurm, missing_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 5
+STEPS = 40
 pytestmark = [
     pytest.mark.slurm,
     pytest.mark.slow,
@@ -113,7 +114,7 @@ def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_we
 
     log = output.read_text()
     assert state["Restarts"] == "1", log[-3000:]
-    stopped = re.search(r"# stopped for SIGUSR1 after step (\d+) of 5: the checkpoint of step \1 is saved", log)
+    stopped = re.search(rf"# stopped for SIGUSR1 after step (\d+) of {STEPS}: the checkpoint of step \1 is saved", log)
     assert stopped, log[-3000:]
     assert 2 <= int(stopped.group(1)) < STEPS
     assert "[ray_cluster] the command stopped after SIGUSR1; requeueing job" in log
@@ -124,3 +125,42 @@ def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_we
     assert final.keys() == expected.keys()
     differing = [name for name in expected if not final[name].equal(expected[name])]
     assert not differing, f"weights differ from the uninterrupted run: {differing[:5]}"
+
+
+def test_a_command_that_finishes_despite_the_signal_is_not_requeued(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    """Without the driver's stop notice in MEGATRON_RL_STOPPED_EARLY_FILE, an exit 0 after SIGUSR1 ends the job."""
+    ready, output = tmp_path / "ready", tmp_path / "job.out"
+    finishes_anyway = (
+        "import signal, sys, time; from pathlib import Path; "
+        "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0)); "
+        f"Path({str(ready)!r}).touch(); time.sleep(300); sys.exit(1)"
+    )
+    submitted = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--output={output}",
+            "slurm/ray_job.sbatch",
+            str(ROOT / ".venv/bin/python"),
+            "-c",
+            finishes_anyway,
+        ],
+        cwd=ROOT,
+        env=slurm_env | {"REQUEUE_AFTER_SIGNAL": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        assert time.monotonic() < deadline, f"the command never started; job state {_job_state(slurm_env, job)}"
+        time.sleep(1)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
+    while (state := _job_state(slurm_env, job))["JobState"] != "COMPLETED":
+        assert state["JobState"] in ("RUNNING", "COMPLETING"), (state, output.read_text()[-3000:])
+        assert time.monotonic() < deadline, f"the job did not complete: {state}"
+        time.sleep(1)
+    log = output.read_text()
+    assert state["Restarts"] == "0", log[-3000:]
+    assert f"[ray_cluster] the command finished its work despite SIGUSR1; not requeueing job {job}" in log
