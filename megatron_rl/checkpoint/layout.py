@@ -11,7 +11,8 @@ Under ``checkpoint.dir`` (the root)::
         scheduler.pt           the LR / weight-decay schedule (rank 0)
         rng/rank_00003.pt      each rank's generator states, Megatron's model-parallel ones included
         hf/                    optional (``checkpoint.export_hf``): a Hugging Face model directory
-        carried_over.pt        with ``train.max_staleness`` > 0: the rollouts generated, not yet trained
+        carried_over.pt        with ``train.max_staleness`` > 0: the rollouts generated, not yet trained;
+                               with partial rollouts: the groups whose responses are still generating
 
 ``megatron-rl convert hf-to-mcore`` writes the same ``hf_metadata/`` beside its torch_dist
 files, so ``convert mcore-to-hf`` reads both kinds of directory (:func:`model_weight_dirs`).

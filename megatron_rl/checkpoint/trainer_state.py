@@ -19,7 +19,7 @@ class TrainerState:
     ``step`` is the number of completed optimizer steps; ``sampler`` the prompt sampler's
     ``state_dict()``; ``weight_version`` the version last synced to the engines;
     ``carried_over`` names a file (relative to the checkpoint) of rollout groups generated
-    but not yet trained on, or is None. ``layout`` is the trainer's rank layout at save
+    but not yet trained on and of unfinished partial-rollout groups, or is None. ``layout`` is the trainer's rank layout at save
     (:func:`megatron_rl.config.layout_record`), None in checkpoints that predate it.
     """
 

@@ -365,6 +365,26 @@ def _check_staleness(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding
         )
 
 
+def _check_partial_rollouts(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    window = cfg.rollout.partial_rollout_tokens
+    if window is None:
+        return
+    if cfg.algorithm.tis_cap is None:
+        yield _error(
+            "algorithm.tis_cap",
+            f"None with rollout.partial_rollout_tokens={window}: a response cut at the window continues under "
+            "newer weights, so its first tokens are older than the policy that trains on them, and without the "
+            "importance correction min(pi_old / pi_rollout, cap) the loss would treat them as on-policy; set "
+            "algorithm.tis_cap (2.0 as in the TIS paper)",
+        )
+    if window >= cfg.rollout.max_response_length:
+        yield _error(
+            "rollout.partial_rollout_tokens",
+            f"{window} is not below rollout.max_response_length={cfg.rollout.max_response_length}: no response "
+            "would ever be cut; set a smaller window (e.g. a quarter of the maximum) or None",
+        )
+
+
 def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     train = cfg.train
     if train.precision == "fp8":
@@ -454,6 +474,7 @@ CHECKS: tuple[Check, ...] = (
     _check_sampling_temperature,
     _check_weight_sync,
     _check_staleness,
+    _check_partial_rollouts,
     _check_precision,
     _check_sources,
     _check_network,

@@ -194,6 +194,18 @@ class RolloutConfig(Section):
 
     max_prompt_length: PositiveInt = Field(1024, description="Longer prompts are filtered out of the dataset.")
     max_response_length: PositiveInt = Field(1024, description="Maximum new tokens per response.")
+    partial_rollout_tokens: PositiveInt | None = Field(
+        None,
+        description="Partial rollouts: a training step's generation gives each response at most this many new "
+        "tokens; a response cut there continues in the next step's generation under the newer weights (its "
+        "tokens keep the version they were sampled under; needs algorithm.tis_cap). None: every response is "
+        "generated whole in one step.",
+    )
+    partial_rollout_max_windows: PositiveInt = Field(
+        4,
+        description="Partial rollouts: the most steps' generations one response spans; its last window has no "
+        "cap, so its oldest token is at most this minus 1 weight versions older than its newest.",
+    )
     mem_fraction: float = Field(
         0.8, gt=0.0, lt=1.0, description="Engine GPU memory fraction (SGLang mem_fraction_static)."
     )

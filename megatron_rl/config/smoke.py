@@ -194,6 +194,8 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
     algo = cfg.algorithm
     if algo.overlong.enable or algo.overlong.filter_truncated:
         changes.append(Change("algorithm.overlong.buffer_length", 4, "within the toy response length"))
+    if cfg.rollout.partial_rollout_tokens is not None:
+        changes.append(Change("rollout.partial_rollout_tokens", 4, "windows within the toy response length"))
     if algo.loss_norm_constant is not None:
         changes.append(Change("algorithm.loss_norm_constant", None, "defaults to the toy response length"))
     if algo.dynamic_sampling.enable:

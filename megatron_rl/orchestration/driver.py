@@ -57,14 +57,14 @@ from megatron_rl.orchestration.batch_assembly import (
 )
 from megatron_rl.orchestration.errors import NonFiniteTrainingError
 from megatron_rl.orchestration.preemption import PreemptionRequest, preemption_requests, record_stopped_early
-from megatron_rl.orchestration.resources import RunResources, start_run
+from megatron_rl.orchestration.resources import RunResources, max_token_lag, start_run
 from megatron_rl.orchestration.rollout_pipeline import (
-    PipelinedRollout,
+    CarriedOver,
     RolloutPipeline,
     load_carried_over,
     save_carried_over,
 )
-from megatron_rl.rollout.groups import RolloutGroup
+from megatron_rl.rollout.groups import RolloutGroup, weight_version_number
 
 
 def should_validate(train: TrainConfig, step: int) -> bool:
@@ -121,12 +121,13 @@ def train(cfg: RunConfig) -> Path:
         pipeline = None
         try:
             print(run.placement_notice(), flush=True)
-            carried = restore(run, resume_from, state) if resume_from else []
+            carried = restore(run, resume_from, state) if resume_from else CarriedOver([], [])
+            run.rollout.restore_unfinished(carried.unfinished)
             pipeline = RolloutPipeline(
                 run.rollout.generate_step,
                 max_staleness=cfg.train.max_staleness,
                 last_step=cfg.train.steps,
-                carried=carried,
+                carried=carried.rollouts,
             )
             if state.step == 0 and should_validate(cfg.train, 0) and not preemption.requested:
                 run.logger.log(0, validate(run))
@@ -145,7 +146,7 @@ def train(cfg: RunConfig) -> Path:
                 if should_checkpoint(cfg.checkpoint, cfg.train, step) or preemption.requested:
                     started = time.perf_counter()
                     run.hand_over.to_training()  # the engines get the weights back at the next to_rollout
-                    save_checkpoint(run, step, pipeline.carried_over())
+                    save_checkpoint(run, step, CarriedOver(pipeline.carried_over(), run.rollout.unfinished_groups()))
                     checkpoint_seconds = {"time/checkpoint_s": time.perf_counter() - started}
             else:
                 if preemption.requested:
@@ -212,7 +213,7 @@ def train_one_step(run: RunResources, step: int, pipeline: RolloutPipeline) -> d
     }
     if rollout.groups:
         metrics |= rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
-        metrics |= staleness_metrics(rollout.groups, trained_version=step - 1, max_staleness=cfg.train.max_staleness)
+        metrics |= staleness_metrics(rollout.groups, trained_version=step - 1, max_lag=max_token_lag(cfg))
     tokens = 0.0
     if groups:
         train_metrics, tokens = _train_on(run, groups, timer)
@@ -233,27 +234,41 @@ def train_one_step(run: RunResources, step: int, pipeline: RolloutPipeline) -> d
     return metrics | timer.seconds | idle | {"time/step_s": step_seconds, "perf/tokens_per_s": tokens / step_seconds}
 
 
-def staleness_metrics(groups: list[RolloutGroup], *, trained_version: int, max_staleness: int) -> dict[str, float]:
+def staleness_metrics(groups: list[RolloutGroup], *, trained_version: int, max_lag: int) -> dict[str, float]:
     """How many weight versions the step's samples lag behind ``trained_version``, the policy they train.
 
-    A sample's version is the ``weight_version`` its engine reported (``default``: the initial weights,
-    0). ``async/staleness_mean`` and ``async/staleness_max``, and the histogram as
-    ``async/samples_at_staleness_<k>`` for k = 0..``max_staleness``. Raises RuntimeError for a sample
-    staler than ``max_staleness`` (the pipeline's schedule never makes one).
+    A sample's version is the ``weight_version`` its engine reported for its last tokens (``default``:
+    the initial weights, 0). ``async/staleness_mean`` and ``async/staleness_max``, and the histogram as
+    ``async/samples_at_staleness_<k>`` for k = 0..``max_lag``. Per token (a partial rollout's
+    response holds tokens of several versions): ``async/token_staleness_mean`` and
+    ``async/token_staleness_max``, and ``async/partial_samples``, the samples with tokens of more than
+    one version. Raises RuntimeError for a token staler than ``max_lag`` (``train.max_staleness``, plus
+    ``partial_rollout_max_windows - 1`` with partial rollouts: the pipeline's schedule and the rollout
+    manager's stale-group rule never make one).
     """
-    lags = [trained_version - weight_version_number(s.weight_version) for group in groups for s in group.samples]
-    if max(lags) > max_staleness:
+    samples = [s for group in groups for s in group.samples]
+    lags = [trained_version - weight_version_number(s.weight_version) for s in samples]
+    histogram = {f"async/samples_at_staleness_{k}": float(lags.count(k)) for k in range(max_lag + 1)}
+    token_lags = [
+        (trained_version - weight_version_number(version), count)
+        for s in samples
+        for version, count in s.token_versions()
+    ]
+    oldest = max((lag for lag, count in token_lags if count), default=0)
+    if oldest > max_lag:
         raise RuntimeError(
-            f"a sample of step {trained_version + 1} is {max(lags)} weight versions old, beyond "
-            f"train.max_staleness={max_staleness}"
+            f"a token of step {trained_version + 1} is {oldest} weight versions old, beyond the bound of "
+            f"{max_lag} (train.max_staleness, plus rollout.partial_rollout_max_windows - 1 with partial rollouts)"
         )
-    histogram = {f"async/samples_at_staleness_{k}": float(lags.count(k)) for k in range(max_staleness + 1)}
-    return histogram | {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
-
-
-def weight_version_number(weight_version: str | None) -> int:
-    """The step whose weights an engine-reported ``weight_version`` names (``default``, the initial weights: 0)."""
-    return 0 if weight_version in (None, "default") else int(weight_version)
+    tokens = sum(count for _, count in token_lags)
+    per_token = {
+        "async/token_staleness_mean": sum(lag * count for lag, count in token_lags) / tokens if tokens else 0.0,
+        "async/token_staleness_max": float(oldest),
+        "async/partial_samples": float(sum(len({v for v, _ in s.token_versions()}) > 1 for s in samples)),
+    }
+    return (
+        histogram | per_token | {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
+    )
 
 
 def _train_on(run: RunResources, groups: list[RolloutGroup], timer: PhaseTimer) -> tuple[dict[str, float], float]:
@@ -291,9 +306,10 @@ def validate(run: RunResources) -> dict[str, float]:
     )
 
 
-def save_checkpoint(run: RunResources, step: int, carried: list[PipelinedRollout]) -> Path:
+def save_checkpoint(run: RunResources, step: int, carried: CarriedOver) -> Path:
     """Write and commit the run checkpoint of ``step`` (see :mod:`megatron_rl.checkpoint.layout`), with the
-    rollouts generated for later steps (``carried``: ``carried_over.pt``)."""
+    rollouts generated for later steps and the unfinished partial-rollout groups (``carried``:
+    ``carried_over.pt``)."""
     layout = layout_record(run.cfg.parallel, run.cfg.cluster, run.cfg.rollout)
     state = TrainerState(
         step=step,
@@ -318,9 +334,9 @@ def save_checkpoint(run: RunResources, step: int, carried: list[PipelinedRollout
     )
 
 
-def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> list[PipelinedRollout]:
+def restore(run: RunResources, checkpoint: Path, state: TrainerState) -> CarriedOver:
     """Load ``checkpoint`` into every rank, restore the sampler and give the engines the restored weights;
-    the rollouts it carried over (generated for later steps, not yet trained on).
+    what it carried over (rollouts generated for later steps, not yet trained on; unfinished groups).
 
     At the saved layout every rank's generator states are restored (bitwise-exact resume); at
     another layout the shards are resharded and generators reseeded from ``train.seed + step``.

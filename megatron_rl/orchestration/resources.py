@@ -341,18 +341,31 @@ def build_rollout_manager(
         routing_replay=cfg.algorithm.routing_replay,
         seed=cfg.train.seed,
         recover=recover,
+        max_token_lag=max_token_lag(cfg),
     )
+
+
+def max_token_lag(cfg: RunConfig) -> int:
+    """How many weight versions a trained token may lag behind the policy that trains on it:
+    ``train.max_staleness``, plus ``partial_rollout_max_windows - 1`` with partial rollouts (a response
+    continued over that many more steps' generations)."""
+    windows = cfg.rollout.partial_rollout_max_windows - 1 if cfg.rollout.partial_rollout_tokens else 0
+    return cfg.train.max_staleness + windows
 
 
 def build_validation_manager(
     cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine], recover: Recovery | None = None
 ) -> RolloutManager | None:
-    """The whole validation set per call, ``val_samples_per_prompt`` at ``val_temperature``, unshaped, unfiltered;
-    ``recover`` restarts crashed engines."""
+    """The whole validation set per call, ``val_samples_per_prompt`` at ``val_temperature``, unshaped, unfiltered,
+    each response whole (no partial-rollout windows); ``recover`` restarts crashed engines."""
     if data.val is None or cfg.train.val_interval == 0:
         return None
     rollout = cfg.rollout.model_copy(
-        update={"temperature": cfg.train.val_temperature, "n_samples_per_prompt": cfg.train.val_samples_per_prompt}
+        update={
+            "temperature": cfg.train.val_temperature,
+            "n_samples_per_prompt": cfg.train.val_samples_per_prompt,
+            "partial_rollout_tokens": None,
+        }
     )
     return RolloutManager(
         engines,

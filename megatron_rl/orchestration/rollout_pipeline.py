@@ -9,9 +9,10 @@ generation before it syncs the weights of step k, so no request ever sees two we
 Every sample of step j > s therefore comes from the weights after step j-s-1 (the initial ones
 for j <= s): the schedule is fixed, so an async run is as deterministic as a synchronous one.
 
-The steps generated but not yet trained are the run's carried-over rollouts: a checkpoint saves
-them (:func:`save_carried_over`) and a resume loads them, so a resumed run trains on the very
-samples the uninterrupted one would have.
+The steps generated but not yet trained are the run's carried-over rollouts; with partial rollouts
+the rollout manager also carries unfinished groups into its next generation. A checkpoint saves
+both (:class:`CarriedOver`, :func:`save_carried_over`) and a resume loads them, so a resumed run
+trains on the very samples the uninterrupted one would have.
 
 Idle time, per step: ``time/trainer_idle_s`` is what the trainer waited for generation (the
 whole generation in the synchronous loop; the part of the background generation that outlasted
@@ -32,6 +33,7 @@ import torch
 
 from megatron_rl.checkpoint.layout import CARRIED_OVER_FILE
 from megatron_rl.rollout.groups import RolloutStep
+from megatron_rl.rollout.partial import PartialGroup
 
 
 @dataclass
@@ -42,17 +44,29 @@ class PipelinedRollout:
     rollout: RolloutStep
 
 
+@dataclass
+class CarriedOver:
+    """What a checkpoint carries into the next start: rollouts generated for later steps, in step order,
+    and the rollout manager's unfinished (partial-rollout) groups, in their order."""
+
+    rollouts: list[PipelinedRollout]
+    unfinished: list[PartialGroup]
+
+    def __bool__(self) -> bool:
+        return bool(self.rollouts or self.unfinished)
+
+
 class RolloutPipeline:
     """Rollouts for steps in order under the schedule of the module docstring.
 
-    ``generate()`` produces the next step's rollout (the rollout manager's ``generate_step``; the
+    ``generate(step)`` produces the rollout of ``step`` (the rollout manager's ``generate_step``; the
     pipeline calls it in step order, one at a time). ``carried`` are rollouts restored from a
     checkpoint, in step order.
     """
 
     def __init__(
         self,
-        generate: Callable[[], RolloutStep],
+        generate: Callable[[int], RolloutStep],
         *,
         max_staleness: int,
         last_step: int,
@@ -67,7 +81,7 @@ class RolloutPipeline:
 
     def _produce(self, step: int) -> PipelinedRollout:
         started = time.perf_counter()
-        rollout = self._generate()
+        rollout = self._generate(step)
         self._generated_s += time.perf_counter() - started
         return PipelinedRollout(step, rollout)
 
@@ -112,16 +126,20 @@ class RolloutPipeline:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
-def save_carried_over(checkpoint_dir: Path, carried: list[PipelinedRollout]) -> None:
+def save_carried_over(checkpoint_dir: Path, carried: CarriedOver) -> None:
     """Write ``carried`` into the (staging) checkpoint as ``CARRIED_OVER_FILE`` (nothing when it is empty)."""
     if carried:
-        records = [(item.step, item.rollout) for item in carried]
+        records = {
+            "rollouts": [(item.step, item.rollout) for item in carried.rollouts],
+            "unfinished": carried.unfinished,
+        }
         torch.save(records, checkpoint_dir / CARRIED_OVER_FILE)
 
 
-def load_carried_over(checkpoint_dir: Path, name: str | None) -> list[PipelinedRollout]:
-    """The rollouts :func:`save_carried_over` wrote into ``checkpoint_dir`` (none when ``name`` is None)."""
+def load_carried_over(checkpoint_dir: Path, name: str | None) -> CarriedOver:
+    """What :func:`save_carried_over` wrote into ``checkpoint_dir`` (nothing when ``name`` is None)."""
     if name is None:
-        return []
+        return CarriedOver([], [])
     records = torch.load(checkpoint_dir / name, weights_only=False)  # our own checkpoint's rollout groups
-    return [PipelinedRollout(step, rollout) for step, rollout in records]
+    rollouts = [PipelinedRollout(step, rollout) for step, rollout in records["rollouts"]]
+    return CarriedOver(rollouts, records["unfinished"])

@@ -117,15 +117,24 @@ def engine_section(cfg: RunConfig, arch: QwenArchitecture, engine: EnginePlan, g
 
 
 def _pipeline_lines(cfg: RunConfig) -> list[str]:
-    """What ``train.max_staleness`` > 0 does to a step (nothing for the synchronous loop)."""
-    staleness = cfg.train.max_staleness
-    if staleness == 0:
-        return []
-    return [
-        f"    pipeline: train.max_staleness {staleness}: the engines generate step k+{staleness} "
-        "(weights after step k-1) while the trainer trains step k;",
-        "              a step takes about max(generation, log-probs + training) + weight sync, not their sum",
-    ]
+    """What ``train.max_staleness`` > 0 and partial rollouts do to a step (nothing for the synchronous loop)."""
+    staleness, window = cfg.train.max_staleness, cfg.rollout.partial_rollout_tokens
+    lines = []
+    if staleness:
+        lines += [
+            f"    pipeline: train.max_staleness {staleness}: the engines generate step k+{staleness} "
+            "(weights after step k-1) while the trainer trains step k;",
+            "              a step takes about max(generation, log-probs + training) + weight sync, not their sum",
+        ]
+    if window is not None:
+        windows = cfg.rollout.partial_rollout_max_windows
+        lines += [
+            f"    partial rollouts: at most {window:,} new tokens per response per step's generation; a response "
+            f"spans at most {windows} windows,",
+            f"              so a trained token lags at most {staleness + windows - 1} weight versions "
+            "(train.max_staleness + windows - 1)",
+        ]
+    return lines
 
 
 def _peak_lines(title: str, amounts: Sequence[Amount]) -> list[str]:

@@ -14,7 +14,11 @@ class RolloutSample:
     ``score`` includes the overlong penalty (``overlong_penalty`` holds it alone);
     ``routed_experts`` is int32 ``[prompt + response - 1, layers, top_k]`` or None;
     ``reward_failure`` is ``"error"`` or ``"timeout"`` when the reward failed on this response
-    (``score`` is then the reward's failed score), else None.
+    (``score`` is then the reward's failed score), else None. ``version_segments`` is
+    ``[(weight_version, tokens), ...]``: the engine-reported weight version each run of response
+    tokens was sampled under, in order (one segment unless a partial rollout continued the response
+    under newer weights; ``weight_version`` is the last segment's); empty means all of
+    ``response_ids`` came from ``weight_version``.
     """
 
     prompt_ids: list[int]
@@ -28,11 +32,16 @@ class RolloutSample:
     weight_version: str | None
     routed_experts: np.ndarray | None = None
     reward_failure: str | None = None
+    version_segments: list[tuple[str | None, int]] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
         """True when the response hit the length limit."""
         return self.finish_reason == "length"
+
+    def token_versions(self) -> list[tuple[str | None, int]]:
+        """``(weight_version, tokens)`` runs covering every response token (see ``version_segments``)."""
+        return self.version_segments or [(self.weight_version, len(self.response_ids))]
 
 
 @dataclass
@@ -55,3 +64,8 @@ class RolloutStep:
 
     groups: list[RolloutGroup]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def weight_version_number(weight_version: str | None) -> int:
+    """The step whose weights an engine-reported ``weight_version`` names (``default``, the initial weights: 0)."""
+    return 0 if weight_version in (None, "default") else int(weight_version)

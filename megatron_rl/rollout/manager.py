@@ -21,6 +21,12 @@ Per step (:meth:`RolloutManager.generate_step`):
    next generation batch, up to ``max_gen_batches`` (then an error, or the
    partial step when ``on_exhausted: train_partial``).
 
+With partial rollouts (``rollout.partial_rollout_tokens``, :mod:`partial`), each request generates
+at most a window of tokens; a group with a response cut at the window is carried to the next step,
+whose first generation batch continues the carried groups (in their order) before its new prompts.
+A carried group is decided (kept or dropped) once all its responses have ended; carried groups past
+the step's cutoff stay carried, unchanged (``rollout/groups_carried`` counts those left after the step).
+
 Prompts of aborted groups are not re-queued (the sampler has moved on). A request whose engine
 process is gone (:class:`~megatron_rl.rollout.engine.EngineUnavailableError`) is held until every
 other request of the batch has answered; then ``recover`` restarts the crashed engines (see
@@ -42,7 +48,7 @@ import contextlib
 import itertools
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,6 +58,7 @@ import torch
 from megatron_rl.algorithms import groups_with_signal, overlong_penalty
 from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample, RolloutStep
+from megatron_rl.rollout.partial import PartialGroup, PartialSample, WindowPlan, continuation_requests
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
 from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
 
@@ -94,13 +101,24 @@ _SEED_STRIDE = 1 << 32
 
 
 @dataclass(frozen=True)
-class _Submission:
-    """One prompt's ``/generate`` request, the engine it goes to (again, after a crash) and its group uid."""
+class _Request:
+    """One ``/generate`` request of a group's window: the engine it goes to (again, after a crash), the
+    group's samples it fills, in order, and whether the window (not the response budget) caps it."""
 
-    item: PromptItem
-    uid: str
     engine: RolloutEngine
     request: GenerateRequest
+    samples: list[int]
+    capped: bool
+
+
+@dataclass(frozen=True)
+class _Submission:
+    """One group's window: its requests (one ``n``-sample request for a new group, one per unfinished
+    response for a continued one); ``continued`` is True for a group carried from an earlier step."""
+
+    group: PartialGroup
+    requests: list[_Request]
+    continued: bool
 
 
 class _OrderedSelection:
@@ -114,11 +132,13 @@ class _OrderedSelection:
     :meth:`finish`, ``aborted`` (every position past the cutoff, and settled requests an engine aborted).
     """
 
-    def __init__(self, size: int, kept: list[RolloutGroup], needed: int, counts: dict[str, int]) -> None:
+    def __init__(
+        self, size: int, kept: list[RolloutGroup], unfinished: list[PartialGroup], needed: int, counts: dict[str, int]
+    ) -> None:
         self.cutoff = size
         self._size = size
-        self.kept, self._needed, self._counts = kept, needed, counts
-        self._outcomes: dict[int, tuple[RolloutGroup | None, bool]] = {}
+        self.kept, self.unfinished, self._needed, self._counts = kept, unfinished, needed, counts
+        self._outcomes: dict[int, tuple[RolloutGroup | PartialGroup | None, bool]] = {}
         self._settled = 0
 
     def discard(self, position: int) -> None:
@@ -132,9 +152,20 @@ class _OrderedSelection:
         self._outcomes[position] = (group, has_signal)
         self._settle()
 
-    def finish(self) -> None:
-        """The batch is over: positions past the cutoff count as aborted."""
-        self._counts["aborted"] += self._size - self.cutoff
+    def carry(self, position: int, group: PartialGroup) -> None:
+        """The group at ``position`` has responses still generating: it goes on in the next step."""
+        if position < self.cutoff:
+            self._outcomes[position] = (group, False)
+            self._settle()
+
+    def finish(self, continued: dict[int, PartialGroup]) -> None:
+        """The batch is over: positions past the cutoff count as aborted, except the ``continued`` groups
+        (by position), which stay carried as they were."""
+        for position in range(self.cutoff, self._size):
+            if position in continued:
+                self.unfinished.append(continued[position])
+            else:
+                self._counts["aborted"] += 1
 
     def _settle(self) -> None:
         while self._settled < self.cutoff and self._settled in self._outcomes:
@@ -142,6 +173,9 @@ class _OrderedSelection:
             self._settled += 1
             if group is None:
                 self._counts["aborted"] += 1
+                continue
+            if isinstance(group, PartialGroup):
+                self.unfinished.append(group)
                 continue
             self._counts["samples"] += len(group.samples)
             for sample in group.samples:
@@ -190,6 +224,7 @@ class RolloutManager:
         uid_prefix: str = "g",
         seed: int | None = None,
         recover: Recovery | None = None,
+        max_token_lag: int | None = None,
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -209,21 +244,66 @@ class RolloutManager:
         self.seed = seed
         self.recover = recover
         self._engine_cycle = itertools.cycle(self.engines)
+        self.windows = WindowPlan(
+            rollout.partial_rollout_tokens, rollout.partial_rollout_max_windows, rollout.max_response_length
+        )
+        self._unfinished: list[PartialGroup] = []
+        self.max_token_lag = max_token_lag
 
-    def _request(self, item: PromptItem, uid: str, serial: int) -> GenerateRequest:
-        params = SamplingParams(
-            max_new_tokens=self.rollout.max_response_length,
+    def _sampling(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
             top_k=self.rollout.top_k,
             n=self.rollout.n_samples_per_prompt,
-            sampling_seed=None if self.seed is None else self.seed * _SEED_STRIDE + serial,
+            sampling_seed=seed,
         )
-        return GenerateRequest(list(item.prompt_ids), params, rid=uid, return_routed_experts=self.routing_replay)
 
-    def _group(
-        self, item: PromptItem, uid: str, results: list[GenerateResult], scored: list[ScoredResponse]
-    ) -> RolloutGroup:
+    def _new_submission(self, item: PromptItem, uid: str, serial: int) -> _Submission:
+        """A new prompt's first window: one request for all its samples."""
+        seed = None if self.seed is None else self.seed * _SEED_STRIDE + serial
+        max_new, capped = self.windows.budget(0, 0)
+        request = GenerateRequest(
+            list(item.prompt_ids), self._sampling(max_new, seed), rid=uid, return_routed_experts=self.routing_replay
+        )
+        n = self.rollout.n_samples_per_prompt
+        group = PartialGroup(item, uid, seed, [PartialSample() for _ in range(n)])
+        return _Submission(group, [_Request(next(self._engine_cycle), request, list(range(n)), capped)], False)
+
+    def _continued_submission(self, group: PartialGroup) -> _Submission:
+        """A carried group's next window: one request per unfinished response."""
+        planned = continuation_requests(
+            group, self.windows, self._sampling(0, None), routing_replay=self.routing_replay
+        )
+        requests = [_Request(next(self._engine_cycle), request, [index], capped) for index, request, capped in planned]
+        return _Submission(group, requests, True)
+
+    def _advanced(self, sub: _Submission, answers: dict[int, list[GenerateResult]]) -> PartialGroup:
+        """``sub``'s group with this window's answers (by request index) appended (a copy: a group stays
+        as it was until its window is used)."""
+        samples = [
+            PartialSample(
+                list(s.output_ids),
+                list(s.output_logprobs),
+                list(s.version_segments),
+                s.finish_reason,
+                s.routed_experts,
+                s.finished,
+            )
+            for s in sub.group.samples
+        ]
+        for index, request in enumerate(sub.requests):
+            for sample, result in zip(request.samples, answers[index], strict=True):
+                samples[sample].extend(
+                    result, capped=request.capped, max_response_length=self.rollout.max_response_length
+                )
+        old = sub.group
+        return PartialGroup(old.item, old.uid, old.first_seed, samples, old.windows + 1)
+
+    def _group(self, partial: PartialGroup, scored: list[ScoredResponse]) -> RolloutGroup:
+        item, uid = partial.item, partial.uid
+        results = [sample.as_result(len(item.prompt_ids)) for sample in partial.samples]
         lengths = torch.tensor([len(r.output_ids) for r in results])
         penalties = torch.zeros(len(results))
         if self.overlong.enable:
@@ -231,7 +311,9 @@ class RolloutManager:
                 lengths, self.rollout.max_response_length, self.overlong.buffer_length, self.overlong.penalty_factor
             )
         samples = []
-        for result, reward, penalty in zip(results, scored, penalties.tolist(), strict=True):
+        for partial_sample, result, reward, penalty in zip(
+            partial.samples, results, scored, penalties.tolist(), strict=True
+        ):
             truncated = result.finish_reason.type == "length"
             keep_tokens = 0 if truncated and self.overlong.filter_truncated else 1
             samples.append(
@@ -247,6 +329,7 @@ class RolloutManager:
                     weight_version=result.weight_version,
                     routed_experts=result.routed_experts,
                     reward_failure=reward.failure,
+                    version_segments=list(partial_sample.version_segments),
                 )
             )
         return RolloutGroup(uid=uid, prompt_index=item.index, samples=samples)
@@ -254,20 +337,30 @@ class RolloutManager:
     def _has_signal(self, group: RolloutGroup) -> bool:
         return not self.dynamic_sampling.enable or group_has_signal(group, self.dynamic_sampling.metric)
 
-    def _run_batch(self, indices: list[int], kept: list[RolloutGroup], counts: dict[str, int], bar: _Progress) -> None:
+    def _run_batch(
+        self,
+        indices: list[int],
+        continued: list[PartialGroup],
+        kept: list[RolloutGroup],
+        unfinished: list[PartialGroup],
+        counts: dict[str, int],
+        bar: _Progress,
+    ) -> None:
+        """Generate one round: the ``continued`` groups' next windows, then the prompts ``indices``; the groups
+        still generating after it are appended to ``unfinished``, in order."""
         serial = self._next_serial()
-        requests: dict[int, _Submission] = {}
-        for position, index in enumerate(indices):
-            item, uid = self.dataset[index], f"{self._uid_prefix}{serial + position}"
-            request = self._request(item, uid, serial + position)
-            requests[position] = _Submission(item, uid, next(self._engine_cycle), request)
-        selection = _OrderedSelection(len(indices), kept, self.prompts_per_step, counts)
-        while requests:
-            crashed = self._generate(requests, selection, bar)
-            requests = {position: requests[position] for position in crashed if position < selection.cutoff}
-            if requests:
-                counts["engine_restarts"] += self._recover_engines([crashed[position] for position in requests])
-        selection.finish()
+        submissions = [self._continued_submission(group) for group in continued]
+        for offset, index in enumerate(indices):
+            uid = f"{self._uid_prefix}{serial + offset}"
+            submissions.append(self._new_submission(self.dataset[index], uid, serial + offset))
+        selection = _OrderedSelection(len(submissions), kept, unfinished, self.prompts_per_step, counts)
+        pending = dict(enumerate(submissions))
+        while pending:
+            crashed = self._generate(pending, selection, bar)
+            pending = {position: pending[position] for position in crashed if position < selection.cutoff}
+            if pending:
+                counts["engine_restarts"] += self._recover_engines([crashed[position] for position in pending])
+        selection.finish({position: sub.group for position, sub in enumerate(submissions) if sub.continued})
 
     def _recover_engines(self, failures: list[tuple[RolloutEngine, EngineUnavailableError]]) -> int:
         """Hand each crashed engine (with one of its errors) to ``recover``; how many engines that was.
@@ -282,84 +375,144 @@ class RolloutManager:
         return len(first_error)
 
     def _generate(
-        self, requests: dict[int, _Submission], selection: _OrderedSelection, bar: _Progress
+        self, submissions: dict[int, _Submission], selection: _OrderedSelection, bar: _Progress
     ) -> dict[int, tuple[RolloutEngine, EngineUnavailableError]]:
-        """Send ``requests`` (by position), score what comes back, and decide each group in ``selection``.
+        """Send ``submissions`` (by position), score the groups that ended, carry the others, and decide
+        each group in ``selection``.
 
-        Returns once every request has answered or failed and every score is in; the positions whose
-        engine was unreachable (its process gone), with the engine and the error, are returned undecided.
+        Returns once every request has answered or failed and every score is in; the positions with a
+        request whose engine was unreachable (its process gone), with the engine and the error, are
+        returned undecided.
         """
         generating = {
-            self._threads.submit(sub.engine.generate, sub.request): position for position, sub in requests.items()
+            self._threads.submit(req.engine.generate, req.request): (position, index)
+            for position, sub in submissions.items()
+            for index, req in enumerate(sub.requests)
         }
-        scoring: dict[Future, tuple[int, list[GenerateResult]]] = {}
+        answers: dict[int, dict[int, list[GenerateResult]]] = {position: {} for position in submissions}
+        scoring: dict[Future, tuple[int, PartialGroup]] = {}
         crashed: dict[int, tuple[RolloutEngine, EngineUnavailableError]] = {}
         while generating or scoring:
             done, _ = wait([*generating, *scoring], return_when=FIRST_COMPLETED)
             for future in done:
                 if future in generating:
-                    position = generating.pop(future)
-                    sub = requests[position]
+                    position, index = generating.pop(future)
+                    sub = submissions[position]
                     try:
-                        results = future.result()
+                        answers[position][index] = future.result()
                     except EngineUnavailableError as error:
-                        crashed[position] = (sub.engine, error)
-                        continue
-                    if any(r.aborted for r in results) or position >= selection.cutoff:
-                        selection.discard(position)
-                        continue
-                    texts = [self.decode(r.output_ids) for r in results]
-                    scored = self.rewards.submit(texts, sub.item.ground_truth, sub.item.extra_info, label=sub.uid)
-                    scoring[scored] = (position, results)
+                        crashed.setdefault(position, (sub.requests[index].engine, error))
+                    if len(answers[position]) == len(sub.requests):
+                        self._window_done(position, sub, answers.pop(position), selection, scoring)
                 else:
-                    position, results = scoring.pop(future)
-                    sub = requests[position]
-                    group = self._group(sub.item, sub.uid, results, future.result())
+                    position, group = scoring.pop(future)
+                    scored = self._group(group, future.result())
                     if position < selection.cutoff:
-                        selection.decide(position, group, self._has_signal(group))
+                        selection.decide(position, scored, self._has_signal(scored))
             bar.update(len(selection.kept), f"rollout: {len(selection.kept)}/{self.prompts_per_step} groups")
-            self._abort_surplus(requests, generating.values(), selection.cutoff, crashed)
+            self._abort_surplus(submissions, {position for position, _ in generating.values()}, selection, crashed)
         return crashed
+
+    def _window_done(
+        self,
+        position: int,
+        sub: _Submission,
+        answers: dict[int, list[GenerateResult]],
+        selection: _OrderedSelection,
+        scoring: dict[Future, tuple[int, PartialGroup]],
+    ) -> None:
+        """Every request of ``sub`` answered: score its group if it ended, carry it if not (a continued
+        group an engine aborted, or past the cutoff, stays as it was; a new one is discarded)."""
+        if any(r.aborted for results in answers.values() for r in results) or position >= selection.cutoff:
+            if sub.continued:
+                selection.carry(position, sub.group)
+            else:
+                selection.discard(position)
+            return
+        group = self._advanced(sub, answers)
+        if not group.finished:
+            selection.carry(position, group)
+            return
+        texts = [self.decode(sample.output_ids) for sample in group.samples]
+        item = group.item
+        scoring[self.rewards.submit(texts, item.ground_truth, item.extra_info, label=group.uid)] = (position, group)
 
     @staticmethod
     def _abort_surplus(
-        requests: dict[int, _Submission], in_flight: Iterable[int], cutoff: int, crashed: dict[int, tuple]
+        submissions: dict[int, _Submission], in_flight: set[int], selection: _OrderedSelection, crashed: dict
     ) -> None:
-        """Abort the requests in flight at or past ``cutoff`` (an engine found gone has nothing to abort)."""
+        """Abort the requests in flight at or past the cutoff (an engine found gone has nothing to abort)."""
         gone = {id(engine) for engine, _ in crashed.values()}
         for position in in_flight:
-            sub = requests[position]
-            if position >= cutoff and id(sub.engine) not in gone:
-                with contextlib.suppress(EngineUnavailableError):  # its own request fails the same way
-                    sub.engine.abort(sub.uid)
+            if position < selection.cutoff:
+                continue
+            for req in submissions[position].requests:
+                if id(req.engine) not in gone and req.request.rid is not None:
+                    with contextlib.suppress(EngineUnavailableError):  # its own request fails the same way
+                        req.engine.abort(req.request.rid)
 
     def _next_serial(self) -> int:
         """Serial number of the sampler's next prompt (epoch * dataset size + position): resume-safe request ids."""
         state = self.sampler.state_dict()
         return state["epoch"] * self.sampler.dataset_size + state["position"]
 
-    def generate_step(self) -> RolloutStep:
-        """Kept groups for one training step and the step's rollout metrics."""
+    def generate_step(self, for_step: int | None = None) -> RolloutStep:
+        """Kept groups for one training step (``for_step``, trained by the policy of step ``for_step - 1``)
+        and the step's rollout metrics.
+
+        With ``max_token_lag`` and ``for_step``, a carried group whose oldest token would lag more than
+        ``max_token_lag`` weight versions behind that policy is dropped before it continues
+        (``rollout/groups_stale``; its prompt is not taken again).
+
+        The step runs in rounds until ``prompts_per_step`` groups are kept. A round gives every carried
+        group (from the step before, then from the round before) its next window, and takes a new
+        generation batch from the sampler when the carried groups alone cannot fill the step (at most
+        ``max_gen_batches`` batches with dynamic sampling, else one). Without partial rollouts no group
+        is carried, so each round is one generation batch. The step ends short (an error, or the partial
+        step with ``on_exhausted: train_partial``) when no group is left generating and no batch may
+        be taken.
+        """
         start = time.perf_counter()
         kept: list[RolloutGroup] = []
         counts = {name: 0 for name in ("aborted", "dropped", "samples", "reward_errors", "reward_timeouts")}
-        counts["engine_restarts"] = 0
+        counts["engine_restarts"] = counts["stale"] = 0
         max_batches = self.dynamic_sampling.max_gen_batches if self.dynamic_sampling.enable else 1
         bar = _Progress(self.prompts_per_step)
+        carried, self._unfinished = self._unfinished, []
+        if for_step is not None and self.max_token_lag is not None:
+            fresh = [g for g in carried if for_step - 1 - (g.oldest_version() or 0) <= self.max_token_lag]
+            counts["stale"], carried = len(carried) - len(fresh), fresh
+        gen_batches = 0
         try:
-            for gen_batches in range(1, max_batches + 1):  # noqa: B007 - read after the loop
-                self._run_batch(self.sampler.next_batch(), kept, counts, bar)
-                if len(kept) >= self.prompts_per_step:
+            while len(kept) < self.prompts_per_step:
+                take_batch = len(kept) + len(carried) < self.prompts_per_step and gen_batches < max_batches
+                if not take_batch and not carried:
                     break
+                indices = self.sampler.next_batch() if take_batch else []
+                gen_batches += int(take_batch)
+                unfinished: list[PartialGroup] = []
+                self._run_batch(indices, carried, kept, unfinished, counts, bar)
+                carried = unfinished
         finally:
             bar.close()
+        self._unfinished = carried
         if len(kept) < self.prompts_per_step and self.dynamic_sampling.on_exhausted == "error":
             raise RolloutExhaustedError(
                 f"dynamic sampling kept {len(kept)} of {self.prompts_per_step} groups after {gen_batches} generation "
                 f"batches ({counts['dropped']} dropped without signal); raise "
                 "algorithm.dynamic_sampling.max_gen_batches or set on_exhausted: train_partial"
             )
-        return RolloutStep(kept, self._metrics(kept, counts, gen_batches, time.perf_counter() - start))
+        metrics = self._metrics(kept, counts, gen_batches, time.perf_counter() - start)
+        partial = {"rollout/groups_carried": float(len(carried)), "rollout/groups_stale": float(counts["stale"])}
+        return RolloutStep(kept, metrics | partial)
+
+    def unfinished_groups(self) -> list[PartialGroup]:
+        """The groups carried to the next step (partial rollouts), in order: what a checkpoint saves."""
+        return list(self._unfinished)
+
+    def restore_unfinished(self, groups: list[PartialGroup]) -> None:
+        """Carry ``groups`` (from :meth:`unfinished_groups` of a checkpoint) into the next step."""
+        self._unfinished = list(groups)
 
     @staticmethod
     def _metrics(kept: list[RolloutGroup], counts: dict[str, int], gen_batches: int, seconds: float) -> dict:

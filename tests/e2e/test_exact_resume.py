@@ -2,7 +2,9 @@
 
 Both runs: the tiny DAPO recipe, 4 steps, a checkpoint every 2 steps; again with its async variant
 (``train.max_staleness: 1``, disaggregated), whose checkpoints also hold the rollout generated
-ahead (``carried_over.pt``), which the resumed run trains on. The second run's
+ahead (``carried_over.pt``), which the resumed run trains on; and again with partial rollouts
+(4-token windows, dynamic sampling on score variance so that steps fill and groups still generating
+are carried), whose checkpoints also hold the unfinished groups, which the resumed run continues. The second run's
 process group is killed as soon as ``latest`` exists; the same command runs again, resumes
 from it, and is killed while the step-4 checkpoint is being written (its staging directory
 holds Megatron's shard directory); ``latest`` must still name the step-2 checkpoint. The
@@ -25,9 +27,18 @@ import torch
 
 from tests.e2e.tiny_runs import RECIPE, ROOT, megatron_contents, read_metrics, run_env, run_train, train_command
 
+ASYNC_RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_async.yaml"
+PARTIAL = [
+    "rollout.partial_rollout_tokens=4",
+    "rollout.partial_rollout_max_windows=3",
+    "algorithm.preset=custom",
+    "algorithm.dynamic_sampling.metric=score",
+    "algorithm.dynamic_sampling.gen_batch_prompts=8",
+]
 RECIPES = {
-    "sync": (RECIPE, Path("runs") / "tiny-moe-cpu-dapo"),
-    "async": (ROOT / "recipes" / "tiny_moe_cpu_dapo_async.yaml", Path("runs") / "tiny-moe-cpu-dapo-async"),
+    "sync": (RECIPE, Path("runs") / "tiny-moe-cpu-dapo", []),
+    "async": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", []),
+    "async-partial": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL),
 }
 
 OVERRIDES = [
@@ -41,10 +52,10 @@ OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
 WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
 
 
-def _run_killed_when(cwd: Path, recipe: Path, moment: Callable[[], bool], what: str) -> None:
+def _run_killed_when(cwd: Path, recipe: Path, overrides: list[str], moment: Callable[[], bool], what: str) -> None:
     """Start the run in ``cwd`` and SIGKILL its whole process group as soon as ``moment()`` holds."""
     process = subprocess.Popen(
-        train_command(OVERRIDES, recipe),
+        train_command(overrides, recipe),
         cwd=cwd,
         env=run_env(),
         stdout=subprocess.DEVNULL,
@@ -65,20 +76,24 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["sync", "async"])
+@pytest.mark.parametrize("loop", list(RECIPES))
 def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path, loop: str) -> None:
-    recipe, run = RECIPES[loop]
+    recipe, run, extra = RECIPES[loop]
+    overrides = OVERRIDES + extra
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     straight.mkdir(), resumed.mkdir()
-    run_train(straight, OVERRIDES, recipe)
+    run_train(straight, overrides, recipe)
     checkpoints = resumed / run / "checkpoints"
     latest = checkpoints / "latest"
-    _run_killed_when(resumed, recipe, latest.exists, "its first checkpoint")
+    _run_killed_when(resumed, recipe, overrides, latest.exists, "its first checkpoint")
     saving = checkpoints / ".staging_step_000004" / "megatron"
-    _run_killed_when(resumed, recipe, saving.exists, "it wrote its second checkpoint")
+    _run_killed_when(resumed, recipe, overrides, saving.exists, "it wrote its second checkpoint")
     assert latest.read_text().strip() == "step_000002"
-    assert (checkpoints / "step_000002" / "carried_over.pt").exists() == (loop == "async")
-    run_train(resumed, OVERRIDES, recipe)
+    carried_file = checkpoints / "step_000002" / "carried_over.pt"
+    assert carried_file.exists() == (loop != "sync")
+    if loop == "async-partial":
+        assert torch.load(carried_file, weights_only=False)["unfinished"], "no group was still generating"
+    run_train(resumed, overrides, recipe)
 
     straight_metrics, resumed_metrics = _metrics(straight / run), _metrics(resumed / run)
     assert [r["step"] for r in resumed_metrics] == [0, 1, 2, 3, 4]
@@ -87,6 +102,9 @@ def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path, loop: s
         assert actual == expected, f"step {expected['step']} differs"
     if loop == "async":  # steps 2..4 trained on samples of the weights one step older
         assert [r["async/staleness_max"] for r in straight_metrics[1:]] == [0.0, 1.0, 1.0, 1.0]
+    if loop == "async-partial":  # responses continued under newer weights hold tokens two versions old
+        assert max(r["async/partial_samples"] for r in straight_metrics[1:]) > 0
+        assert max(r["async/token_staleness_max"] for r in straight_metrics[1:]) == 2.0
     final = [megatron_contents(root / run / "checkpoints" / "step_000004", tmp_path) for root in (straight, resumed)]
     assert final[0].keys() == final[1].keys()
     for key, expected in final[0].items():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+from megatron_rl.data import PromptItem
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 from megatron_rl.rollout.manager import _OrderedSelection
+from megatron_rl.rollout.partial import PartialGroup, PartialSample
 
 SIGNAL = [False, True, False, True, True, False, True, True]  # position -> the group has signal
 FAILURES = {1: ["error"], 2: ["timeout", "error"], 6: ["timeout"]}  # position -> its responses' reward failures
@@ -23,14 +25,41 @@ def _samples(position: int) -> list[RolloutSample]:
 def _select(order: tuple[int, ...], aborted_by_engine: frozenset[int] = frozenset()) -> tuple[list[str], dict]:
     kept: list[RolloutGroup] = []
     counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
-    selection = _OrderedSelection(len(SIGNAL), kept, NEEDED, counts)
+    selection = _OrderedSelection(len(SIGNAL), kept, [], NEEDED, counts)
     for position in order:
         if position in aborted_by_engine or position >= selection.cutoff:
             selection.discard(position)
         else:
             selection.decide(position, RolloutGroup(f"g{position}", position, _samples(position)), SIGNAL[position])
-    selection.finish()
+    selection.finish({})
     return [g.uid for g in kept], counts
+
+
+def _partial(position: int) -> PartialGroup:
+    return PartialGroup(PromptItem(position, [1], "1", "test"), f"g{position}", None, [PartialSample()])
+
+
+# Partial rollouts: positions 0-2 continue groups carried from the step before; "carry" groups have a
+# response still generating after this window.
+PARTIAL_OUTCOMES = ["keep", "carry", "keep", "drop", "carry", "keep", "keep", "carry"]
+
+
+def _select_partial(order: tuple[int, ...], needed: int) -> tuple[list[str], list[str], dict]:
+    kept: list[RolloutGroup] = []
+    unfinished: list[PartialGroup] = []
+    counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
+    selection = _OrderedSelection(len(PARTIAL_OUTCOMES), kept, unfinished, needed, counts)
+    for position in order:
+        outcome = PARTIAL_OUTCOMES[position]
+        if position >= selection.cutoff:
+            selection.discard(position)
+        elif outcome == "carry":
+            selection.carry(position, _partial(position))
+        else:
+            group = RolloutGroup(f"g{position}", position, _samples(position))
+            selection.decide(position, group, outcome == "keep")
+    selection.finish({position: _partial(position) for position in range(3)})
+    return [g.uid for g in kept], [g.uid for g in unfinished], counts
 
 
 def test_every_completion_order_keeps_the_same_groups_and_counts() -> None:
@@ -47,3 +76,20 @@ def test_a_request_the_engine_aborted_before_the_cutoff_counts_as_aborted() -> N
     kept, counts = _select(tuple(reversed(range(8))), aborted_by_engine=frozenset({3}))
     assert kept == ["g1", "g4", "g6"]
     assert counts == {"aborted": 2, "dropped": 3, "samples": 24, "reward_errors": 2, "reward_timeouts": 2}
+
+
+def test_carried_groups_keep_their_order_whatever_the_completion_order() -> None:
+    outcomes = {repr(_select_partial(order, needed=3)) for order in itertools.permutations(range(8))}
+    assert len(outcomes) == 1
+    kept, unfinished, counts = _select_partial(tuple(range(8)), needed=3)
+    assert kept == ["g0", "g2", "g5"]
+    assert unfinished == ["g1", "g4"]  # 6 and 7 are past the cutoff: new prompts, aborted
+    assert counts == {"aborted": 2, "dropped": 1, "samples": 16, "reward_errors": 1, "reward_timeouts": 1}
+
+
+def test_continued_groups_past_the_cutoff_stay_carried_unchanged() -> None:
+    kept, unfinished, counts = _select_partial(tuple(reversed(range(8))), needed=1)
+    assert kept == ["g0"]
+    # The cutoff is position 1: the continued groups 1 and 2 go on in the next step as they were.
+    assert unfinished == ["g1", "g2"]
+    assert counts["aborted"] == 5

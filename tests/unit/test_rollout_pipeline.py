@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.orchestration.driver import staleness_metrics, weight_version_number
+from megatron_rl.orchestration.driver import staleness_metrics
 from megatron_rl.orchestration.rollout_pipeline import (
+    CarriedOver,
     RolloutPipeline,
     load_carried_over,
     save_carried_over,
 )
-from megatron_rl.rollout.groups import RolloutGroup, RolloutSample, RolloutStep
+from megatron_rl.rollout.groups import RolloutGroup, RolloutSample, RolloutStep, weight_version_number
 
 
 class Engines:
@@ -32,11 +33,12 @@ class Engines:
         self.lock = threading.Lock()
         self.log: list[tuple[int, int]] = []
 
-    def generate(self) -> RolloutStep:
+    def generate(self, step: int) -> RolloutStep:
         with self.lock:
             self.running += 1
             self.generated += 1
             index, version = self.generated, self.version
+        assert step == index, f"generation {index} was asked for step {step}"
         time.sleep(0.01)
         with self.lock:
             assert self.version == version, "the weights changed during a generation"
@@ -87,11 +89,11 @@ def test_a_resume_from_the_carried_over_rollouts_continues_the_same_schedule(tmp
     first = RolloutPipeline(engines.generate, max_staleness=2, last_step=7)
     try:
         done = _train(first, engines, range(1, 4))
-        save_carried_over(tmp_path, first.carried_over())
+        save_carried_over(tmp_path, CarriedOver(first.carried_over(), []))
     finally:
         first.close()
     assert [item.step for item in first.carried_over()] == [4, 5]
-    carried = load_carried_over(tmp_path, "carried_over.pt")
+    carried = load_carried_over(tmp_path, "carried_over.pt").rollouts
     assert [item.rollout.groups[0].uid for item in carried] == ["g4", "g5"]
     resumed_engines = Engines(version=3, generated=5)  # the restored weights; the sampler past step 5
     resumed = RolloutPipeline(resumed_engines.generate, max_staleness=2, last_step=7, carried=carried)
@@ -100,7 +102,7 @@ def test_a_resume_from_the_carried_over_rollouts_continues_the_same_schedule(tmp
     finally:
         resumed.close()
     assert done == expected
-    assert load_carried_over(tmp_path, None) == []
+    assert not load_carried_over(tmp_path, None)
 
 
 def test_lowering_the_staleness_at_a_resume_trains_the_carried_steps_first() -> None:
@@ -123,7 +125,7 @@ def test_staleness_metrics_count_each_samples_lag_and_refuse_one_past_the_bound(
         samples = [RolloutSample([1], [2], [0.0], "stop", 0.0, False, 0.0, [1], v) for v in versions]
         return RolloutGroup("g", 0, samples)
 
-    metrics = staleness_metrics([group("3", "default"), group("2")], trained_version=3, max_staleness=3)
+    metrics = staleness_metrics([group("3", "default"), group("2")], trained_version=3, max_lag=3)
     assert metrics == {
         "async/samples_at_staleness_0": 1.0,
         "async/samples_at_staleness_1": 1.0,
@@ -131,6 +133,22 @@ def test_staleness_metrics_count_each_samples_lag_and_refuse_one_past_the_bound(
         "async/samples_at_staleness_3": 1.0,
         "async/staleness_mean": 4 / 3,
         "async/staleness_max": 3.0,
+        "async/token_staleness_mean": 4 / 3,
+        "async/token_staleness_max": 3.0,
+        "async/partial_samples": 0.0,
     }
-    with pytest.raises(RuntimeError, match="2 weight versions old, beyond train.max_staleness=1"):
-        staleness_metrics([group("1")], trained_version=3, max_staleness=1)
+    with pytest.raises(RuntimeError, match="2 weight versions old, beyond the bound of 1"):
+        staleness_metrics([group("1")], trained_version=3, max_lag=1)
+
+
+def test_staleness_metrics_weigh_a_partial_rollouts_tokens_by_their_own_versions() -> None:
+    continued = RolloutSample([1], [2] * 6, [0.0] * 6, "stop", 0.0, False, 0.0, [1] * 6, "3")
+    continued.version_segments = [("1", 4), ("3", 2)]  # 4 tokens under step 1's weights, 2 under step 3's
+    whole = RolloutSample([1], [2] * 2, [0.0] * 2, "stop", 0.0, False, 0.0, [1] * 2, "2")
+    metrics = staleness_metrics([RolloutGroup("g", 0, [continued, whole])], trained_version=3, max_lag=2)
+    assert metrics["async/staleness_max"] == 1.0  # by their last tokens
+    assert metrics["async/token_staleness_max"] == 2.0
+    assert metrics["async/token_staleness_mean"] == (4 * 2 + 2 * 0 + 2 * 1) / 8
+    assert metrics["async/partial_samples"] == 1.0
+    with pytest.raises(RuntimeError, match="a token of step 4 is 2 weight versions old"):
+        staleness_metrics([RolloutGroup("g", 0, [continued])], trained_version=3, max_lag=1)

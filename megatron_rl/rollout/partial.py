@@ -1,0 +1,155 @@
+"""Partial rollouts: responses generated in token windows, continued under newer weights.
+
+With ``rollout.partial_rollout_tokens`` W, a training step's generation gives every response at most
+W new tokens. A group whose responses have all ended (a stop token, or ``max_response_length`` in
+all) is scored as usual. A group with a response cut at the window is *unfinished*: it is carried to
+the next step's generation, where each unfinished response continues alone (``n=1``) from where it
+stopped: the request's ``input_ids`` are the prompt plus the response so far, under the weights the
+engines hold then (SGLang prefills them again, as it would after an abort). Its last window,
+``rollout.partial_rollout_max_windows``, has no cap, so a response spans at most that many windows
+and its oldest token is at most ``max_windows - 1`` weight versions older than its newest.
+
+A carried group goes on in the next step's generation; one that waited (past a full step's cutoff)
+can fall behind: :meth:`PartialGroup.oldest_version` against the policy that would train on it
+decides whether it may still continue (the rollout manager drops it when its oldest token would lag
+more than ``train.max_staleness + partial_rollout_max_windows - 1`` versions).
+
+The windows stand in for SGLang's abort-on-weight-update (slime's and verl's partial rollouts):
+a response is cut at a fixed token count instead of at whatever token it reached when the
+weights arrived, so where a response is cut, and with it the whole run, is deterministic.
+
+Each window of a response records the ``weight_version`` its engine reported, so the response's
+tokens carry the version they were sampled under (:attr:`PartialSample.version_segments`); the
+trainer's importance correction uses each token's own rollout log-prob, which is that version's.
+A continuation's sampling seed is derived from its response's first seed, its index in the group
+and its window (:func:`continuation_seed`), so a resumed run draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_rl.rollout.groups import weight_version_number
+from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_rl.data import PromptItem
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def continuation_seed(first_seed: int, sample: int, window: int) -> int:
+    """Sampling seed of window ``window`` (>= 1) of sample ``sample`` of a group whose first request had
+    ``first_seed``: a 63-bit hash, so it fits SGLang's int64 and differs across samples and windows."""
+    digest = hashlib.blake2b(f"{first_seed}:{sample}:{window}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+@dataclass
+class PartialSample:
+    """One response so far: its tokens, their rollout log-probs and the weight version of each window.
+
+    ``version_segments`` is ``[(weight_version, tokens), ...]`` in order, the counts summing to
+    ``len(output_ids)``; ``routed_experts`` and ``finish_reason`` are the last window's (its routing
+    covers the prompt and every response token, prefilled again under the last window's weights).
+    """
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    version_segments: list[tuple[str | None, int]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    routed_experts: np.ndarray | None = None
+    finished: bool = False
+
+    def extend(self, result: GenerateResult, *, capped: bool, max_response_length: int) -> None:
+        """Append one window's answer; the response stays unfinished only when the window's cap
+        (``capped``: the request's max_new_tokens was the window, not the response's remaining budget)
+        ended it before a stop token and before ``max_response_length`` tokens."""
+        self.output_ids += result.output_ids
+        self.output_logprobs += result.output_logprobs
+        if result.output_ids:
+            self.version_segments.append((result.weight_version, len(result.output_ids)))
+        self.finish_reason, self.routed_experts = result.finish_reason, result.routed_experts
+        cut_by_window = capped and result.finish_reason.type == "length"
+        self.finished = not (cut_by_window and len(self.output_ids) < max_response_length)
+
+    def as_result(self, prompt_tokens: int) -> GenerateResult:
+        """The whole response as one ``GenerateResult`` (weight version: its last window's)."""
+        assert self.finish_reason is not None, "a sample is merged only after its first window"
+        last_version = self.version_segments[-1][0] if self.version_segments else None
+        return GenerateResult(
+            output_ids=list(self.output_ids),
+            output_logprobs=list(self.output_logprobs),
+            finish_reason=self.finish_reason,
+            prompt_tokens=prompt_tokens,
+            weight_version=last_version,
+            routed_experts=self.routed_experts,
+        )
+
+
+@dataclass
+class PartialGroup:
+    """A group of responses generated window by window; ``windows`` is how many windows it has had.
+
+    ``first_seed`` is the sampling seed of its first (``n``-sample) request, None when unseeded.
+    """
+
+    item: PromptItem
+    uid: str
+    first_seed: int | None
+    samples: list[PartialSample]
+    windows: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """True once every response has ended."""
+        return all(sample.finished for sample in self.samples)
+
+    def oldest_version(self) -> int | None:
+        """The step whose weights sampled the group's oldest token (None before any token)."""
+        versions = [weight_version_number(v) for s in self.samples for v, count in s.version_segments if count]
+        return min(versions, default=None)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """A recipe's window settings: ``tokens`` per window (None: no windows), ``max_windows`` per response."""
+
+    tokens: int | None
+    max_windows: int
+    max_response_length: int
+
+    def budget(self, generated: int, window: int) -> tuple[int, bool]:
+        """max_new_tokens for window ``window`` (0-based) of a response with ``generated`` tokens, and
+        whether the window (not the response's remaining budget) is what caps it."""
+        remaining = self.max_response_length - generated
+        if self.tokens is None or window + 1 >= self.max_windows or self.tokens >= remaining:
+            return remaining, False
+        return self.tokens, True
+
+
+def continuation_requests(
+    group: PartialGroup, plan: WindowPlan, params: SamplingParams, *, routing_replay: bool
+) -> list[tuple[int, GenerateRequest, bool]]:
+    """The next window's requests of an unfinished group: one ``n=1`` request per unfinished response,
+    as ``(sample index, request, capped)``; rids are ``<uid>.<window>.<sample>``."""
+    requests = []
+    for index, sample in enumerate(group.samples):
+        if sample.finished:
+            continue
+        max_new, capped = plan.budget(len(sample.output_ids), group.windows)
+        seed = None if group.first_seed is None else continuation_seed(group.first_seed, index, group.windows)
+        sampling = dataclasses.replace(params, n=1, max_new_tokens=max_new, sampling_seed=seed)
+        request = GenerateRequest(
+            list(group.item.prompt_ids) + sample.output_ids,
+            sampling,
+            rid=f"{group.uid}.{group.windows}.{index}",
+            return_routed_experts=routing_replay,
+        )
+        requests.append((index, request, capped))
+    return requests
