@@ -30,7 +30,9 @@ def test_shipped_tiny_recipes_validate(recipe: str) -> None:
     assert cfg.cluster.gpus_per_node == 0 and cfg.rollout.engine == "reference"
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b_dapo", "qwen3_30b_a3b_drgrpo", "qwen3_30b_a3b_dapo_async"])
+@pytest.mark.parametrize(
+    "recipe", ["qwen3_30b_a3b_dapo", "qwen3_30b_a3b_drgrpo", "qwen3_30b_a3b_dapo_async", "qwen3_30b_a3b_drgrpo_async"]
+)
 def test_shipped_qwen3_30b_recipes_validate(recipe: str, qwen3_30b_overrides: list[str]) -> None:
     cfg, warnings = load_recipe(RECIPES / f"{recipe}.yaml", qwen3_30b_overrides, require_files=False)
     assert cfg.parallel.ep == 8 and cfg.cluster.nodes * cfg.cluster.gpus_per_node == 32
