@@ -10,7 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_rl.orchestration.errors import EngineRestartLimitError, NonFiniteTrainingError, RankCallError
+from megatron_rl.orchestration.errors import (
+    AsyncEngineCrashError,
+    EngineRestartLimitError,
+    NonFiniteTrainingError,
+    RankCallError,
+)
 from megatron_rl.parallel.errors import RankFailedError
 from megatron_rl.plan.placement import PlacementError
 from megatron_rl.rollout.engine import EngineError
@@ -318,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         NonFiniteTrainingError,
         RankCallError,
         EngineRestartLimitError,
+        AsyncEngineCrashError,
         EngineError,
     ) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -220,6 +220,8 @@ def train_one_step(run: RunResources, step: int, pipeline: RolloutPipeline) -> d
         metrics |= train_metrics
     with timer("wait_generation"):
         pipeline.wait_ahead()
+    if run.deferred_recovery is not None:  # engines restarted beside training get this sync's weights
+        run.rollout.use_engines(run.deferred_recovery.before_sync())
     run.hand_over.sync_weights(step, timer)
     run.hand_over.to_rollout(timer)
     generated_s = pipeline.generated_s

@@ -17,3 +17,7 @@ class RankCallError(RuntimeError):
 
 class EngineRestartLimitError(RuntimeError):
     """A rollout engine crashed once more after the run used ``rollout.max_engine_restarts``."""
+
+
+class AsyncEngineCrashError(RuntimeError):
+    """Every engine generating beside training crashed: none holds the weights that generation uses."""

@@ -45,7 +45,7 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
 from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts, EngineSpec
-from megatron_rl.orchestration.engine_recovery import EngineRecovery
+from megatron_rl.orchestration.engine_recovery import DeferredEngineRecovery, EngineRecovery
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
 from megatron_rl.orchestration.network import LOOPBACK_ADDRESS, RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids
@@ -75,6 +75,7 @@ class RunResources:
     expert_dtype: torch.dtype = torch.uint8
     rollout: RolloutManager | None = None
     validation: RolloutManager | None = None
+    deferred_recovery: DeferredEngineRecovery | None = None
     logger: MetricLogger | None = None
     trainer_nodes: list[str] = field(default_factory=list)
 
@@ -153,8 +154,10 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         recovery = EngineRecovery(
             run.engine_hosts, run.trainers, run.hand_over, max_restarts=cfg.rollout.max_engine_restarts
         )
-        # With max_staleness > 0 the training rollout runs beside training, which a re-sync cannot join.
-        run.rollout = build_rollout_manager(cfg, data, run.engines, None if cfg.train.max_staleness else recovery)
+        # With max_staleness > 0 the training rollout runs beside training, which a re-sync cannot join:
+        # restarted engines wait for the next sync, the others take their requests.
+        run.deferred_recovery = DeferredEngineRecovery(recovery) if cfg.train.max_staleness else None
+        run.rollout = build_rollout_manager(cfg, data, run.engines, run.deferred_recovery or recovery)
         run.validation = build_validation_manager(cfg, data, run.engines, recovery)
         run.logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step

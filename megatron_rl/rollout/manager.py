@@ -30,8 +30,9 @@ the step's cutoff stay carried, unchanged (``rollout/groups_carried`` counts tho
 Prompts of aborted groups are not re-queued (the sampler has moved on). A request whose engine
 process is gone (:class:`~megatron_rl.rollout.engine.EngineUnavailableError`) is held until every
 other request of the batch has answered; then ``recover`` restarts the crashed engines (see
-``orchestration/engine_recovery``) and the held requests go to them again unchanged, seeds
-included, so the step's groups are those of a run without the crash
+``orchestration/engine_recovery``) and the held requests go again unchanged, seeds included, to
+the engines it says are ready (round-robin; until :meth:`RolloutManager.use_engines` says
+otherwise, later requests too), so the step's groups are those of a run without the crash
 (``rollout/engine_restarts`` counts the restarts). Without ``recover`` the error is raised.
 Request ids are ``<uid_prefix><serial>``, the serial counting the sampler's
 prompts over epochs, so they (and, with ``seed``, each request's sampling seed
@@ -45,6 +46,7 @@ once, by the driver).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import sys
 import time
@@ -67,8 +69,9 @@ if TYPE_CHECKING:
     from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
 
 
-Recovery = Callable[[Sequence[tuple[RolloutEngine, EngineUnavailableError]]], None]
-"""Restarts the crashed engines given (each with one of its errors); returns with all engines ready."""
+Recovery = Callable[[Sequence[tuple[RolloutEngine, EngineUnavailableError]]], Sequence[RolloutEngine]]
+"""Restarts the crashed engines given (each with one of its errors); returns the engines ready to take
+requests now (all of them, or those without a restart still waiting for its weights)."""
 
 
 class RolloutExhaustedError(RuntimeError):
@@ -360,6 +363,7 @@ class RolloutManager:
             pending = {position: pending[position] for position in crashed if position < selection.cutoff}
             if pending:
                 counts["engine_restarts"] += self._recover_engines([crashed[position] for position in pending])
+                pending = {position: self._on_ready_engines(sub) for position, sub in pending.items()}
         selection.finish({position: sub.group for position, sub in enumerate(submissions) if sub.continued})
 
     def _recover_engines(self, failures: list[tuple[RolloutEngine, EngineUnavailableError]]) -> int:
@@ -371,8 +375,17 @@ class RolloutManager:
         first_error: dict[int, tuple[RolloutEngine, EngineUnavailableError]] = {}
         for engine, error in failures:
             first_error.setdefault(id(engine), (engine, error))
-        self.recover(list(first_error.values()))
+        self.use_engines(self.recover(list(first_error.values())))
         return len(first_error)
+
+    def use_engines(self, engines: Sequence[RolloutEngine]) -> None:
+        """Send the next requests round-robin over ``engines`` (some of the manager's engines, or all)."""
+        self._engine_cycle = itertools.cycle(list(engines))
+
+    def _on_ready_engines(self, sub: _Submission) -> _Submission:
+        """``sub`` with each request moved to the next ready engine (after a recovery)."""
+        requests = [dataclasses.replace(req, engine=next(self._engine_cycle)) for req in sub.requests]
+        return dataclasses.replace(sub, requests=requests)
 
     def _generate(
         self, submissions: dict[int, _Submission], selection: _OrderedSelection, bar: _Progress

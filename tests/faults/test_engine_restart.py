@@ -5,7 +5,10 @@ code 17 on its N-th ``/generate`` request, holding the requests it had. First th
 alone against two real reference engines (a restart hook that starts a new process); then the tiny
 DAPO run end to end, colocated and disaggregated: the final weights equal an uninterrupted run's, the
 restart is counted, and past ``rollout.max_engine_restarts`` the run stops naming the engine, its
-exit code and its log tail.
+exit code and its log tail. Last, the async recipe (``train.max_staleness: 1``), whose engines
+generate the next step beside training: with two engines, one crashing there is restarted and left
+out until the next sync while the other takes its requests, and the run ends with the uninterrupted
+run's weights; with one engine the run stops with an error that says why and how it resumes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from megatron_rl.rollout import EngineUnavailableError, ReferenceEngine
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, EXIT_CODE, engine_exit_fault
 from tests.distributed_utils import free_port
-from tests.e2e.tiny_runs import RUN, read_metrics, run_env, train_command
+from tests.e2e.tiny_runs import ROOT, RUN, read_metrics, run_env, train_command
 from tests.tiny_checkpoints import save_tiny_moe
 
 REWARD = "tests.rollout_rewards:first_token_parity"
@@ -101,12 +104,13 @@ def test_the_manager_resubmits_a_crashed_engines_requests_to_its_restart(tmp_pat
     replacements: list[ReferenceEngine] = []
     seen: list[tuple[str, str]] = []
 
-    def restart(crashed) -> None:
+    def restart(crashed) -> list[ReferenceEngine]:
         for engine, error in crashed:
             seen.append((engine.name, str(error)))
             replacement = _engine("replacement", model, tmp_path)
             replacements.append(replacement)
             engine.rebind("127.0.0.1", int(replacement.base_url.rsplit(":", 1)[1]))
+        return [crashing, steady]
 
     try:
         step = _generate([crashing, steady], restart)
@@ -135,19 +139,28 @@ OVERRIDES = [
 ]
 
 
-def _run(run_dir: Path, *overrides: str, fault: str | None = None) -> subprocess.CompletedProcess:
+ASYNC_RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_async.yaml"
+ASYNC_RUN = Path("runs") / "tiny-moe-cpu-dapo-async"
+ASYNC_CRASH_AT_REQUEST = 30
+"""Per engine, with 2 engines: step 1's 2 batches are its requests 1-16 (generated before training);
+step 2's 4 batches, generated while step 1 trains, are 17-48."""
+
+
+def _run(
+    run_dir: Path, *overrides: str, fault: str | None = None, recipe: Path | None = None
+) -> subprocess.CompletedProcess:
     """The tiny DAPO run in ``run_dir`` (its records under ``run_dir / RUN``), the fault in its environment."""
     env = run_env() | ({ENGINE_EXIT_ENV: fault} if fault else {})
-    command = train_command([*OVERRIDES, *overrides])
+    command = train_command([*OVERRIDES, *overrides], *([recipe] if recipe else []))
     return subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900)
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return read_metrics(run_dir / RUN)
+def _records(run_dir: Path, run: Path = RUN) -> list[dict]:
+    return read_metrics(run_dir / run)
 
 
-def _final_weights(run_dir: Path) -> dict:
-    checkpoints = run_dir / RUN / "checkpoints"
+def _final_weights(run_dir: Path, run: Path = RUN) -> dict:
+    checkpoints = run_dir / run / "checkpoints"
     latest = checkpoints / (checkpoints / "latest").read_text().strip()
     return {k: v for file in sorted((latest / "hf").glob("*.safetensors")) for k, v in load_file(file).items()}
 
@@ -193,4 +206,34 @@ def test_past_max_engine_restarts_the_run_stops_naming_the_engine_its_exit_code_
         done.stderr,
     ), done.stderr[-3000:]
     assert f"exited with code {EXIT_CODE}" in done.stderr and "log tail" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_an_engine_crashing_beside_training_is_left_out_until_the_next_sync(tmp_path: Path) -> None:
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    straight.mkdir(), crashed.mkdir()
+    done = _run(straight, "cluster.cpu_engines=2", recipe=ASYNC_RECIPE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fault = engine_exit_fault(ASYNC_CRASH_AT_REQUEST, 1, tmp_path / "crashes")
+    done = _run(crashed, "cluster.cpu_engines=2", fault=fault, recipe=ASYNC_RECIPE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "crashes").iterdir())) == 1  # the fault did fire
+    records = _records(crashed, ASYNC_RUN)
+    assert [r["rollout/engine_restarts"] for r in records] == [0.0, 1.0, 0.0, 0.0]  # in step 2's generation
+    final, expected = _final_weights(crashed, ASYNC_RUN), _final_weights(straight, ASYNC_RUN)
+    assert final.keys() == expected.keys()
+    assert [name for name in expected if not final[name].equal(expected[name])] == []
+    keys = ("train/reward_mean", "rollout/samples", "rollout/groups_kept", "actor/loss", "async/staleness_max")
+    assert [[r[k] for k in keys] for r in records] == [[r[k] for k in keys] for r in _records(straight, ASYNC_RUN)]
+
+
+@pytest.mark.slow
+def test_the_only_engine_crashing_beside_training_stops_the_run_saying_how_it_resumes(tmp_path: Path) -> None:
+    done = _run(tmp_path, fault=engine_exit_fault(40, 1, tmp_path / "crashes"), recipe=ASYNC_RECIPE)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "error: engine(s) reference0 crashed while the next step was generated beside training" in done.stderr
+    assert (
+        "resumes from the latest when started again" in done.stderr and f"exited with code {EXIT_CODE}" in done.stderr
+    )
     assert "Traceback" not in done.stderr

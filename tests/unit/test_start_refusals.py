@@ -213,7 +213,10 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("orchestration/engine_recovery.py", "EngineRestartLimitError"): "engine crashes at run time, past "
     "rollout.max_engine_restarts",
     ("orchestration/rollout_pipeline.py", "is due"): "internal: the driver takes steps in order",
-    ("orchestration/driver.py", "weight versions old"): "internal: the pipeline's schedule never makes such a sample",
+    ("orchestration/engine_recovery.py", "AsyncEngineCrashError"): "engine crashes at run time, beside "
+    "training with no other engine running",
+    ("orchestration/driver.py", "weight versions old"): "internal: the pipeline's schedule and the rollout "
+    "manager's stale-group rule never make such a token",
     ("orchestration/driver.py", "NonFiniteTrainingError"): "a run-time outcome of training "
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
