@@ -133,6 +133,8 @@ class _OrderedSelection:
     (settled groups without signal), ``samples`` (the responses of settled groups, kept or dropped),
     ``reward_errors`` and ``reward_timeouts`` (those of their responses whose reward failed) and, after
     :meth:`finish`, ``aborted`` (every position past the cutoff, and settled requests an engine aborted).
+    A group still generating (partial rollouts) settles as carried: it joins ``unfinished`` in position
+    order, as do, at :meth:`finish`, the continued groups past the cutoff, unchanged.
     """
 
     def __init__(
