@@ -207,6 +207,8 @@ class HttpEngine(RolloutEngine):
         set to ``timeout``; and whether it served a request before."""
         held: dict[tuple[str, int], http.client.HTTPConnection] = getattr(self._connections, "held", None) or {}
         self._connections.held = held
+        for stale in [address for address in held if address != self._address]:  # the engine was rebound
+            held.pop(stale).close()
         connection = held.get(self._address)
         if connection is not None and connection.sock is not None and _closed_by_peer(connection.sock):
             self._drop_connection()
