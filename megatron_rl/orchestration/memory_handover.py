@@ -58,7 +58,13 @@ def _untimed(phase: str) -> AbstractContextManager[None]:
 
 
 def on_every_engine(engines: Sequence[RolloutEngine], action: Callable[[RolloutEngine], None]) -> None:
-    """``action(engine)`` on all engines concurrently; re-raises the first failure after all have answered."""
+    """``action(engine)`` on all engines concurrently; re-raises the first failure after all have answered.
+
+    One engine is called from the calling thread (no pool: its kept-alive connection serves every move).
+    """
+    if len(engines) == 1:
+        action(engines[0])
+        return
     with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
         futures = [pool.submit(action, engine) for engine in engines]
     for future in futures:

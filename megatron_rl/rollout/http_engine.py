@@ -1,9 +1,16 @@
 """An engine driven over SGLang's HTTP API: shared by the SGLang and the reference engine.
 
-Transport: stdlib ``urllib`` from the caller's thread (one connection per
-request), so concurrency is the caller's thread count; :class:`HttpEngine`
-additionally bounds the requests in flight per engine with a semaphore
-(``max_concurrent_requests``). Every request has a timeout; connection
+Transport: stdlib ``http.client`` from the caller's thread over a kept-alive
+connection of that thread's own (HTTP/1.1, as SGLang's server and the reference
+engine speak it; reused by the thread's next request to the same engine address, so
+a step's requests do not each pay a connect and a server thread), so concurrency is
+the caller's thread count; :class:`HttpEngine` additionally bounds the requests in
+flight per engine with a semaphore (``max_concurrent_requests``). A kept-alive
+connection the server has closed since (SGLang's server closes idle ones after a few
+seconds) is found closed before it is reused, or fails before any answer arrives;
+either way the request goes once more over a new connection, never a second time after
+an answer began. A connection is dropped after any failure or timeout, and when the
+server says it will close it. Every request has a timeout; connection
 failures, timeouts, error statuses and answers the protocol does not allow
 (malformed JSON, missing fields) raise the :mod:`engine` errors with the
 endpoint, the URL and, when the engine process has died, its exit code and
@@ -15,11 +22,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +68,13 @@ NOT_THE_PROTOCOL = (
 )
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive socket has something to read: the server closed it (or broke the protocol)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class HttpEngine(RolloutEngine):
     """An engine at ``http://host:port``, optionally launched and supervised from ``process``.
 
@@ -87,6 +100,7 @@ class HttpEngine(RolloutEngine):
         self.name = name
         self.host, self.port = host, port
         self.base_url = f"http://{host}:{port}"
+        self._address = (host, port)
         self._headers = {"Content-Type": "application/json"} | (authorization_header(api_key) if api_key else {})
         self._api_key = api_key
         self.process = process
@@ -96,6 +110,7 @@ class HttpEngine(RolloutEngine):
         self._slots = threading.BoundedSemaphore(max_concurrent_requests)
         self._lock = threading.Lock()
         self._samples_in_flight: dict[str, int] = {}
+        self._connections = threading.local()
 
     def rebind(self, host: str, port: int, remote_process_report: Callable[[float], str] | None = None) -> None:
         """Talk to the engine at ``host:port`` from now on (a restarted engine); requests in flight are not moved.
@@ -103,6 +118,7 @@ class HttpEngine(RolloutEngine):
         ``remote_process_report`` replaces the old one when given (the restarted process has its own report).
         """
         self.base_url = f"http://{host}:{port}"
+        self._address = (host, port)
         if remote_process_report is not None:
             self.remote_process_report = remote_process_report
 
@@ -129,32 +145,24 @@ class HttpEngine(RolloutEngine):
         url = self.base_url + endpoint
         timeout = timeout_s if timeout_s is not None else CONTROL_TIMEOUT_S
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, headers=self._headers, method="GET" if body is None else "POST")
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as response:
-                raw = response.read()
-                content_type = response.headers.get_content_type() if response.headers.get("Content-Type") else ""
-        except urllib.error.HTTPError as error:
-            text = error.read().decode("utf-8", errors="replace")
-            hint = KEY_REFUSED if error.code == UNAUTHORIZED_STATUS else ""
-            raise EngineRequestError(
-                f"engine {self.name}: {endpoint} answered HTTP {error.code} at {url}: {text[:500]}{hint}",
-                status=error.code,
-                body=text,
-            ) from error
+            status, raw, content_type = self._exchange("GET" if body is None else "POST", endpoint, data, timeout)
         except TimeoutError as error:
             raise EngineTimeoutError(
                 f"engine {self.name}: {endpoint} got no answer within {timeout:.0f} s ({url}){self.process_report()}"
             ) from error
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError) as error:
-            reason = getattr(error, "reason", error)
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise EngineTimeoutError(
-                    f"engine {self.name}: {endpoint} got no answer within {timeout:.0f} s ({url})"
-                ) from error
+        except (http.client.HTTPException, OSError) as error:
             report = self.process_report(settle_s=CONNECTION_LOSS_SETTLE_S)
             hint = report or "; check that the engine runs and listens at that address (its log, the port)"
-            raise EngineUnavailableError(f"engine {self.name}: {endpoint} failed at {url}: {reason!r}{hint}") from error
+            raise EngineUnavailableError(f"engine {self.name}: {endpoint} failed at {url}: {error!r}{hint}") from error
+        if status >= 400:
+            text = raw.decode("utf-8", errors="replace")
+            hint = KEY_REFUSED if status == UNAUTHORIZED_STATUS else ""
+            raise EngineRequestError(
+                f"engine {self.name}: {endpoint} answered HTTP {status} at {url}: {text[:500]}{hint}",
+                status=status,
+                body=text,
+            )
         if not raw.strip():
             return None
         if content_type != "application/json":
@@ -166,6 +174,59 @@ class HttpEngine(RolloutEngine):
                 f"engine {self.name}: {endpoint} answered malformed JSON at {url} ({error}): {raw[:300]!r}; "
                 f"{NOT_THE_PROTOCOL}"
             ) from error
+
+    def _exchange(self, method: str, endpoint: str, data: bytes | None, timeout: float) -> tuple[int, bytes, str]:
+        """(status, body, media type or '') of one request over this thread's connection to the engine.
+
+        Sent a second time, over a new connection, only when a kept-alive connection failed before
+        any answer arrived (the server had closed it); any failure drops the connection.
+        """
+        may_resend = True
+        while True:
+            connection, reused = self._connection(timeout)
+            try:
+                connection.request(method, endpoint, body=data, headers=self._headers)
+                response = connection.getresponse()
+                raw = response.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._drop_connection()
+                if not (reused and may_resend):
+                    raise
+                may_resend = False
+                continue
+            except BaseException:
+                self._drop_connection()
+                raise
+            if response.will_close:
+                self._drop_connection()
+            content_type = response.headers.get_content_type() if response.headers.get("Content-Type") else ""
+            return response.status, raw, content_type
+
+    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to the engine's current address (new if none, or if the server closed it),
+        set to ``timeout``; and whether it served a request before."""
+        held: dict[tuple[str, int], http.client.HTTPConnection] = getattr(self._connections, "held", None) or {}
+        self._connections.held = held
+        for stale in [address for address in held if address != self._address]:  # the engine was rebound
+            held.pop(stale).close()
+        connection = held.get(self._address)
+        if connection is not None and connection.sock is not None and _closed_by_peer(connection.sock):
+            self._drop_connection()
+            connection = None
+        reused = connection is not None and connection.sock is not None
+        if connection is None:
+            connection = http.client.HTTPConnection(*self._address, timeout=timeout)
+            held[self._address] = connection
+        connection.timeout = timeout
+        if connection.sock is not None:
+            connection.sock.settimeout(timeout)
+        return connection, reused
+
+    def _drop_connection(self) -> None:
+        """Close and forget this thread's connection to the engine's current address."""
+        connection = (getattr(self._connections, "held", None) or {}).pop(self._address, None)
+        if connection is not None:
+            connection.close()
 
     def start(self) -> None:
         if self.process is None:

@@ -9,7 +9,9 @@ placements need every response to be a function of its own request. Checked bitw
   a prompt fed at once equals it fed token by token (prefill and decode are the same maths);
 - the engine (``ReferenceBackend``): each request answered alone equals the same request
   answered while other requests run (greedy and seeded sampling, n > 1, top-p/top-k, stop
-  tokens, routed experts), in several arrival orders.
+  tokens, routed experts), in several arrival orders;
+- the batched draw (``sample_rows``) picks, for every request, the tokens
+  ``torch.multinomial(probs, 1, generator)`` on its own rows picks.
 
 And the forward computes what transformers' Qwen3 / Qwen3-MoE compute, up to fp32 rounding.
 """
@@ -24,6 +26,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.rollout.reference.generator import INVALID_PROBABILITIES, RequestState, sample_rows
 from megatron_rl.rollout.reference.slot_model import SlotModel
 
 CONTEXT = 64
@@ -222,3 +225,60 @@ def test_a_request_with_more_samples_than_slots_runs_alone_on_added_slots():
     requests = [REQUESTS[1], REQUESTS[0]]  # n = 4, then n = 1
     assert _concurrently(small, requests) == {r.rid: _answer_key(large.generate(r)) for r in requests}
     assert small.slot_model.slots == 4
+
+
+def _sampling_owners(seed: int) -> list[tuple[RequestState, list[int], int]]:
+    """Owners of rows: a greedy request, plain, top-k and top-p sampling, each with its own generator."""
+    params = [
+        SamplingParams(temperature=0.0, n=2),
+        SamplingParams(temperature=1.0, n=5),
+        SamplingParams(temperature=0.7, n=3, top_k=4),
+        SamplingParams(temperature=1.3, n=4, top_p=0.8),
+    ]
+    owners = []
+    for index, p in enumerate(params):
+        generator = torch.Generator().manual_seed(seed * 10 + index)
+        state = RequestState(GenerateRequest([1, 2], p), generator, set(), None)
+        owners.append((state, list(range(p.n)), p.n))
+    return owners
+
+
+def test_the_batched_draw_is_torch_multinomial_on_each_requests_rows():
+    """Bit for bit what one ``torch.multinomial`` per request draws, so responses did not change with batching."""
+    for seed in range(20):
+        owners, reference = _sampling_owners(seed), _sampling_owners(seed)
+        logits = torch.randn(sum(rows for _, _, rows in owners), 32, generator=torch.Generator().manual_seed(seed)) * 3
+        for _ in range(3):
+            tokens, logprobs = sample_rows(logits, owners)
+            expected, offset = [], 0
+            for state, _, rows in reference:
+                params, block = state.request.sampling_params, logits[offset : offset + rows]
+                if params.temperature > 0:
+                    scaled = block / params.temperature
+                    if params.top_k > 0:
+                        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+                        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                    if params.top_p < 1.0:
+                        ordered, order = torch.sort(scaled, dim=-1, descending=True)
+                        drop = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1) >= params.top_p
+                        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+                    expected += torch.multinomial(scaled.softmax(-1), 1, generator=state.generator).squeeze(-1).tolist()
+                else:
+                    expected += block.argmax(-1).tolist()
+                offset += rows
+            assert tokens == expected
+            temperatures = [s.request.sampling_params.temperature for s, _, rows in owners for _ in range(rows)]
+            scale = torch.tensor([t if t > 0 else 1.0 for t in temperatures])
+            logp = torch.log_softmax(logits / scale[:, None], -1)
+            assert logprobs == logp.gather(-1, torch.tensor(expected)[:, None]).squeeze(-1).tolist()
+
+
+def test_the_batched_draw_refuses_what_torch_multinomial_refuses():
+    owners = _sampling_owners(0)
+    logits = torch.zeros(sum(rows for _, _, rows in owners), 32)
+    logits[3, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="probability tensor contains") as refused:
+        sample_rows(logits, owners)
+    with pytest.raises(RuntimeError, match="probability tensor contains") as torch_refused:
+        torch.multinomial(logits[2:7].softmax(-1), 1)
+    assert str(refused.value) == INVALID_PROBABILITIES and INVALID_PROBABILITIES in str(torch_refused.value)

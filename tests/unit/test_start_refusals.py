@@ -196,6 +196,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/manager.py", "RolloutExhaustedError"): "runtime outcome of dynamic sampling (algorithm.dynamic_sampling)",
     ("rollout/reference/backend.py", "EngineStateError"): "engine state at request time",
     ("rollout/reference/backend.py", "state.error"): "a decode step that failed at run time, re-raised to its request",
+    ("rollout/reference/generator.py", "INVALID_PROBABILITIES"): "non-finite logits of a decode step at run "
+    "time, refused as torch.multinomial refuses them (the step's requests fail)",
     ("rollout/reference/slot_model.py", ""): "the model's config.json, which config/hf_config.py refuses first "
     "(RoPE scaling, sliding windows, activations other than SiLU)",
     ("rollout/reference/backend.py", "names, dtypes and shapes"): "wire-format contract of a weight update",

@@ -13,7 +13,12 @@ each request samples its own unfinished samples from their logits:
   vocabulary);
 - draws come from the request's own generator (seeded by ``sampling_seed``, else the engine's,
   shared with the other unseeded requests, so their draws depend on what runs with them, as in
-  SGLang), one multinomial over its unfinished samples per step, in sample order;
+  SGLang), one multinomial over its unfinished samples per step, in sample order. The draw is
+  torch's own one-sample multinomial, written out so that all rows share one division and one
+  argmax: each request fills its rows' Exp(1) noise with its generator (``exponential_`` on a
+  fresh tensor of its rows' shape, as ``torch.multinomial`` does), and a row takes
+  argmax(probs / noise); the tokens are those ``torch.multinomial(probs, 1, generator)`` draws,
+  bit for bit (``tests/unit/test_reference_engine_batching.py`` checks it against torch);
 - a sample stops at a stop token (``stop_token_ids``, and the model's EOS unless ``ignore_eos``;
   the stop token is kept in ``output_ids``) or after ``max_new_tokens`` (``length``); a
   finished sample's slot is freed at once.
@@ -147,39 +152,62 @@ class RequestState:
         freed = []
         max_new = self.request.sampling_params.max_new_tokens
         for i, token, logprob in zip(samples, tokens, logprobs, strict=True):
-            self.outputs[i].append(token)
+            outputs = self.outputs[i]
+            outputs.append(token)
             self.logprobs[i].append(logprob)
             if token in self.stop_ids:
                 self.reasons[i] = FinishReason("stop", matched=token)
-            elif len(self.outputs[i]) >= max_new:
+            elif len(outputs) >= max_new:
                 self.reasons[i] = FinishReason("length")
-            if self.reasons[i] is not None:
-                freed.append(self.slots[i])
-                self.slots[i] = None
+            else:
+                continue
+            freed.append(self.slots[i])
+            self.slots[i] = None
         return freed
+
+
+INVALID_PROBABILITIES = "probability tensor contains either `inf`, `nan` or element < 0"
+"""``torch.multinomial``'s refusal of such probabilities, raised as it raises it (a RuntimeError)."""
 
 
 def sample_rows(logits_RV: torch.Tensor, owners: list[tuple[RequestState, list[int], int]]) -> tuple[list, list]:
     """Each row's next token and its log-prob; ``owners`` = (request, samples, rows) in row order.
 
-    Row-wise maths runs once over all rows (temperature, log_softmax, softmax: no op mixes rows);
-    each request then draws from its own rows with its own generator (filtered first when it sets
-    top-k / top-p), or takes the argmax when greedy.
+    Row-wise maths runs once over all rows (temperature, log_softmax, softmax, the draw's division
+    and argmax: no op mixes rows). Each sampling request fills its rows' Exp(1) noise from its own
+    generator (its rows filtered first when it sets top-k / top-p); a greedy request takes the
+    argmax of its logits. The tokens are those ``torch.multinomial(probs, 1, generator=g)`` per
+    request draws (see the module docstring), and probabilities it refuses raise its RuntimeError.
     """
     temperatures = [s.request.sampling_params.temperature for s, _, rows in owners for _ in range(rows)]
-    scaled_RV = logits_RV / torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits_RV.device)[:, None]
+    device = logits_RV.device
+    scaled_RV = logits_RV / torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=device)[:, None]
     logp_RV = torch.log_softmax(scaled_RV, dim=-1)
-    probs_RV = scaled_RV.softmax(-1)
     next_R = logits_RV.argmax(-1)
-    offset = 0
+    if not any(t > 0 for t in temperatures):
+        return next_R.tolist(), logp_RV.gather(-1, next_R.unsqueeze(-1)).squeeze(-1).tolist()
+    probs_RV = scaled_RV.softmax(-1)
+    noises, drawn, offset = [], [], 0
     for state, _, rows in owners:
         params = state.request.sampling_params
         if params.temperature > 0:
-            probs = probs_RV[offset : offset + rows]
             if params.top_k > 0 or params.top_p < 1.0:
-                probs = _filter_logits(scaled_RV[offset : offset + rows], params).softmax(-1)
-            next_R[offset : offset + rows] = torch.multinomial(probs, 1, generator=state.generator).squeeze(-1)
+                probs_RV[offset : offset + rows] = _filter_logits(scaled_RV[offset : offset + rows], params).softmax(-1)
+            noise = torch.empty((rows, probs_RV.shape[-1]), dtype=probs_RV.dtype, device=device)
+            noises.append(noise.exponential_(1, generator=state.generator))
+            drawn.append((offset, offset + rows))
+        else:
+            noises.append(torch.ones((rows, probs_RV.shape[-1]), dtype=probs_RV.dtype, device=device))
         offset += rows
+    checked = probs_RV if len(drawn) == len(owners) else torch.cat([probs_RV[a:b] for a, b in drawn])
+    if not bool((checked.max() < float("inf")) & (checked.min() >= 0)):
+        raise RuntimeError(INVALID_PROBABILITIES)
+    drawn_R = (probs_RV / torch.cat(noises)).argmax(-1)
+    if len(drawn) == len(owners):
+        next_R = drawn_R
+    else:
+        for a, b in drawn:
+            next_R[a:b] = drawn_R[a:b]
     return next_R.tolist(), logp_RV.gather(-1, next_R.unsqueeze(-1)).squeeze(-1).tolist()
 
 
@@ -216,10 +244,17 @@ class _Feed:
         for i in samples:
             outputs, start = state.outputs[i], state.cached[i]
             total = len(prompt) + len(outputs)
-            fed = [outputs[-1]] if start == total - 1 else state.tokens(i)[start:]
-            last = self.add(state.slots[i], fed, start)
+            if start == total - 1:  # the common decode step: the token sampled last
+                self.slots.append(state.slots[i])
+                self.positions.append(start)
+                self.tokens.append(outputs[-1])
+                fed_count = 1
+            else:
+                fed_count = total - start
+                self.add(state.slots[i], state.tokens(i)[start:], start)
+            last = len(self.tokens) - 1
             if record:
-                self.routed.append((state, i, last + 1 - len(fed), start, len(fed)))
+                self.routed.append((state, i, last + 1 - fed_count, start, fed_count))
             self.logit_rows.append(last)
             state.cached[i] = total
         self.owners.append((state, samples, len(samples)))
