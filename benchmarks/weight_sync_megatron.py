@@ -4,8 +4,8 @@ Writes a Qwen3-MoE Hugging Face checkpoint (random init, fp32, 193M parameters),
 reference engine on it with dummy weights, and runs 4 forked gloo ranks that build the Megatron
 model at TP2 x EP2 (expert TP 1; data parallel 2 for dense and for expert weights) and load the
 checkpoint. Each rank then streams ``export_hf_weights(designated_only=True)`` into the engine
-through ``WeightSyncer.sync`` (``sync_megatron`` is exactly that; the stream passes a tap that keeps
-the checked rows), through each transport (``tensor``: shared-memory IPC; ``distributed``: a gloo
+through ``WeightSyncer.sync_export`` (``sync_megatron`` is exactly that, the export writing into the
+tensor transport's bucket memory; the stream passes a tap that keeps the checked rows), through each transport (``tensor``: shared-memory IPC; ``distributed``: a gloo
 broadcast group per sending rank; ``disk``: safetensors in a temporary directory on the local disk)
 at each bucket size. Per (transport, bucket size): one warm-up sync (buffers, groups), then
 ``--repeats`` timed syncs, each after every parameter changed (``+1``) and followed by a check that
@@ -132,9 +132,13 @@ def _rank(
             for repeat in range(args.repeats):
                 _bump(chunks)
                 kept: list[NamedTensor] = []
-                stream = _tapped(export_hf_weights(chunks, arch, designated_only=True), kept)
                 start = _start()
-                stats = syncer.sync(stream, f"{kind}-{bucket_mb}-{repeat}")
+                stats = syncer.sync_export(
+                    lambda allocate, kept=kept: _tapped(
+                        export_hf_weights(chunks, arch, designated_only=True, allocate=allocate), kept
+                    ),
+                    f"{kind}-{bucket_mb}-{repeat}",
+                )
                 best = min(best, _wall(start))
                 engine_holds(engine, kept, CHECKED_ROWS)
             syncer.close()

@@ -1,6 +1,6 @@
 """How one Megatron parameter shard relates to its Hugging Face tensors.
 
-Each layout answers three questions for a parameter split over a tensor-parallel
+Each layout answers these questions for a parameter split over a tensor-parallel
 group of ``size`` ranks:
 
 - ``hf_shapes(local_shape, size)``: the full Hugging Face shapes it corresponds to
@@ -8,6 +8,9 @@ group of ``size`` ranks:
 - ``read_shard(read, names, rank, local_shape)``: build rank ``rank``'s shard
   (of shape ``local_shape``), reading only the rows/columns it owns through
   ``read(name, rows, cols)``;
+- ``gather_targets(out, local_shape, size)``: where in ``out`` the shards lie
+  unchanged, if they do (an unpadded vocabulary's row blocks), so a gather can
+  receive them there and skip ``unshard``;
 - ``unshard(shards, out)``: given all ranks' shards (rank order), return the full
   Hugging Face tensors, one per name. With ``out`` (one tensor per name, of the
   ``hf_shapes``), the values are written into those tensors and they are returned
@@ -50,6 +53,12 @@ class Layout(Protocol):
         self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None
     ) -> list[torch.Tensor]: ...
 
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        """Views of ``out`` (the full tensors) that the ``size`` ranks' shards of ``local_shape`` are, unchanged,
+        when the full tensors are just the shards one after the other (a gather can then write them in place);
+        else None."""
+        ...
+
 
 def _block(rank: int, length: int) -> slice:
     return slice(rank * length, (rank + 1) * length)
@@ -80,6 +89,9 @@ class Replicated:
     def unshard(self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         return [_concat(shards[:1], 0, _out(out, 0))]
 
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        return None
+
 
 class RowParallel:
     """Split along the input dimension (dim 1): ``linear_proj``, ``linear_fc2``."""
@@ -94,6 +106,9 @@ class RowParallel:
 
     def unshard(self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         return [_concat(shards, 1, _out(out, 0))]
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -123,6 +138,11 @@ class VocabParallel:
             full[start : start + rows].copy_(shard[:rows])
             start += rows
         return [full]
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        """Row blocks of the table when no row is padding (the padded vocabulary is the vocabulary)."""
+        rows = local_shape[0]
+        return list(out[0].split(rows, dim=0)) if rows * size == self.vocab_size else None
 
 
 @dataclass(frozen=True)
@@ -173,6 +193,9 @@ class FusedQKV:
             start = stop
         return list(out)
 
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        return None
+
 
 class FusedGateUp:
     """``linear_fc1`` ``[2*I/size, H]`` per rank: ``[gate rows of the rank; up rows of the rank]``."""
@@ -191,3 +214,6 @@ class FusedGateUp:
     def unshard(self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return [_concat([h[half] for h in halves], 0, _out(out, half)) for half in (0, 1)]
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        return None

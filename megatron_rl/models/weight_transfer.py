@@ -58,15 +58,20 @@ def load_hf_weights(
         param.copy_(shard.to(dtype=param.dtype))
 
 
-def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
-    shards = [torch.empty_like(tensor) for _ in range(size)]
+def _all_gather(
+    tensor: torch.Tensor, group: dist.ProcessGroup, size: int, targets: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """The group's shards in rank order, received into ``targets`` when given."""
+    shards = targets or [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(shards, tensor.contiguous(), group=group)
     return shards
 
 
-def _gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int) -> list[torch.Tensor]:
-    """The group's shards in rank order on group rank 0; an empty list on the others."""
-    shards = [torch.empty_like(tensor) for _ in range(size)] if rank == 0 else None
+def _gather_to_first(
+    tensor: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int, targets: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """The group's shards in rank order on group rank 0 (received into ``targets`` when given); [] on the others."""
+    shards = (targets or [torch.empty_like(tensor) for _ in range(size)]) if rank == 0 else None
     dist.gather(tensor.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
     return shards or []
 
@@ -113,7 +118,8 @@ def export_hf_tensors(
     is yielded as a view of the parameter, not a copy: clone it to keep it
     across a parameter update. With ``allocate``, every yielded tensor of a CPU
     parameter is one ``allocate`` handed out, written with the full tensor
-    (the one copy out of the parameter); CUDA parameters ignore it. The
+    (the one copy out of the parameter; an unpadded vocabulary table is
+    gathered straight into it); CUDA parameters ignore it. The
     exporter allocates a parameter's tensors in one call right before it
     yields them and yields all of them before it allocates again, so a
     consumer that takes each tensor as it comes holds every allocated tensor
@@ -123,15 +129,19 @@ def export_hf_tensors(
         if not mapping.exported or (designated_only and not group_holds_designated_source(mapping)):
             continue
         rank, size = tensor_parallel_rank_size(mapping)
-        if not (mapping.layout.tensor_parallel and size > 1):
-            shards = [select(param)]
+        gathered = mapping.layout.tensor_parallel and size > 1
+        local, layout = select(param), mapping.layout
+        yields = not designated_only or is_designated_source(mapping)
+        out = targets = None
+        if yields and allocate is not None and local.device.type == "cpu":
+            out = allocate(layout.hf_shapes(tuple(local.shape), size if gathered else 1), local.dtype)
+            targets = layout.gather_targets(out, tuple(local.shape), size) if gathered else None
+        if not gathered:
+            shards = [local]
         elif designated_only:
-            shards = _gather_to_first(select(param), tensor_parallel_group(mapping), size, rank)
+            shards = _gather_to_first(local, tensor_parallel_group(mapping), size, rank, targets)
         else:
-            shards = _all_gather(select(param), tensor_parallel_group(mapping), size)
-        if not designated_only or is_designated_source(mapping):
-            out = None
-            if allocate is not None and shards[0].device.type == "cpu":
-                hf_shapes = mapping.layout.hf_shapes(tuple(shards[0].shape), len(shards))
-                out = allocate(hf_shapes, shards[0].dtype)
-            yield from zip(mapping.hf_names, mapping.layout.unshard(shards, out), strict=True)
+            shards = _all_gather(local, tensor_parallel_group(mapping), size, targets)
+        if yields:
+            full = out if targets is not None else layout.unshard(shards, out)
+            yield from zip(mapping.hf_names, full, strict=True)

@@ -89,3 +89,14 @@ def test_replicated_reads_the_whole_tensor():
     norm = torch.rand(HIDDEN)
     shards, (norm2,) = _round_trip(Replicated(), {"n": norm}, (HIDDEN,), 2)
     assert torch.equal(norm2, norm)
+
+
+def test_only_an_unpadded_vocabulary_is_gathered_in_place():
+    out = [torch.empty(16, HIDDEN)]
+    targets = VocabParallel(16).gather_targets(out, (8, HIDDEN), 2)
+    assert [(t.data_ptr(), tuple(t.shape)) for t in targets] == [
+        (out[0].data_ptr(), (8, HIDDEN)),
+        (out[0][8].data_ptr(), (8, HIDDEN)),
+    ]
+    assert VocabParallel(10).gather_targets([torch.empty(10, HIDDEN)], (8, HIDDEN), 2) is None
+    assert all(layout.gather_targets(out, (8, HIDDEN), 2) is None for layout in (RowParallel(), FusedGateUp()))
