@@ -4,8 +4,8 @@ Writes a Qwen3-MoE Hugging Face checkpoint (random init, fp32, 193M parameters),
 reference engine on it with dummy weights, and runs 4 forked gloo ranks that build the Megatron
 model at TP2 x EP2 (expert TP 1; data parallel 2 for dense and for expert weights) and load the
 checkpoint. Each rank then streams ``export_hf_weights(designated_only=True)`` into the engine
-through ``WeightSyncer.sync`` (``sync_megatron`` is exactly that; the stream passes a tap that keeps
-the checked rows), through each transport (``tensor``: shared-memory IPC; ``distributed``: a gloo
+through ``WeightSyncer.sync_export`` (``sync_megatron`` is exactly that, the export writing into the
+tensor transport's bucket memory; the stream passes a tap that keeps the checked rows), through each transport (``tensor``: shared-memory IPC; ``distributed``: a gloo
 broadcast group per sending rank; ``disk``: safetensors in a temporary directory on the local disk)
 at each bucket size. Per (transport, bucket size): one warm-up sync (buffers, groups), then
 ``--repeats`` timed syncs, each after every parameter changed (``+1``) and followed by a check that
@@ -14,7 +14,10 @@ exported them (embedding, output layer, a gathered attention weight, the router,
 ranks, the final norm).
 
 Baselines measured in the same run: ``export only`` (the ranks iterate the export without sending:
-the TP gathers and the Megatron -> Hugging Face conversion), ``export, every rank`` (the export
+the TP gathers and the Megatron -> Hugging Face conversion), ``export into buckets`` (the same
+export written into the tensor transport's bucket memory, ``BucketBuffers`` at the smallest bucket
+size, without sending: what a sending rank does in a tensor sync besides the requests),
+``export, every rank`` (the export
 with ``designated_only=False``, interleaved with it: every TP group all-gathers and every rank
 yields every tensor of its stage, what the designated export did before it gathered only to the
 sending rank and let the other data-parallel replica skip its gathers) and a plain ``copy_`` of the
@@ -49,7 +52,8 @@ from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weight
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import free_port, run_local_ranks
 from megatron_rl.rollout import ReferenceEngine
-from megatron_rl.weight_sync.buckets import MIB, NamedTensor
+from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
+from megatron_rl.weight_sync.buckets import MIB, BucketFiller, NamedTensor
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
 
@@ -117,13 +121,22 @@ def _rank(
     arch, _, chunks = build_qwen_model(load_hf_config(hf_dir), SIZES, params_dtype=torch.float32)
     load_hf_weights(chunks, arch, hf_dir)
 
-    results: dict = {"export": float("inf"), "export_all": float("inf"), "syncs": {}}
-    for _ in range(args.repeats):
+    results: dict = {"export": float("inf"), "export_all": float("inf"), "export_buckets": float("inf"), "syncs": {}}
+    buffers = BucketBuffers()
+    for _ in range(args.repeats + 1):  # the first round allocates the bucket buffers and is not kept
         for key, designated in (("export", True), ("export_all", False)):
             start = _start()
             for _named in export_hf_weights(chunks, arch, designated_only=designated):
                 pass
             results[key] = min(results[key], _wall(start))
+        buffers.restart()
+        filler = BucketFiller(_smallest_bucket_mb(args) * MIB, buffers.seal, buffers.allocate)
+        start = _start()
+        for name, tensor in export_hf_weights(chunks, arch, designated_only=True, allocate=filler.allocate):
+            filler.add(name, tensor)
+        filler.flush()
+        results["export_buckets"] = min(results["export_buckets"], _wall(start))
+    buffers.release()
     for kind in args.transports.split(","):
         for bucket_mb in (int(size) for size in args.buckets_mb.split(",")):
             syncer = WeightSyncer([engine], _transport(kind, engine, hf_dir, work_dir), bucket_bytes=bucket_mb * MIB)
@@ -132,15 +145,23 @@ def _rank(
             for repeat in range(args.repeats):
                 _bump(chunks)
                 kept: list[NamedTensor] = []
-                stream = _tapped(export_hf_weights(chunks, arch, designated_only=True), kept)
                 start = _start()
-                stats = syncer.sync(stream, f"{kind}-{bucket_mb}-{repeat}")
+                stats = syncer.sync_export(
+                    lambda allocate, kept=kept: _tapped(
+                        export_hf_weights(chunks, arch, designated_only=True, allocate=allocate), kept
+                    ),
+                    f"{kind}-{bucket_mb}-{repeat}",
+                )
                 best = min(best, _wall(start))
                 engine_holds(engine, kept, CHECKED_ROWS)
             syncer.close()
             results["syncs"][(kind, bucket_mb)] = (best, stats.num_bytes, stats.num_buckets, len(kept))
     destroy_parallel()
     return results
+
+
+def _smallest_bucket_mb(args: argparse.Namespace) -> int:
+    return min(int(size) for size in args.buckets_mb.split(","))
 
 
 def _plain_copies(named: list[NamedTensor], repeats: int, copy_s: dict[int, float]) -> None:
@@ -152,7 +173,7 @@ def _plain_copies(named: list[NamedTensor], repeats: int, copy_s: dict[int, floa
     torch.set_num_threads(default)
 
 
-def _report(per_rank: list[dict], copy_s: dict[int, float], num_bytes: int) -> None:
+def _report(per_rank: list[dict], copy_s: dict[int, float], num_bytes: int, bucket_mb_min: int) -> None:
     """The table (one row per baseline and per transport and bucket size) and the last line."""
     gb = num_bytes / 1e9
     copy_best = min(copy_s.values())
@@ -164,6 +185,11 @@ def _report(per_rank: list[dict], copy_s: dict[int, float], num_bytes: int) -> N
     rows.append(
         ["export only", "-", "-", f"{export_s:.3f}", f"{gb / export_s:.2f}", f"{export_s / copy_best:.2f}", "1.00", "-"]
     )
+    into_s = per_rank[0]["export_buckets"]
+    rows.append(
+        ["export into buckets", str(bucket_mb_min), "-", f"{into_s:.3f}", f"{gb / into_s:.2f}",
+         f"{into_s / copy_best:.2f}", f"{into_s / export_s:.2f}", "-"]
+    )  # fmt: skip
     all_s = per_rank[0]["export_all"]
     rows.append(
         [
@@ -227,7 +253,7 @@ def main() -> None:
         f"model: Qwen3-MoE {num_params / 1e6:.0f}M parameters, {num_bytes / 1e9:.2f} GB fp32, TP2 x EP2 on {WORLD} "
         f"gloo ranks; best of {args.repeats}; ranks {wall:.0f} s"
     )
-    _report(per_rank, copy_s, num_bytes)
+    _report(per_rank, copy_s, num_bytes, _smallest_bucket_mb(args))
 
 
 if __name__ == "__main__":

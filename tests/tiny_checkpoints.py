@@ -44,12 +44,15 @@ def save_tiny_dense(path: Path) -> Path:
     return path
 
 
-def save_tiny_moe(path: Path, *, sparse_step: bool = False, dtype: torch.dtype = torch.float32) -> Path:
+def save_tiny_moe(
+    path: Path, *, sparse_step: bool = False, dtype: torch.dtype = torch.float32, vocab_size: int = VOCAB
+) -> Path:
     """Qwen3-MoE, 4 layers, 4 experts top-2, untied embeddings.
 
     Default: layer 1 dense via ``mlp_only_layers``, normalised top-k (as Qwen3-30B-A3B).
     ``sparse_step=True``: every second layer dense via ``decoder_sparse_step=2``,
-    un-normalised top-k probabilities. ``dtype``: the saved weights' dtype.
+    un-normalised top-k probabilities. ``dtype``: the saved weights' dtype. ``vocab_size``:
+    e.g. 256, which Megatron does not pad at TP 2 (the default 100 is padded to 256).
     """
     routing = (
         dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)
@@ -63,7 +66,7 @@ def save_tiny_moe(path: Path, *, sparse_step: bool = False, dtype: torch.dtype =
         num_experts_per_tok=2,
         tie_word_embeddings=False,
         **routing,
-        **_COMMON,
+        **{**_COMMON, "vocab_size": vocab_size},
     )
     model = Qwen3MoeForCausalLM(config)
     _randomise(model, seed=2)

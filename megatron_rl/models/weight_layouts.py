@@ -1,6 +1,6 @@
 """How one Megatron parameter shard relates to its Hugging Face tensors.
 
-Each layout answers three questions for a parameter split over a tensor-parallel
+Each layout answers these questions for a parameter split over a tensor-parallel
 group of ``size`` ranks:
 
 - ``hf_shapes(local_shape, size)``: the full Hugging Face shapes it corresponds to
@@ -8,8 +8,16 @@ group of ``size`` ranks:
 - ``read_shard(read, names, rank, local_shape)``: build rank ``rank``'s shard
   (of shape ``local_shape``), reading only the rows/columns it owns through
   ``read(name, rows, cols)``;
-- ``unshard(shards)``: given all ranks' shards (rank order), return the full
-  Hugging Face tensors, one per name.
+- ``gather_targets(out, local_shape, size)``: where in ``out`` the shards lie
+  unchanged, if they do (an unpadded vocabulary's row blocks), so a gather can
+  receive them there and skip ``unshard``;
+- ``unshard(shards, out)``: given all ranks' shards (rank order), return the full
+  Hugging Face tensors, one per name. With ``out`` (one tensor per name, of the
+  ``hf_shapes``), the values are written into those tensors and they are returned
+  (e.g. a transport's shared-memory bucket); without, a single shard is returned
+  as views of itself wherever the layout is a plain slice of it (no copy), and
+  several shards are concatenated into new tensors. Either way the values are
+  the same, bit for bit.
 
 Legend: H hidden, d head_dim, g query groups (KV heads), q query heads per
 group, I intermediate size, V vocab, Vp padded vocab.
@@ -41,11 +49,30 @@ class Layout(Protocol):
 
     def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor: ...
 
-    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+    def unshard(
+        self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]: ...
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        """Views of ``out`` (the full tensors) that the ``size`` ranks' shards of ``local_shape`` are, unchanged,
+        when the full tensors are just the shards one after the other (a gather can then write them in place);
+        else None."""
+        ...
 
 
 def _block(rank: int, length: int) -> slice:
     return slice(rank * length, (rank + 1) * length)
+
+
+def _concat(parts: Sequence[torch.Tensor], dim: int, out: torch.Tensor | None) -> torch.Tensor:
+    """``parts`` concatenated along ``dim``: written into ``out`` when given, else one part as itself (no copy)."""
+    if out is not None:
+        return torch.cat(list(parts), dim=dim, out=out)
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=dim)
+
+
+def _out(out: Sequence[torch.Tensor] | None, index: int) -> torch.Tensor | None:
+    return None if out is None else out[index]
 
 
 class Replicated:
@@ -59,8 +86,11 @@ class Replicated:
     def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor:
         return read(names[0])
 
-    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [shards[0]]
+    def unshard(self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        return [_concat(shards[:1], 0, _out(out, 0))]
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        return None
 
 
 class RowParallel:
@@ -74,8 +104,11 @@ class RowParallel:
     def read_shard(self, read: SliceReader, names: Sequence[str], rank: int, local_shape: Shape) -> torch.Tensor:
         return read(names[0], cols=_block(rank, local_shape[1]))
 
-    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.cat(list(shards), dim=1)]
+    def unshard(self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        return [_concat(shards, 1, _out(out, 0))]
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -95,8 +128,21 @@ class VocabParallel:
         padding = real.new_zeros((rows - real.shape[0], real.shape[1]))
         return torch.cat([real, padding], dim=0)
 
-    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.cat(list(shards), dim=0)[: self.vocab_size]]
+    def unshard(self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        if out is None and len(shards) == 1:
+            return [shards[0][: self.vocab_size]]
+        full = out[0] if out is not None else shards[0].new_empty((self.vocab_size, shards[0].shape[1]))
+        start = 0
+        for shard in shards:
+            rows = min(shard.shape[0], self.vocab_size - start)
+            full[start : start + rows].copy_(shard[:rows])
+            start += rows
+        return [full]
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        """Row blocks of the table when no row is padding (the padded vocabulary is the vocabulary)."""
+        rows = local_shape[0]
+        return list(out[0].split(rows, dim=0)) if rows * size == self.vocab_size else None
 
 
 @dataclass(frozen=True)
@@ -130,15 +176,25 @@ class FusedQKV:
         parts = [query.view(groups, q * d, hidden), key.view(groups, d, hidden), value.view(groups, d, hidden)]
         return torch.cat(parts, dim=1).reshape(-1, hidden)
 
-    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        full = torch.cat(list(shards), dim=0)
-        hidden, q = full.shape[1], self._q_per_group
-        grouped = full.view(self.num_groups, q + 2, self.head_dim, hidden)
-        return [
-            grouped[:, :q].reshape(-1, hidden),
-            grouped[:, q].reshape(-1, hidden),
-            grouped[:, q + 1].reshape(-1, hidden),
-        ]
+    def unshard(self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Each shard's groups are copied straight into the q, k and v tensors (always a copy: they interleave)."""
+        hidden, q, d = shards[0].shape[1], self._q_per_group, self.head_dim
+        if out is None:
+            out = [shards[0].new_empty(shape) for shape in self.hf_shapes(tuple(shards[0].shape), len(shards))]
+        query = out[0].view(self.num_groups, q, d, hidden)
+        key, value = (tensor.view(self.num_groups, d, hidden) for tensor in out[1:])
+        start = 0
+        for shard in shards:
+            grouped = shard.reshape(-1, q + 2, d, hidden)
+            stop = start + grouped.shape[0]
+            query[start:stop].copy_(grouped[:, :q])
+            key[start:stop].copy_(grouped[:, q])
+            value[start:stop].copy_(grouped[:, q + 1])
+            start = stop
+        return list(out)
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        return None
 
 
 class FusedGateUp:
@@ -155,6 +211,9 @@ class FusedGateUp:
         gate, up = read(names[0], rows=rows), read(names[1], rows=rows)
         return torch.cat([gate, up], dim=0)
 
-    def unshard(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def unshard(self, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         halves = [shard.chunk(2, dim=0) for shard in shards]
-        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+        return [_concat([h[half] for h in halves], 0, _out(out, half)) for half in (0, 1)]
+
+    def gather_targets(self, out: Sequence[torch.Tensor], local_shape: Shape, size: int) -> list[torch.Tensor] | None:
+        return None

@@ -10,7 +10,9 @@
   rank that holds them, and each pipeline stage yields only its own layers.
   The order is model order (embedding, layers in ascending order, final norm,
   output layer) within each stage. All ranks of a TP group must iterate the
-  generator together (it issues collectives).
+  generator together (it issues collectives). Given an :data:`Allocate`, the
+  full tensors are written into tensors it hands out (a transport's
+  shared-memory bucket) instead of new ones.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
+from megatron_rl.models.weight_layouts import Shape
 from megatron_rl.models.weight_map import (
     group_holds_designated_source,
     is_designated_source,
@@ -30,6 +33,9 @@ from megatron_rl.models.weight_map import (
     tensor_parallel_group,
     tensor_parallel_rank_size,
 )
+
+Allocate = Callable[[Sequence[Shape], torch.dtype], list[torch.Tensor]]
+"""Hands out empty CPU tensors of the shapes and dtype, for the exporter to write one parameter's full tensors into."""
 
 
 @torch.no_grad()
@@ -52,25 +58,36 @@ def load_hf_weights(
         param.copy_(shard.to(dtype=param.dtype))
 
 
-def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
-    shards = [torch.empty_like(tensor) for _ in range(size)]
+def _all_gather(
+    tensor: torch.Tensor, group: dist.ProcessGroup, size: int, targets: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """The group's shards in rank order, received into ``targets`` when given."""
+    shards = targets or [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(shards, tensor.contiguous(), group=group)
     return shards
 
 
-def _gather_to_first(tensor: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int) -> list[torch.Tensor]:
-    """The group's shards in rank order on group rank 0; an empty list on the others."""
-    shards = [torch.empty_like(tensor) for _ in range(size)] if rank == 0 else None
+def _gather_to_first(
+    tensor: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int, targets: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """The group's shards in rank order on group rank 0 (received into ``targets`` when given); [] on the others."""
+    shards = (targets or [torch.empty_like(tensor) for _ in range(size)]) if rank == 0 else None
     dist.gather(tensor.contiguous(), shards, dst=dist.get_global_rank(group, 0), group=group)
     return shards or []
 
 
 @torch.no_grad()
 def export_hf_weights(
-    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, *, designated_only: bool = False
+    chunks: Sequence[torch.nn.Module],
+    arch: QwenArchitecture,
+    *,
+    designated_only: bool = False,
+    allocate: Allocate | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, full weight) for the tensors of this rank's chunks (see :func:`export_hf_tensors`)."""
-    yield from export_hf_tensors(chunks, arch, lambda param: param.detach(), designated_only=designated_only)
+    yield from export_hf_tensors(
+        chunks, arch, lambda param: param.detach(), designated_only=designated_only, allocate=allocate
+    )
 
 
 @torch.no_grad()
@@ -80,6 +97,7 @@ def export_hf_tensors(
     select: Callable[[torch.nn.Parameter], torch.Tensor],
     *,
     designated_only: bool = False,
+    allocate: Allocate | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, full tensor) of ``select(param)`` for every parameter of the chunks.
 
@@ -94,16 +112,36 @@ def export_hf_tensors(
     to its rank 0 (the designated source is TP rank 0), and a group holding no
     designated source (another data-parallel replica) skips the gather. A tied
     output layer is not yielded (Hugging Face stores only the embedding).
+
+    Without ``allocate``, a tensor that is a slice of this rank's own shard (no
+    gather: a norm, the router, an expert at expert TP 1, an unsplit vocabulary)
+    is yielded as a view of the parameter, not a copy: clone it to keep it
+    across a parameter update. With ``allocate``, every yielded tensor of a CPU
+    parameter is one ``allocate`` handed out, written with the full tensor
+    (the one copy out of the parameter; an unpadded vocabulary table is
+    gathered straight into it); CUDA parameters ignore it. The
+    exporter allocates a parameter's tensors in one call right before it
+    yields them and yields all of them before it allocates again, so a
+    consumer that takes each tensor as it comes holds every allocated tensor
+    before the next allocation.
     """
     for mapping, param in iter_param_mappings(chunks, arch):
         if not mapping.exported or (designated_only and not group_holds_designated_source(mapping)):
             continue
         rank, size = tensor_parallel_rank_size(mapping)
-        if not (mapping.layout.tensor_parallel and size > 1):
-            shards = [select(param)]
+        gathered = mapping.layout.tensor_parallel and size > 1
+        local, layout = select(param), mapping.layout
+        yields = not designated_only or is_designated_source(mapping)
+        out = targets = None
+        if yields and allocate is not None and local.device.type == "cpu":
+            out = allocate(layout.hf_shapes(tuple(local.shape), size if gathered else 1), local.dtype)
+            targets = layout.gather_targets(out, tuple(local.shape), size) if gathered else None
+        if not gathered:
+            shards = [local]
         elif designated_only:
-            shards = _gather_to_first(select(param), tensor_parallel_group(mapping), size, rank)
+            shards = _gather_to_first(local, tensor_parallel_group(mapping), size, rank, targets)
         else:
-            shards = _all_gather(select(param), tensor_parallel_group(mapping), size)
-        if not designated_only or is_designated_source(mapping):
-            yield from zip(mapping.hf_names, mapping.layout.unshard(shards), strict=True)
+            shards = _all_gather(local, tensor_parallel_group(mapping), size, targets)
+        if yields:
+            full = out if targets is not None else layout.unshard(shards, out)
+            yield from zip(mapping.hf_names, full, strict=True)

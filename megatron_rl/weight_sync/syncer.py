@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.schema import WeightSyncConfig
-from megatron_rl.models.weight_transfer import export_hf_weights
+from megatron_rl.models.weight_transfer import Allocate, export_hf_weights
 from megatron_rl.rollout.engine import EngineError, RolloutEngine
-from megatron_rl.weight_sync.buckets import MIB, NamedTensor, iter_buckets, tensor_bytes
+from megatron_rl.weight_sync.buckets import MIB, BucketFiller, NamedTensor, tensor_bytes
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -99,18 +99,34 @@ class WeightSyncer:
 
     def sync(self, named_tensors: Iterable[NamedTensor], version: str) -> SyncStats:
         """Deliver this rank's share of the weights; every rank calls it with its own stream."""
+        return self.sync_export(lambda allocate: named_tensors, version)
+
+    def sync_export(self, export: Callable[[Allocate | None], Iterable[NamedTensor]], version: str) -> SyncStats:
+        """Deliver the stream ``export(allocate)``, where ``allocate`` hands out bucket memory (or is None).
+
+        ``export`` may write its tensors into memory ``allocate`` hands out (the tensor
+        transport's shared buffers: the bucket is then sent without a copy), on the condition
+        :class:`~megatron_rl.weight_sync.buckets.BucketFiller` states: it yields every tensor it
+        allocated before it allocates the next (``export_hf_weights`` does).
+        """
         start = time.perf_counter()
         session = self.transport.needs_session
         _on_controller(self.engines, lambda e: _open(e, session))
-        num_tensors = num_bytes = num_buckets = 0
+        counts = [0, 0, 0]
+
+        def send(bucket: list[NamedTensor]) -> None:
+            self.transport.send_bucket(bucket, version)
+            counts[0] += len(bucket)
+            counts[1] += sum(tensor_bytes(t) for _, t in bucket)
+            counts[2] += 1
+
         try:
+            filler = BucketFiller(self.bucket_bytes, send, self.transport.allocate)
             _barrier()
             self.transport.begin(version)
-            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-                self.transport.send_bucket(bucket, version)
-                num_tensors += len(bucket)
-                num_bytes += sum(tensor_bytes(t) for _, t in bucket)
-                num_buckets += 1
+            for name, tensor in export(filler.allocate):
+                filler.add(name, tensor)
+            filler.flush()
             self.transport.finish(version)
             _barrier()
         except BaseException:
@@ -119,11 +135,14 @@ class WeightSyncer:
                 _on_controller(self.engines, _abandon)
             raise
         _on_controller(self.engines, lambda e: _close(e, session))
-        return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+        return SyncStats(*counts, time.perf_counter() - start)
 
     def sync_megatron(self, chunks: Sequence, arch: QwenArchitecture, version: str) -> SyncStats:
-        """Sync this rank's Megatron chunks: each tensor is sent once, by its designated source rank."""
-        return self.sync(export_hf_weights(chunks, arch, designated_only=True), version)
+        """Sync this rank's Megatron chunks: each tensor is sent once, by its designated source rank,
+        written by the export straight into the transport's bucket memory where it has some."""
+        return self.sync_export(
+            lambda allocate: export_hf_weights(chunks, arch, designated_only=True, allocate=allocate), version
+        )
 
     def close(self) -> None:
         """Release the transport's resources (e.g. broadcast groups)."""

@@ -12,10 +12,14 @@ the syncer's controller opens and closes.
 - :class:`TensorTransport` (colocated): ``/update_weights_from_tensor`` with
   IPC handles: CUDA tensors as they are (their device named by UUID), CPU tensors
   in shared memory as they are too (the engine's copy into its weights is then the
-  only copy), other CPU tensors packed into two reused shared-memory buffers per
-  rank, used in turn (one copy, the model's storage untouched). One bucket is in
-  flight while the next is gathered and packed. CUDA IPC handles open only on the sender's node: the
-  recipe check refuses colocated engines on nodes without the sending rank.
+  only copy). It hands out bucket memory (:attr:`WeightTransport.allocate`): two
+  reused shared-memory buffers per rank, filled in turn, which the exporter writes
+  its full tensors into (the TP gather's concatenation, the layout conversion), so
+  a CPU trainer's bucket goes as views with no pack; other CPU tensors in private
+  memory are copied into the same buffers (one copy, the model's storage untouched).
+  One bucket is in flight while the next is exported. CUDA IPC handles open only on
+  the sender's node: the recipe check refuses colocated engines on nodes without the
+  sending rank.
 - :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
   broadcast group with every engine rank (engine ``i`` at rank offset
   1 + sum of the previous engines' sizes); per bucket it posts
@@ -44,6 +48,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from megatron_rl.models.weight_transfer import Allocate
 from megatron_rl.parallel.device import collective_backend
 from megatron_rl.parallel.stores import listen_socket
 from megatron_rl.rollout.engine import RolloutEngine
@@ -53,7 +58,8 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.weight_sync.buckets import NamedTensor, tensor_bytes
+from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
+from megatron_rl.weight_sync.buckets import NamedTensor
 from megatron_rl.weight_sync.send_lock import SendLock, create_send_lock
 from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
 from megatron_rl.weight_sync.weight_group import (
@@ -62,8 +68,6 @@ from megatron_rl.weight_sync.weight_group import (
     create_weight_group,
     destroy_weight_group,
 )
-
-ALIGN_BYTES = 64
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,11 @@ class WeightTransport(abc.ABC):
     needs_session: bool = True
     """Whether updates must run between the engines' ``begin_weight_update`` and ``end_weight_update``."""
 
+    @property
+    def allocate(self) -> Allocate | None:
+        """Memory of the bucket being filled, for the caller to write a tensor into and send in it; None: none."""
+        return None
+
     def begin(self, version: str) -> None:  # noqa: B027 (optional hook)
         """Start a sync (collective for transports that need it)."""
 
@@ -124,17 +133,22 @@ class TensorTransport(WeightTransport):
     device by UUID, so an engine numbering the node's GPUs differently opens the right one.
 
     Pipelined: :meth:`send_bucket` posts its bucket from a background thread and returns;
-    the caller prepares (gathers, packs) bucket k+1 while the engines load bucket k. The
+    the caller prepares (gathers, converts) bucket k+1 while the engines load bucket k. The
     next :meth:`send_bucket` and :meth:`finish` wait for the bucket in flight (re-raising its
     failure), so the engines receive buckets in order, one at a time, and every bucket is
-    loaded when :meth:`finish` returns. CPU tensors in private memory are packed into two reused
-    shared-memory buffers used in turn (2 x the largest bucket): packing bucket k+1 never writes
-    the memory the engines are reading. CUDA tensors and CPU tensors already in shared memory
-    (``storage.is_shared()``, e.g. weights moved there once with ``share_memory_()``) are sent as
-    they are, views of the sender's storage, kept alive until loaded: the engines read the
-    sender's memory directly, so the caller must not write such a tensor before :meth:`finish`
-    returns (a trainer does not: the sync runs between optimizer steps). A CPU storage shared by
-    file descriptor is moved to a named shared-memory file on its first send (by torch, once).
+    loaded when :meth:`finish` returns. Bucket memory (:attr:`allocate`) comes from two reused
+    shared-memory buffers filled in turn (:class:`~megatron_rl.weight_sync.bucket_buffers.BucketBuffers`,
+    each at most 2 x the largest bucket): bucket k+1 is written into the buffer bucket k-1 was
+    sent from, which :meth:`send_bucket` of bucket k waited for, so writing bucket k+1 never
+    touches memory the engines are reading; a bucket that lacks a tensor allocated for it is
+    refused (RuntimeError), since that tensor's buffer is reused next. CPU tensors in private
+    memory are copied into that memory when sent. CUDA tensors and CPU tensors already in shared
+    memory (``storage.is_shared()``, e.g. weights moved there once with ``share_memory_()``, or
+    allocated here) are sent as they are, views of the sender's storage, kept alive until loaded:
+    the engines read the sender's memory directly, so the caller must not write such a tensor
+    before :meth:`finish` returns (a trainer does not: the sync runs between optimizer steps). A
+    CPU storage shared by file descriptor is moved to a named shared-memory file on its first
+    send (by torch, once).
     """
 
     NUM_BUFFERS = 2
@@ -142,36 +156,19 @@ class TensorTransport(WeightTransport):
     def __init__(self, engines: Sequence[RolloutEngine], engine_tp_sizes: Sequence[int] | None = None) -> None:
         self.engines = list(engines)
         self.engine_tp_sizes = list(engine_tp_sizes or [1] * len(self.engines))
-        self._buffers: list[torch.Tensor | None] = [None] * self.NUM_BUFFERS
-        self._next_buffer = 0
+        self._buffers = BucketBuffers(self.NUM_BUFFERS)
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-tensor")
         self._in_flight: Future[None] | None = None
 
-    def _shareable(self, bucket: list[NamedTensor]) -> list[NamedTensor]:
-        """The bucket as tensors the engines can open, copying only what is in private CPU memory.
+    @property
+    def allocate(self) -> Allocate:
+        return self._buffers.allocate
 
-        CUDA tensors and CPU tensors in shared memory go as they are (views of the sender's storage);
-        the other CPU tensors are packed into this bucket's shared buffer.
-        """
-        private = [i for i, (_, tensor) in enumerate(bucket) if not _opens_in_place(tensor)]
-        shared = [(name, tensor.contiguous() if tensor.is_cuda else tensor) for name, tensor in bucket]
-        if not private:
-            return shared
-        offsets, total = [], 0
-        for i in private:
-            offsets.append(total)
-            total += -(-tensor_bytes(bucket[i][1]) // ALIGN_BYTES) * ALIGN_BYTES
-        index = self._next_buffer
-        self._next_buffer = (index + 1) % self.NUM_BUFFERS
-        buffer = self._buffers[index]
-        if buffer is None or buffer.numel() < total:
-            buffer = self._buffers[index] = torch.empty(total, dtype=torch.uint8).share_memory_()
-        for i, offset in zip(private, offsets, strict=True):
-            name, tensor = bucket[i]
-            view = buffer[offset : offset + tensor_bytes(tensor)].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor)
-            shared[i] = (name, view)
-        return shared
+    def _shareable(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the engines can open it: as it is in shared memory, contiguous on CUDA, else copied in."""
+        if not _opens_in_place(tensor):
+            return self._buffers.copy_in(tensor)
+        return tensor.contiguous() if tensor.is_cuda else tensor
 
     def _post(self, shared: list[NamedTensor], version: str) -> None:
         def update(index: int, engine: RolloutEngine) -> None:
@@ -186,8 +183,13 @@ class TensorTransport(WeightTransport):
         if in_flight is not None:
             in_flight.result()
 
+    def begin(self, version: str) -> None:
+        """Nothing is in flight between syncs: the next bucket fills its buffer from the start."""
+        self._buffers.restart()
+
     def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
-        shared = self._shareable(bucket)
+        shared = [(name, self._shareable(tensor)) for name, tensor in bucket]
+        self._buffers.seal(shared)
         self._wait()
         self._in_flight = self._sender.submit(self._post, shared, version)
 
@@ -205,7 +207,7 @@ class TensorTransport(WeightTransport):
             self._wait()
         finally:
             self._sender.shutdown(wait=True)
-            self._buffers = [None] * self.NUM_BUFFERS
+            self._buffers.release()
 
 
 class DistributedTransport(WeightTransport):

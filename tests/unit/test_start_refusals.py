@@ -223,6 +223,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
     ("weight_sync/transports.py", "before begin()"): "call order inside the syncer",
+    ("weight_sync/bucket_buffers.py", "not in the bucket being sent"): "internal: the exporter sends every "
+    "tensor it allocated in its bucket",
     ("orchestration/trainer_group.py", "shards for"): "the driver shards by the group's own DP size",
     ("orchestration/trainer_group.py", "trained on other samples"): "a delivery check at run time",
     ("rollout/reference/weights.py", ""): "weight update contents, written by the trainer's exporter",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.multiprocessing import reductions
 
-from megatron_rl.weight_sync.buckets import iter_buckets
+from megatron_rl.weight_sync.buckets import BucketFiller
 from megatron_rl.weight_sync.tensor_serialization import (
     REBUILD_DEVICE_ARG,
     UnsafePayloadError,
@@ -49,10 +49,27 @@ def test_unpickler_refuses_anything_but_named_tensors(payload):
 
 def test_buckets_respect_the_size_and_keep_order():
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 1])]  # fp32: 40, 40, 120, 20, 4 bytes
-    buckets = list(iter_buckets(tensors, 80))
+    buckets: list[list] = []
+    filler = BucketFiller(80, buckets.append)
+    for name, tensor in tensors:
+        filler.add(name, tensor)
+    filler.flush()
     assert [[name for name, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
     with pytest.raises(ValueError, match="bucket_bytes must be >= 1"):
-        list(iter_buckets(tensors, 0))
+        BucketFiller(0, buckets.append)
+
+
+def test_an_allocated_group_starts_a_new_bucket_whole_when_it_does_not_fit():
+    buckets: list[list] = []
+    filler = BucketFiller(80, buckets.append, lambda shapes, dtype: [torch.zeros(s, dtype=dtype) for s in shapes])
+    filler.add("t0", torch.zeros(10))  # 40 bytes
+    gate, up = filler.allocate([(6,), (6,)], torch.float32)  # 48 bytes: with t0 past 80, so t0 goes alone
+    assert [[name for name, _ in b] for b in buckets] == [["t0"]]
+    filler.add("gate", gate)
+    filler.add("up", up)
+    filler.add("t1", torch.zeros(8))  # 32 bytes: 80 in all, still fits
+    filler.flush()
+    assert [[name for name, _ in b] for b in buckets] == [["t0"], ["gate", "up", "t1"]]
 
 
 UUIDS = ("8f1c0d2e-0000-4000-8000-00000000000a", "8f1c0d2e-0000-4000-8000-00000000000b")

@@ -7,7 +7,10 @@
 - the reference engine keeps the sender's buffers mapped across syncs (at most the buffers of the
   last sync), and every sync still lands exactly, also when the sender's buffers grow;
 - CPU tensors already in shared memory are sent in place (the engine reads the sender's memory, the
-  one copy is the engine's), private ones are packed and stay private.
+  one copy is the engine's), private ones are packed and stay private;
+- tensors written into the bucket memory the transport hands out are sent in place, bucket k+1 is
+  written into the other buffer while bucket k is in flight, a repeated sync reuses the same two
+  buffers, and a bucket that lacks a tensor allocated for it is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from transformers import AutoModelForCausalLM
 from megatron_rl.rollout.protocol import UpdateWeightsFromTensorRequest
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
+from megatron_rl.weight_sync.buckets import BucketFiller
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
@@ -114,6 +118,53 @@ def test_shared_memory_tensors_are_sent_in_place_and_private_ones_packed():
     assert read_from[1] != private.data_ptr() and not private.is_shared()
     (received,) = engine.received
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bucket, received, strict=True))
+    transport.close()
+
+
+def _fill_allocated(transport: TensorTransport, engine: RecordingEngine, count: int) -> list[int]:
+    """One sync of ``count`` tensors of 1000 floats (value i), two per bucket, written into the transport's
+    memory; the gate opens only when bucket 1 is written, so bucket 0 is in flight meanwhile."""
+    transport.begin("v")
+    filler = BucketFiller(8000, lambda bucket: transport.send_bucket(bucket, "v"), transport.allocate)
+    pointers = []
+    for i in range(count):
+        if i == 4:
+            engine.gate.set()
+        (tensor,) = filler.allocate([(1000,)], torch.float32)
+        filler.add(f"w{i}", tensor.fill_(float(i)))
+        pointers.append(tensor.data_ptr())
+    filler.flush()
+    transport.finish("v")
+    engine.gate.clear()
+    return pointers
+
+
+def test_tensors_written_into_bucket_memory_go_in_place_and_never_over_a_bucket_in_flight():
+    engine = RecordingEngine()
+    transport = TensorTransport([engine])
+    # the first sync grows the buffers (and torch moves each new one to a named shared-memory file
+    # on its first send); the second sync writes into the same two buffers
+    for _ in range(2):
+        engine.received.clear()
+        engine.read_from.clear()
+        pointers = _fill_allocated(transport, engine, 6)
+        assert [[name for name, _ in got] for got in engine.received] == [["w0", "w1"], ["w2", "w3"], ["w4", "w5"]]
+        for got in engine.received:
+            assert all(torch.equal(t, torch.full((1000,), float(name[1:]))) for name, t in got)
+    assert [p for read in engine.read_from for p in read] == pointers  # in place: no pack
+    assert engine.read_from[0] == engine.read_from[2]  # bucket 2 reuses bucket 0's buffer
+    assert not set(engine.read_from[0]) & set(engine.read_from[1])
+    transport.close()
+
+
+def test_a_bucket_without_a_tensor_allocated_for_it_is_refused():
+    engine = RecordingEngine()
+    engine.gate.set()
+    transport = TensorTransport([engine])
+    kept, dropped = transport.allocate([(4,), (4,)], torch.float32)
+    with pytest.raises(RuntimeError, match=r"1 tensor\(s\) allocated .* not in the bucket"):
+        transport.send_bucket([("kept", kept.zero_())], "v")
+    del dropped
     transport.close()
 
 

@@ -1,4 +1,8 @@
-"""Shard layouts: reading a rank's slice and unsharding all ranks' slices are inverse operations."""
+"""Shard layouts: reading a rank's slice and unsharding all ranks' slices are inverse operations.
+
+Unsharding into given ``out`` tensors writes the same values, bit for bit, into exactly those tensors;
+without ``out``, one shard comes back as views of itself wherever the layout is a slice of it.
+"""
 
 import pytest
 import torch
@@ -23,7 +27,27 @@ def _round_trip(layout, tensors: dict[str, torch.Tensor], local_shape: tuple[int
     shards = [layout.read_shard(_Reader(tensors), names, rank, local_shape) for rank in range(size)]
     assert all(tuple(shard.shape) == local_shape for shard in shards)
     assert layout.hf_shapes(local_shape, size) == [tuple(t.shape) for t in tensors.values()]
-    return shards, layout.unshard(shards)
+    full = layout.unshard(shards)
+    out = [torch.full(tuple(t.shape), float("nan")) for t in tensors.values()]
+    written = layout.unshard(shards, out)
+    assert [t.data_ptr() for t in written] == [t.data_ptr() for t in out]
+    assert all(torch.equal(a, b) for a, b in zip(written, full, strict=True))
+    return shards, full
+
+
+@pytest.mark.parametrize(
+    "layout, local_shape",
+    [
+        (Replicated(), (HIDDEN,)),
+        (RowParallel(), (HIDDEN, 8)),
+        (VocabParallel(10), (16, HIDDEN)),
+        (FusedGateUp(), (16, HIDDEN)),
+    ],
+)
+def test_one_shard_unshards_to_views_of_itself(layout, local_shape):
+    shard = torch.rand(local_shape)
+    storage = shard.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in layout.unshard([shard]))
 
 
 @pytest.mark.parametrize("size", [1, 2])
@@ -65,3 +89,14 @@ def test_replicated_reads_the_whole_tensor():
     norm = torch.rand(HIDDEN)
     shards, (norm2,) = _round_trip(Replicated(), {"n": norm}, (HIDDEN,), 2)
     assert torch.equal(norm2, norm)
+
+
+def test_only_an_unpadded_vocabulary_is_gathered_in_place():
+    out = [torch.empty(16, HIDDEN)]
+    targets = VocabParallel(16).gather_targets(out, (8, HIDDEN), 2)
+    assert [(t.data_ptr(), tuple(t.shape)) for t in targets] == [
+        (out[0].data_ptr(), (8, HIDDEN)),
+        (out[0][8].data_ptr(), (8, HIDDEN)),
+    ]
+    assert VocabParallel(10).gather_targets([torch.empty(10, HIDDEN)], (8, HIDDEN), 2) is None
+    assert all(layout.gather_targets(out, (8, HIDDEN), 2) is None for layout in (RowParallel(), FusedGateUp()))
