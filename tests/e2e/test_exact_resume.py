@@ -25,7 +25,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.tiny_runs import RECIPE, ROOT, megatron_contents, read_metrics, run_env, run_train, train_command
+from tests.e2e.tiny_runs import (
+    RECIPE,
+    ROOT,
+    megatron_contents,
+    read_metrics,
+    run_env,
+    run_train,
+    train_command,
+    without_wall_clock,
+)
 
 ASYNC_RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_async.yaml"
 PARTIAL = [
@@ -49,7 +58,6 @@ OVERRIDES = [
     "checkpoint.interval=2",
 ]
 OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
-WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
 
 
 def _run_killed_when(cwd: Path, recipe: Path, overrides: list[str], moment: Callable[[], bool], what: str) -> None:
@@ -71,8 +79,7 @@ def _run_killed_when(cwd: Path, recipe: Path, overrides: list[str], moment: Call
 
 
 def _metrics(run_dir: Path) -> list[dict[str, float]]:
-    records = read_metrics(run_dir)
-    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
+    return without_wall_clock(read_metrics(run_dir))
 
 
 @pytest.mark.slow

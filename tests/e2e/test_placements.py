@@ -11,16 +11,14 @@ joining groups at another node's address).
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.tiny_runs import RUN, read_metrics, run_env, train_command, without_wall_clock
+
 OVERRIDES = [
     "train.steps=2",
     "train.prompts_per_step=4",
@@ -29,7 +27,6 @@ OVERRIDES = [
     "checkpoint.interval=0",
 ]
 OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
-WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
 HAND_OVER_PHASES = {
     "time/engines_release_s",
     "time/actor_reload_s",
@@ -42,13 +39,11 @@ HAND_OVER_PHASES = {
 
 
 def _start(cwd: Path, *overrides: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cwd.mkdir()
     return subprocess.Popen(
-        [*command, *OVERRIDES, *overrides],
+        train_command([*OVERRIDES, *overrides]),
         cwd=cwd,
-        env=env,
+        env=run_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -56,17 +51,12 @@ def _start(cwd: Path, *overrides: str) -> subprocess.Popen:
 
 
 def _records(cwd: Path) -> list[dict[str, float]]:
-    metrics = cwd / "runs" / "tiny-moe-cpu-dapo" / "logs" / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return read_metrics(cwd / RUN)
 
 
 def _weight_group_addresses(cwd: Path, engine: str) -> list[str]:
     log = (cwd / "runs" / "tiny-moe-cpu-dapo" / "logs" / f"{engine}.log").read_text()
     return re.findall(r"joining weight update group '\w+' at ([\d.]+):\d+", log)
-
-
-def _learned(records: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
 
 
 @pytest.mark.slow
@@ -83,7 +73,7 @@ def test_colocated_hand_over_learns_exactly_as_disaggregated_engines(tmp_path: P
         assert set(record) >= HAND_OVER_PHASES, f"step {record['step']} lacks {sorted(HAND_OVER_PHASES - set(record))}"
     for record in disaggregated_records[1:]:
         assert set(record) & HAND_OVER_PHASES == {"time/weight_sync_s"}
-    assert _learned(colocated_records) == _learned(disaggregated_records)
+    assert without_wall_clock(colocated_records) == without_wall_clock(disaggregated_records)
     assert colocated_records[2]["actor/mismatch_abs_max"] < 1e-3  # engines generate with the synced weights
     assert all(r["train/update_skipped"] == 0.0 for r in colocated_records[1:])  # both steps trained
     for engine in ("reference0", "reference1"):

@@ -47,6 +47,15 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
+"""Metrics that measure time: they differ between two runs that compute the same things."""
+
+
+def without_wall_clock(records: list[dict[str, float]]) -> list[dict[str, float]]:
+    """``records`` without their wall-clock metrics: what two equal runs must agree on exactly."""
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
+
+
 def megatron_contents(checkpoint: Path, scratch: Path) -> dict[str, object]:
     """Everything in a checkpoint's ``megatron/`` directory, unsharded, by key: tensors and other state.
 

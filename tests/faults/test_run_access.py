@@ -13,12 +13,10 @@ directory (Ray's logs).
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,26 +26,28 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.tiny_runs import run_env, train_command
+
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 pytestmark = pytest.mark.slow
 
 
 def _command(run_dir: Path) -> list[str]:
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
-    return command + [
-        "train.steps=2",
-        "train.prompts_per_step=4",
-        "algorithm.dynamic_sampling.gen_batch_prompts=16",
-        "train.val_interval=2",
-        "data.synthetic.num_val=16",
-        "checkpoint.interval=0",
-        "checkpoint.export_hf=true",
-        f"checkpoint.dir={run_dir / 'checkpoints'}",
-        f"logging.dir={run_dir / 'logs'}",
-        "logging.sinks=[jsonl,tensorboard,wandb]",
-        "logging.wandb_project=access-test",
-    ]
+    return train_command(
+        [
+            "train.steps=2",
+            "train.prompts_per_step=4",
+            "algorithm.dynamic_sampling.gen_batch_prompts=16",
+            "train.val_interval=2",
+            "data.synthetic.num_val=16",
+            "checkpoint.interval=0",
+            "checkpoint.export_hf=true",
+            f"checkpoint.dir={run_dir / 'checkpoints'}",
+            f"logging.dir={run_dir / 'logs'}",
+            "logging.sinks=[jsonl,tensorboard,wandb]",
+            "logging.wandb_project=access-test",
+        ]
+    )
 
 
 def _offline_wandb_env(home: Path) -> dict[str, str]:
@@ -115,9 +115,8 @@ def ray_dir() -> Iterator[Path]:
 def test_the_tiny_run_listens_on_loopback_only_and_its_keys_reach_no_file(tmp_path: Path, ray_dir: Path) -> None:
     engine_key, wandb_key = f"engine-{secrets.token_hex(16)}", secrets.token_hex(20)
     run_dir = tmp_path / "run"
-    env = os.environ | _offline_wandb_env(tmp_path / "home")
+    env = run_env() | _offline_wandb_env(tmp_path / "home")
     env |= {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "MEGATRON_RL_ENGINE_API_KEY": engine_key,
         "WANDB_API_KEY": wandb_key,
         "RAY_TMPDIR": str(ray_dir),

@@ -41,7 +41,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.tiny_runs import RUN, read_metrics, run_env, train_command, without_wall_clock
+
 RAY = str(Path(sys.executable).with_name("ray"))
 HEAD_IP, SECOND_IP = "127.0.0.2", "127.0.0.3"
 STAND_IN_CPUS = 0.6
@@ -58,7 +59,6 @@ OVERRIDES = [
     "weight_sync.transport=distributed",
     "cluster.network_interface=lo",
 ]
-WALL_CLOCK_PREFIXES = ("time/", "perf/", "rollout/seconds", "actor/time_")
 pytestmark = pytest.mark.slow
 
 
@@ -165,12 +165,10 @@ print(ray.get(actor.node.remote()))
 
 def _start_run(cwd: Path, env: dict[str, str], *overrides: str) -> subprocess.Popen:
     cwd.mkdir()
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
-    env = env | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.Popen(
-        [*command, *OVERRIDES, *overrides],
+        train_command([*OVERRIDES, *overrides]),
         cwd=cwd,
-        env=env,
+        env=env | {"PYTHONPATH": run_env()["PYTHONPATH"]},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -178,9 +176,7 @@ def _start_run(cwd: Path, env: dict[str, str], *overrides: str) -> subprocess.Po
 
 
 def _learned(cwd: Path) -> list[dict[str, float]]:
-    metrics = cwd / "runs" / "tiny-moe-cpu-dapo" / "logs" / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
+    return without_wall_clock(read_metrics(cwd / RUN))
 
 
 def test_ranks_on_one_node_the_engine_on_another_learn_as_on_one_node(tmp_path: Path) -> None:
