@@ -285,16 +285,15 @@ class RolloutManager:
         return _Submission(group, requests, True)
 
     def _advanced(self, sub: _Submission, answers: dict[int, list[GenerateResult]]) -> PartialGroup:
-        """``sub``'s group with this window's answers (by request index) appended (a copy: a group stays
-        as it was until its window is used)."""
+        """``sub``'s group with this window's answers (by request index) appended, as a copy: ``sub.group``
+        stays as it was, which is what a continued group that ends up past the cutoff is carried as, whether
+        or not its window had come back (so the carried state does not depend on timing)."""
         samples = [
-            PartialSample(
-                list(s.output_ids),
-                list(s.output_logprobs),
-                list(s.version_segments),
-                s.finish_reason,
-                s.routed_experts,
-                s.finished,
+            dataclasses.replace(
+                s,
+                output_ids=list(s.output_ids),
+                output_logprobs=list(s.output_logprobs),
+                version_segments=list(s.version_segments),
             )
             for s in sub.group.samples
         ]
