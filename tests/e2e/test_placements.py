@@ -17,16 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.tiny_runs import RUN, read_metrics, run_env, train_command, without_wall_clock
+from tests.e2e.tiny_runs import RUN, TWO_STEPS, read_metrics, run_env, train_command, without_wall_clock
 
-OVERRIDES = [
-    "train.steps=2",
-    "train.prompts_per_step=4",
-    "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "train.val_interval=2",
-    "checkpoint.interval=0",
-]
-OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
+OVERRIDES = [*TWO_STEPS, "logging.sinks=[jsonl]"]
 HAND_OVER_PHASES = {
     "time/engines_release_s",
     "time/actor_reload_s",

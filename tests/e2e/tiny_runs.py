@@ -17,6 +17,17 @@ RUN = Path("runs") / "tiny-moe-cpu-dapo"
 """The run directory, relative to the working directory of the command."""
 
 
+TWO_STEPS = [
+    "train.steps=2",
+    "train.prompts_per_step=4",
+    "algorithm.dynamic_sampling.gen_batch_prompts=16",
+    "train.val_interval=2",
+    "data.synthetic.num_val=16",
+    "checkpoint.interval=0",
+]
+"""Overrides for a short run of the tiny recipe: 2 steps of 4 groups, validated before and after, no checkpoint."""
+
+
 def train_command(overrides: list[str], recipe: Path = RECIPE) -> list[str]:
     """``python -m megatron_rl.cli train <recipe (the tiny DAPO one)> <overrides>``."""
     return [sys.executable, "-m", "megatron_rl.cli", "train", str(recipe), *overrides]

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.tiny_runs import run_env, train_command
+from tests.e2e.tiny_runs import TWO_STEPS, run_env, train_command
 
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 pytestmark = pytest.mark.slow
@@ -35,12 +35,7 @@ pytestmark = pytest.mark.slow
 def _command(run_dir: Path) -> list[str]:
     return train_command(
         [
-            "train.steps=2",
-            "train.prompts_per_step=4",
-            "algorithm.dynamic_sampling.gen_batch_prompts=16",
-            "train.val_interval=2",
-            "data.synthetic.num_val=16",
-            "checkpoint.interval=0",
+            *TWO_STEPS,
             "checkpoint.export_hf=true",
             f"checkpoint.dir={run_dir / 'checkpoints'}",
             f"logging.dir={run_dir / 'logs'}",

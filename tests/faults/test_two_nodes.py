@@ -41,19 +41,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.tiny_runs import RUN, read_metrics, run_env, train_command, without_wall_clock
+from tests.e2e.tiny_runs import RUN, TWO_STEPS, read_metrics, run_env, train_command, without_wall_clock
 
 RAY = str(Path(sys.executable).with_name("ray"))
 HEAD_IP, SECOND_IP = "127.0.0.2", "127.0.0.3"
 STAND_IN_CPUS = 0.6
 JOIN_TIMEOUT_S = 120
 OVERRIDES = [
-    "train.steps=2",
-    "train.prompts_per_step=4",
-    "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "train.val_interval=2",
-    "data.synthetic.num_val=16",
-    "checkpoint.interval=0",
+    *TWO_STEPS,
     "logging.sinks=[jsonl]",
     "rollout.placement=disaggregated",
     "weight_sync.transport=distributed",
