@@ -24,6 +24,13 @@ Checks (the parent process never touches CUDA, so ranks can fork):
    reference engine (its own process, fp32, same GPU) as CUDA IPC handles inside a
    weight-update session: every engine weight equals the export bit for bit, and a
    generation reports the synced version.
+6. ``sync_bench``: a measurement (issue 15's GPU sync seconds): a Qwen3-MoE of about 3.2 B
+   parameters with Qwen3-30B-A3B's layer shapes (hidden 2048, 64 experts of 768, vocabulary
+   151,936; 8 layers), bf16 on one GPU, synced through the tensor transport (CUDA IPC) into a
+   bf16 reference engine on the same GPU at two bucket sizes, best of 3, against the export
+   alone and a device-to-device copy of the same bytes (one buffer, and tensor by tensor).
+   Passes when the engine's weights equal the last export (first rows of six tensors) and a
+   generation reports the synced version. Dry run: a small model on CPU, shared memory.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import platform
 import sys
@@ -66,6 +74,25 @@ MEDIUM_MODEL = {
     "num_experts_per_tok": 4,
     "max_position_embeddings": 4096,
 }
+SYNC_MODEL = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "max_position_embeddings": 4096,
+}
+SYNC_MODEL_DRY_RUN = {**SYNC_MODEL, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256}
+SYNC_MODEL_DRY_RUN |= {"moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+SYNC_MODEL_DRY_RUN |= {"head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4}
+SYNC_BUCKETS_MB = (256, 1024)
+SYNC_BUCKETS_MB_DRY_RUN = (1, 4)
+SYNC_REPEATS = 3
 MEDIUM_BATCH = (8, 512)  # sequences x tokens: one micro-batch of 4096 tokens
 TINY_BATCH = (8, 16)
 
@@ -107,8 +134,9 @@ def check_parity_on_device(hf_dir: Path) -> tuple[bool, dict[str, Any]]:
 # ---------------------------------------------------------------- 2-4. train, offload, plan
 
 
-def run_config(dry_run: bool, model_dir: Path):
-    """The recipe of the training check: the tiny CPU recipe, on one GPU with the medium model unless dry run."""
+def run_config(dry_run: bool, model_dir: Path, model: dict[str, int] | None = None):
+    """The recipe of the training check: the tiny CPU recipe, on one GPU with ``model`` (default: the
+    medium model) unless dry run, where the tiny recipe's model stays unless ``model`` is given."""
     from megatron_rl.config.loading import load_recipe
 
     overrides = [
@@ -126,7 +154,8 @@ def run_config(dry_run: bool, model_dir: Path):
         overrides += ["cluster.cpu_trainer_ranks=1", "train.max_tokens_per_micro_batch=128"]
     else:
         overrides += ["cluster.gpus_per_node=1", "train.max_tokens_per_micro_batch=4096"]
-        overrides += [f"model.random_init.{key}={value}" for key, value in MEDIUM_MODEL.items()]
+        model = model or MEDIUM_MODEL
+    overrides += [f"model.random_init.{key}={value}" for key, value in (model or {}).items()]
     cfg, _ = load_recipe(REPO / "recipes" / "tiny_moe_cpu_dapo.yaml", overrides)
     return cfg
 
@@ -319,6 +348,120 @@ def check_ipc_sync(hf_dir: Path, log_dir: Path) -> tuple[bool, dict[str, Any]]:
     return not result["differing"] and result["weight_version"] == "gpu-1", result
 
 
+# ---------------------------------------------------------------- 6. sync_bench
+
+SYNC_CHECKED = (
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.mlp.gate.weight",
+    "model.layers.1.mlp.experts.3.down_proj.weight",
+    "model.norm.weight",
+)
+
+
+def _timed(action: Callable[[], object], cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    action()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _plain_copies(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: str, cuda: bool) -> dict[str, float]:
+    """Best-of-repeats seconds to copy the bytes of ``shapes`` as one buffer and tensor by tensor (freed on return)."""
+    nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes)
+    flat = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    one_buffer = min(_timed(lambda: flat[1].copy_(flat[0]), cuda) for _ in range(SYNC_REPEATS))
+    flat.clear()
+    sources = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    targets = [torch.empty_like(t) for t in sources]
+    copy_each = lambda: [b.copy_(a) for a, b in zip(sources, targets, strict=True)]  # noqa: E731
+    each = min(_timed(copy_each, cuda) for _ in range(SYNC_REPEATS))
+    return {"copy_one_buffer_s": one_buffer, "copy_tensor_by_tensor_s": each}
+
+
+def _sync_bench_rank(
+    rank: int, world_size: int, cfg, model_dir: Path, log_dir: Path, buckets_mb: tuple[int, ...]
+) -> dict[str, Any]:
+    from megatron_rl.actor import PolicyActor
+    from megatron_rl.config.hf_config import load_hf_config
+    from megatron_rl.models.weight_transfer import export_hf_weights
+    from megatron_rl.parallel.device import on_accelerator
+    from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
+    from megatron_rl.rollout import GenerateRequest, ReferenceEngine, SamplingParams
+    from megatron_rl.weight_sync.syncer import WeightSyncer
+    from megatron_rl.weight_sync.transports import TensorTransport
+
+    cuda = on_accelerator()
+    device = "cuda" if cuda else "cpu"
+    initialize_parallel(ParallelSizes())
+    start = time.perf_counter()
+    actor = PolicyActor(
+        load_hf_config(model_dir), cfg.parallel, cfg.train, cfg.algorithm, norm_constant=16, temperature=1.0
+    )
+    result: dict[str, Any] = {"actor_build_s": time.perf_counter() - start, "engine_device": device}
+    export = lambda: export_hf_weights(actor.chunks, actor.arch, designated_only=True)  # noqa: E731
+    shapes = [(tuple(t.shape), t.dtype) for _, t in export()]
+    result["tensors"] = len(shapes)
+    result["bytes"] = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes)
+    result["export_only_s"] = min(_timed(lambda: sum(1 for _ in export()), cuda) for _ in range(SYNC_REPEATS))
+    result |= _plain_copies(shapes, device, cuda)
+    start = time.perf_counter()
+    engine = ReferenceEngine(
+        "sync", model_dir, free_port(), log_dir=log_dir, load_format="dummy", dtype="bfloat16", device=device
+    )
+    engine.start()
+    try:
+        engine.wait_healthy(300)
+        result["engine_start_s"] = time.perf_counter() - start
+        for bucket_mb in buckets_mb:
+            syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=bucket_mb << 20)
+            try:
+                runs = [
+                    syncer.sync_megatron(actor.chunks, actor.arch, f"b{bucket_mb}-{i}") for i in range(SYNC_REPEATS)
+                ]
+            finally:
+                syncer.close()
+            result[f"sync_{bucket_mb}mb_s"] = [round(stats.seconds, 4) for stats in runs]
+            result[f"sync_{bucket_mb}mb_buckets"] = runs[-1].num_buckets
+        exported = {name: t[:2].float().cpu() for name, t in export() if name in SYNC_CHECKED}
+        differing = [n for n, t in exported.items() if not torch.equal(torch.tensor(engine.weights_by_name(n, 2)), t)]
+        params = SamplingParams(max_new_tokens=4, temperature=0.7, sampling_seed=1)
+        (generated,) = engine.generate(GenerateRequest([5, 17, 42], params))
+    finally:
+        engine.shutdown()
+    destroy_parallel()
+    result["checked"] = sorted(exported)
+    result["differing"] = differing
+    result["weight_version"] = generated.weight_version
+    result["expected_version"] = f"b{buckets_mb[-1]}-{SYNC_REPEATS - 1}"
+    return result
+
+
+def check_sync_bench(cfg, model_dir: Path, log_dir: Path, buckets_mb: tuple[int, ...]) -> tuple[bool, dict[str, Any]]:
+    """Sync seconds through CUDA IPC against the export alone and plain device copies (see the module docstring)."""
+    from transformers import Qwen3MoeConfig
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    Qwen3MoeConfig(**cfg.model.random_init).save_pretrained(model_dir)
+    (result,) = run_local_ranks(_sync_bench_rank, 1, cfg, model_dir, log_dir, buckets_mb)
+    gigabytes = result["bytes"] / 1e9
+    best = {mb: min(result[f"sync_{mb}mb_s"]) for mb in buckets_mb}
+    fastest = min(best, key=best.__getitem__)
+    result["summary"] = (
+        f"{result['tensors']} tensors, {gigabytes:.2f} GB: best sync {best[fastest]:.3f} s at {fastest} MiB buckets "
+        f"({gigabytes / best[fastest]:.1f} GB/s), export alone {result['export_only_s']:.3f} s, copy of one buffer "
+        f"{result['copy_one_buffer_s'] * 1e3:.2f} ms, tensor by tensor {result['copy_tensor_by_tensor_s'] * 1e3:.1f} ms; "
+        f"sync / copy tensor by tensor {best[fastest] / result['copy_tensor_by_tensor_s']:.1f}x, "
+        f"sync / export alone {best[fastest] / result['export_only_s']:.2f}x"
+    )
+    passed = not result["differing"] and result["weight_version"] == result["expected_version"]
+    return passed and len(result["checked"]) == len(SYNC_CHECKED), result
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -362,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, required=True, help="scratch directory (checkpoints, logs)")
     parser.add_argument("--report", type=Path, help="write the Markdown report here")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
-    parser.add_argument("--only", nargs="*", help="run only these checks (parity, train, ipc_sync)")
+    parser.add_argument("--only", nargs="*", help="run only these checks (parity, train, ipc_sync, sync_bench)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run to rehearse on CPU", file=sys.stderr)
@@ -374,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     if not args.dry_run:
         (env["gpu"],) = run_local_ranks(_device_name, 1)
-    wanted = set(args.only or ("parity", "train", "ipc_sync"))
+    wanted = set(args.only or ("parity", "train", "ipc_sync", "sync_bench"))
     results: list[CheckResult] = []
     if "parity" in wanted:
         results.append(_run("parity", lambda: check_parity_on_device(tiny)))
@@ -388,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         print(render(results[-3:], env, args.dry_run), flush=True)
     if "ipc_sync" in wanted:
         results.append(_run("ipc_sync", lambda: check_ipc_sync(tiny, args.workdir / "logs")))
+        print(render(results[-1:], env, args.dry_run), flush=True)
+    if "sync_bench" in wanted:
+        model_dir = args.workdir / "sync_model"
+        cfg = run_config(args.dry_run, model_dir, SYNC_MODEL_DRY_RUN if args.dry_run else SYNC_MODEL)
+        buckets = SYNC_BUCKETS_MB_DRY_RUN if args.dry_run else SYNC_BUCKETS_MB
+        results.append(_run("sync_bench", lambda: check_sync_bench(cfg, model_dir, args.workdir / "logs", buckets)))
         print(render(results[-1:], env, args.dry_run), flush=True)
     report = render(results, env, args.dry_run)
     if args.report:

@@ -2,7 +2,7 @@
 
 The same script, through the same shell entry point, with the same checks (parity,
 a bf16 training step with fp32 master weights, offload/reload, the plan estimate,
-an IPC weight sync into a reference engine), on CPU: gloo instead of NCCL,
+an IPC weight sync into a reference engine, the sync measurement), on CPU: gloo instead of NCCL,
 shared memory instead of CUDA IPC, no memory measurement. What stays untested
 until a GPU runs it: the CUDA calls themselves.
 """
@@ -32,13 +32,16 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {r["name"]: r for r in json.loads((tmp_path / "gpu-checks.json").read_text())}
-    assert set(results) == {"parity", "train", "offload", "plan", "ipc_sync"}
+    assert set(results) == {"parity", "train", "offload", "plan", "ipc_sync", "sync_bench"}
     assert all(r["passed"] and r["error"] is None for r in results.values())
     assert results["train"]["details"]["main_param_dtypes"] == ["torch.float32"]
     assert results["train"]["details"]["param_dtypes"] == ["torch.bfloat16"]
     assert results["offload"]["details"]["identical_after_reload"]
     assert results["ipc_sync"]["details"]["differing"] == [] and results["ipc_sync"]["details"]["tensors"] == 77
     assert results["ipc_sync"]["details"]["exported_dtypes"] == ["torch.bfloat16"]
+    bench = results["sync_bench"]["details"]
+    assert bench["differing"] == [] and len(bench["checked"]) == 6 and bench["weight_version"] == "b4-2"
+    assert bench["sync_1mb_buckets"] > 1 == bench["sync_4mb_buckets"]
     report = (tmp_path / "gpu-checks.md").read_text()
     assert "Mode: CPU dry run" in report and "| ipc_sync | PASS |" in report
 
