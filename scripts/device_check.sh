@@ -6,6 +6,7 @@
 #   scripts/device_check.sh             there: install .whl/*.whl into /tmp/site (no index, no deps), run the
 #                                       checks, write $OUT/gpu-checks.md, gpu-checks.json and device_check.log
 #   scripts/device_check.sh --dry-run   the CPU rehearsal (no wheels, no CUDA), into $OUT or /tmp
+#   scripts/device_check.sh --only C..  there: only checks C.. (parity, train, ipc_sync, sync_bench)
 #
 # Device call (carry .whl):  scripts/device_check.sh      with timeout_s 540; the checks stop themselves at 450 s.
 # Copy the report into docs/gpu-checks.md afterwards.
@@ -24,9 +25,9 @@ case "${1:-}" in
     exec "$python" scripts/device_check.py --dry-run --workdir "$out/work" --report "$out/gpu-checks.md" \
         --json "$out/gpu-checks.json"
     ;;
-"") ;;
+"" | --only) ;;
 *)
-    echo "usage: $0 [--fetch | --dry-run]" >&2
+    echo "usage: $0 [--fetch | --dry-run | --only CHECK...]" >&2
     exit 2
     ;;
 esac
@@ -35,4 +36,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 timeout 450 python3 scripts/device_check.py --workdir /tmp/device_check --report "$out/gpu-checks.md" \
-    --json "$out/gpu-checks.json" 2>&1 | tee "$out/device_check.log"
+    --json "$out/gpu-checks.json" "$@" 2>&1 | tee "$out/device_check.log"

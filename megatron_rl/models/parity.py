@@ -24,7 +24,7 @@ from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.forward import forward_logits
 from megatron_rl.models.megatron_config import check_layout
 from megatron_rl.models.weight_transfer import load_hf_weights
-from megatron_rl.parallel.device import collective_backend, on_accelerator
+from megatron_rl.parallel.device import collective_backend, on_accelerator, select_device
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import run_local_ranks
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -68,10 +68,11 @@ def _gather_vocab(local: torch.Tensor, arch: QwenArchitecture) -> torch.Tensor:
 def megatron_rank_outputs(
     rank: int, world_size: int, sizes: ParallelSizes, hf_dir: str | Path, input_ids: torch.Tensor
 ) -> dict[str, torch.Tensor] | None:
-    """Rank body: Megatron fp32 ``{"logits", "logprobs"}`` on the last stage, else None.
+    """Rank body: Megatron fp32 ``{"logits", "logprobs"}`` on the last stage (on the CPU), else None.
 
     The batch is split into ``pp`` micro-batches with virtual pipelining
-    (Megatron needs at least ``pp`` then), else run as one micro-batch.
+    (Megatron needs at least ``pp`` then), else run as one micro-batch. The model
+    runs on this rank's device (:func:`select_device`), ``input_ids`` moved there.
     """
     from megatron.core import parallel_state
 
@@ -79,6 +80,7 @@ def megatron_rank_outputs(
     try:
         arch, _, chunks = build_qwen_model(load_hf_config(hf_dir), sizes, params_dtype=torch.float32)
         load_hf_weights(chunks, arch, hf_dir)
+        input_ids = input_ids.to(select_device())
         outputs = forward_logits(chunks, list(input_ids.chunk(sizes.pp if sizes.vpp else 1)))
         if not outputs:
             return None
@@ -89,7 +91,7 @@ def megatron_rank_outputs(
             vocab_size=arch.vocab_size,
             group=parallel_state.get_tensor_model_parallel_group(),
         )
-        return {"logits": _gather_vocab(local, arch), "logprobs": logprobs}
+        return {"logits": _gather_vocab(local, arch).cpu(), "logprobs": logprobs.cpu()}
     finally:
         destroy_parallel()
 
