@@ -28,9 +28,11 @@ Checks (the parent process never touches CUDA, so ranks can fork):
    parameters with Qwen3-30B-A3B's layer shapes (hidden 2048, 64 experts of 768, vocabulary
    151,936; 8 layers), bf16 on one GPU, synced through the tensor transport (CUDA IPC) into a
    bf16 reference engine on the same GPU at two bucket sizes, best of 3, against the export
-   alone and a device-to-device copy of the same bytes (one buffer, and tensor by tensor).
-   Passes when the engine's weights equal the last export (first rows of six tensors) and a
-   generation reports the synced version. Dry run: a small model on CPU, shared memory.
+   alone and a device-to-device copy of the same bytes (one buffer, and tensor by tensor);
+   then the same bytes in twice the expert tensors (128 experts of 384), which separates the
+   per-byte from the per-tensor cost. Passes when, for each model, the engine's weights equal
+   the last export (first rows of six tensors) and a generation reports the synced version.
+   Dry run: small models on CPU, shared memory.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +93,8 @@ SYNC_MODEL = {
 SYNC_MODEL_DRY_RUN = {**SYNC_MODEL, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256}
 SYNC_MODEL_DRY_RUN |= {"moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
 SYNC_MODEL_DRY_RUN |= {"head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4}
+SYNC_MODEL_MORE_TENSORS = {**SYNC_MODEL, "num_experts": 128, "moe_intermediate_size": 384}
+SYNC_MODEL_MORE_TENSORS_DRY_RUN = {**SYNC_MODEL_DRY_RUN, "num_experts": 32, "moe_intermediate_size": 32}
 SYNC_BUCKETS_MB = (256, 1024)
 SYNC_BUCKETS_MB_DRY_RUN = (1, 4)
 SYNC_REPEATS = 3
@@ -442,7 +447,8 @@ def _sync_bench_rank(
 
 
 def check_sync_bench(cfg, model_dir: Path, log_dir: Path, buckets_mb: tuple[int, ...]) -> tuple[bool, dict[str, Any]]:
-    """Sync seconds through CUDA IPC against the export alone and plain device copies (see the module docstring)."""
+    """Sync seconds through CUDA IPC against the export alone and plain device copies (see the module docstring),
+    for the model of ``cfg``."""
     from transformers import Qwen3MoeConfig
 
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -533,11 +539,18 @@ def main(argv: list[str] | None = None) -> int:
         results.append(_run("ipc_sync", lambda: check_ipc_sync(tiny, args.workdir / "logs")))
         print(render(results[-1:], env, args.dry_run), flush=True)
     if "sync_bench" in wanted:
-        model_dir = args.workdir / "sync_model"
-        cfg = run_config(args.dry_run, model_dir, SYNC_MODEL_DRY_RUN if args.dry_run else SYNC_MODEL)
+        models = (
+            (SYNC_MODEL_DRY_RUN, SYNC_MODEL_MORE_TENSORS_DRY_RUN)
+            if args.dry_run
+            else (SYNC_MODEL, SYNC_MODEL_MORE_TENSORS)
+        )
         buckets = SYNC_BUCKETS_MB_DRY_RUN if args.dry_run else SYNC_BUCKETS_MB
-        results.append(_run("sync_bench", lambda: check_sync_bench(cfg, model_dir, args.workdir / "logs", buckets)))
-        print(render(results[-1:], env, args.dry_run), flush=True)
+        for name, model in zip(("sync_bench", "sync_bench_more_tensors"), models, strict=True):
+            model_dir = args.workdir / name
+            cfg = run_config(args.dry_run, model_dir, model)
+            bench = partial(check_sync_bench, cfg, model_dir, args.workdir / "logs", buckets)
+            results.append(_run(name, bench))
+            print(render(results[-1:], env, args.dry_run), flush=True)
     report = render(results, env, args.dry_run)
     if args.report:
         args.report.write_text(report)

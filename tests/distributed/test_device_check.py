@@ -32,16 +32,18 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {r["name"]: r for r in json.loads((tmp_path / "gpu-checks.json").read_text())}
-    assert set(results) == {"parity", "train", "offload", "plan", "ipc_sync", "sync_bench"}
+    assert set(results) == {"parity", "train", "offload", "plan", "ipc_sync", "sync_bench", "sync_bench_more_tensors"}
     assert all(r["passed"] and r["error"] is None for r in results.values())
     assert results["train"]["details"]["main_param_dtypes"] == ["torch.float32"]
     assert results["train"]["details"]["param_dtypes"] == ["torch.bfloat16"]
     assert results["offload"]["details"]["identical_after_reload"]
     assert results["ipc_sync"]["details"]["differing"] == [] and results["ipc_sync"]["details"]["tensors"] == 77
     assert results["ipc_sync"]["details"]["exported_dtypes"] == ["torch.bfloat16"]
-    bench = results["sync_bench"]["details"]
-    assert bench["differing"] == [] and len(bench["checked"]) == 6 and bench["weight_version"] == "b4-2"
+    bench, more = results["sync_bench"]["details"], results["sync_bench_more_tensors"]["details"]
+    for details in (bench, more):
+        assert details["differing"] == [] and len(details["checked"]) == 6 and details["weight_version"] == "b4-2"
     assert bench["sync_1mb_buckets"] > 1 == bench["sync_4mb_buckets"]
+    assert more["tensors"] - bench["tensors"] == 2 * 3 * 16  # 2 layers x 3 projections x 16 more experts
     report = (tmp_path / "gpu-checks.md").read_text()
     assert "Mode: CPU dry run" in report and "| ipc_sync | PASS |" in report
 
