@@ -101,6 +101,7 @@ class ReferenceTokenizerManager:
                     [base64.b64encode(raw).decode("ascii") for raw in obj.serialized_named_tensors],
                     obj.weight_version,
                     obj.flush_cache,
+                    obj.load_format,
                 )
             )
         )

@@ -1,6 +1,7 @@
 """The tensor transport's reused shared-memory bucket buffers, handed out as tensors to write into.
 
-:class:`BucketBuffers` holds ``num_buffers`` shared-memory buffers and fills one
+:class:`BucketBuffers` holds ``num_buffers`` shared-memory buffers (CPU) or device
+buffers (CUDA, shared by IPC handle) and fills one
 at a time: :meth:`~BucketBuffers.allocate` hands out an empty tensor inside the
 buffer being filled (64-byte aligned, bump allocation); :meth:`~BucketBuffers.seal`
 takes the tensors of one bucket, checks that every tensor handed out since the
@@ -20,7 +21,9 @@ smaller than the bucket just sealed in it is replaced there and then by one of
 that bucket's size (the sealed bucket keeps the old one alive until it is
 loaded), and every sync starts at the first buffer, so a sync that repeats the
 previous one's buckets (every sync of a model: same tensors, same order)
-allocates no buffer. A buffer holds at most twice the largest bucket.
+allocates no buffer. A buffer holds at most twice the largest bucket. :meth:`~BucketBuffers.release`
+drops the buffers but remembers their sizes: the next sync allocates each at the size it had, so a
+bucket still fits in one buffer (the tensor transport releases its CUDA buffers after every sync).
 """
 
 from __future__ import annotations
@@ -40,30 +43,35 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _shared_bytes(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
-
-
 class BucketBuffers:
-    """``num_buffers`` reused shared-memory buffers, filled one bucket at a time (see the module docstring)."""
+    """``num_buffers`` reused buffers on ``device`` (CPU: in shared memory), filled one bucket at a time
+    (see the module docstring)."""
 
-    def __init__(self, num_buffers: int = 2) -> None:
+    def __init__(self, num_buffers: int = 2, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self._buffers: list[torch.Tensor | None] = [None] * num_buffers
+        self._capacities = [0] * num_buffers
         self._current = 0
         self._offset = 0
         self._bucket_bytes = 0
         self._handed_out: list[int] = []
 
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        self._capacities[self._current] = nbytes
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer.share_memory_() if self.device.type == "cpu" else buffer
+
     def allocate(self, shapes: Sequence[Shape], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Empty contiguous tensors of ``shapes`` and ``dtype`` in shared memory, inside the buffer being filled."""
+        """Empty contiguous tensors of ``shapes`` and ``dtype`` inside the buffer being filled (on :attr:`device`)."""
         return [self._allocate(shape, dtype) for shape in shapes]
 
     def _allocate(self, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = self._buffers[self._current]
         if buffer is None or self._offset + nbytes > buffer.numel():
-            capacity = max(_aligned(nbytes), 2 * (0 if buffer is None else buffer.numel()))
-            buffer = self._buffers[self._current] = _shared_bytes(capacity)
+            grown = self._capacities[self._current] if buffer is None else 2 * buffer.numel()
+            capacity = max(_aligned(nbytes), grown)
+            buffer = self._buffers[self._current] = self._new_buffer(capacity)
             self._offset = 0
         tensor = buffer[self._offset : self._offset + nbytes].view(dtype).view(tuple(shape))
         self._offset += _aligned(nbytes)
@@ -91,7 +99,7 @@ class BucketBuffers:
             )
         buffer = self._buffers[self._current]
         if buffer is not None and buffer.numel() < self._bucket_bytes:
-            self._buffers[self._current] = _shared_bytes(self._bucket_bytes)
+            self._buffers[self._current] = self._new_buffer(self._bucket_bytes)
         self._current = (self._current + 1) % len(self._buffers)
         self._offset = self._bucket_bytes = 0
 
@@ -101,6 +109,7 @@ class BucketBuffers:
         self._current = self._offset = self._bucket_bytes = 0
 
     def release(self) -> None:
-        """Drop the buffers (the tensors handed out keep theirs alive until they are dropped)."""
+        """Drop the buffers, keeping their sizes for the next allocations (the tensors handed out keep
+        theirs alive until they are dropped)."""
         self._buffers = [None] * len(self._buffers)
         self.restart()

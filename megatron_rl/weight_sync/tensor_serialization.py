@@ -18,6 +18,17 @@ the format SGLang's ``monkey_patch_torch_reductions`` writes and its patched
 deserializer maps a UUID back to the index of the visible device that has it
 (and still takes an int). CPU tensors are unaffected.
 
+Flattened buckets (SGLang's ``load_format="flattened_bucket"``): when a bucket's
+tensors are views of one storage (the tensor transport's bucket buffer),
+:func:`flattened_bucket` describes them as one ``uint8`` tensor spanning them plus
+per-tensor metadata (name, shape, dtype, byte offsets), and
+:func:`serialize_flattened_bucket` pickles ``{"flattened_tensor", "metadata"}``
+with each metadata entry a ``types.SimpleNamespace`` of the attributes SGLang's
+``FlattenedTensorMetadata`` has (its allow-list unpickler admits
+``SimpleNamespace``; its loader reads the attributes). One IPC handle per bucket
+instead of one per tensor: measured on an H200, about 72 us of a sync's time
+went to each tensor sent on its own.
+
 The sender must keep the tensors alive until the receiver has copied them
 (the HTTP call returning). :func:`deserialize_named_tensors` never unpickles
 arbitrary objects: its unpickler resolves only the torch storage/tensor
@@ -31,8 +42,10 @@ import base64
 import contextlib
 import functools
 import io
+import math
 import os
 import pickle
+import types
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -55,6 +68,10 @@ _ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
     "torch.storage": frozenset({"UntypedStorage", "TypedStorage"}),
     "torch.nn.parameter": frozenset({"Parameter"}),
 }
+_FLATTENED_GLOBALS: dict[str, frozenset[str]] = {**_ALLOWED_GLOBALS, "types": frozenset({"SimpleNamespace"})}
+FLATTENED_BUCKET = "flattened_bucket"
+"""SGLang's ``load_format`` for a payload of one flattened tensor and its metadata."""
+_METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
 
 
 class UnsafePayloadError(pickle.UnpicklingError):
@@ -118,16 +135,22 @@ def _rebuild_cuda_tensor_on_visible_device(*args: Any) -> torch.Tensor:
 
 
 class _TensorOnlyUnpickler(pickle.Unpickler):
+    allowed = _ALLOWED_GLOBALS
+
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor_on_visible_device
-        if name in _ALLOWED_GLOBALS.get(module, ()):
+        if name in self.allowed.get(module, ()):
             return getattr(__import__(module, fromlist=[name]), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafePayloadError(
             f"refusing to unpickle {module}.{name}: only torch tensor/storage rebuild functions are allowed"
         )
+
+
+class _FlattenedBucketUnpickler(_TensorOnlyUnpickler):
+    allowed = _FLATTENED_GLOBALS
 
 
 @contextlib.contextmanager
@@ -138,6 +161,15 @@ def _sharing_strategy(strategy: str) -> Iterator[None]:
         yield
     finally:
         torch.multiprocessing.set_sharing_strategy(previous)
+
+
+def _dumps(obj: Any) -> str:
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor
+    with _sharing_strategy("file_system"):
+        pickler.dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
@@ -153,12 +185,53 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -
             raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
         if not isinstance(item[1], torch.Tensor):
             raise TypeError(f"{item[0]}: expected a torch.Tensor, got {type(item[1]).__name__}")
-    buffer = io.BytesIO()
-    pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table[torch.Tensor] = _reduce_tensor
-    with _sharing_strategy("file_system"):
-        pickler.dump([(name, tensor.detach()) for name, tensor in named_tensors])
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return _dumps([(name, tensor.detach()) for name, tensor in named_tensors])
+
+
+def flattened_bucket(
+    named_tensors: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[torch.Tensor, list[types.SimpleNamespace]] | None:
+    """One ``uint8`` tensor over the bytes of ``named_tensors`` and their metadata, or None when they are not
+    all contiguous, non-empty views of one storage (then they go one by one).
+
+    The flat tensor spans the first tensor's first byte to the last one's end, a view of their
+    storage (nothing is copied; gaps between them travel unread). Metadata entries have SGLang's
+    ``FlattenedTensorMetadata`` attributes: ``name``, ``shape`` (``torch.Size``), ``dtype``,
+    ``start_idx`` and ``end_idx`` (byte offsets into the flat tensor) and ``numel`` (their difference).
+    """
+    if not named_tensors:
+        return None
+    storage = named_tensors[0][1].untyped_storage()
+    spans = []
+    for _, tensor in named_tensors:
+        if (
+            not tensor.is_contiguous()
+            or tensor.numel() == 0
+            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+        ):
+            return None
+        start = tensor.storage_offset() * tensor.element_size()
+        spans.append((start, start + tensor.numel() * tensor.element_size()))
+    first, last = min(start for start, _ in spans), max(end for _, end in spans)
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, first, (last - first,))
+    metadata = [
+        types.SimpleNamespace(
+            name=name,
+            shape=tensor.shape,
+            dtype=tensor.dtype,
+            start_idx=start - first,
+            end_idx=end - first,
+            numel=end - start,
+        )
+        for (name, tensor), (start, end) in zip(named_tensors, spans, strict=True)
+    ]
+    return flat, metadata
+
+
+def serialize_flattened_bucket(flat: torch.Tensor, metadata: Sequence[types.SimpleNamespace]) -> str:
+    """Base64 text of ``{"flattened_tensor": flat, "metadata": [...]}`` (flat as an IPC handle), SGLang's
+    ``flattened_bucket`` payload; see :func:`flattened_bucket`."""
+    return _dumps({"flattened_tensor": flat.detach(), "metadata": list(metadata)})
 
 
 def deserialize_named_tensors(payload: str) -> NamedTensors:
@@ -180,3 +253,47 @@ def deserialize_named_tensors(payload: str) -> NamedTensors:
     ):
         raise UnsafePayloadError("payload must be a list of (name, tensor) pairs")
     return loaded
+
+
+def deserialize_flattened_bucket(payload: str) -> NamedTensors:
+    """The named tensors of a :func:`serialize_flattened_bucket` payload, views of its flat tensor (copy them).
+
+    Raises UnsafePayloadError for any global outside the tensor allow-list and ``SimpleNamespace``, and
+    for a payload that is not a dict of a 1-D ``uint8`` tensor and metadata entries whose byte range lies
+    inside it and matches their shape and dtype.
+    """
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except ValueError as error:
+        raise UnsafePayloadError(f"payload is not base64: {error}") from error
+    loaded = _FlattenedBucketUnpickler(io.BytesIO(raw)).load()
+    if not isinstance(loaded, dict) or set(loaded) != {"flattened_tensor", "metadata"}:
+        raise UnsafePayloadError("a flattened_bucket payload must be a dict of 'flattened_tensor' and 'metadata'")
+    flat, metadata = loaded["flattened_tensor"], loaded["metadata"]
+    if not (isinstance(flat, torch.Tensor) and flat.dtype == torch.uint8 and flat.dim() == 1):
+        raise UnsafePayloadError("flattened_tensor must be a 1-D uint8 tensor")
+    if not isinstance(metadata, list):
+        raise UnsafePayloadError("metadata must be a list")
+    named = []
+    for meta in metadata:
+        if not all(hasattr(meta, field) for field in _METADATA_FIELDS):
+            raise UnsafePayloadError(f"metadata entries need the attributes {', '.join(_METADATA_FIELDS)}")
+        if not (isinstance(meta.name, str) and isinstance(meta.dtype, torch.dtype)):
+            raise UnsafePayloadError("metadata name must be a str and dtype a torch.dtype")
+        nbytes = math.prod(meta.shape) * meta.dtype.itemsize
+        inside = meta.start_idx >= 0 and meta.start_idx + nbytes == meta.end_idx <= flat.numel()
+        if not inside or (flat.storage_offset() + meta.start_idx) % meta.dtype.itemsize:
+            raise UnsafePayloadError(
+                f"{meta.name}: bytes [{meta.start_idx}, {meta.end_idx}) do not hold {tuple(meta.shape)} of "
+                f"{meta.dtype} (aligned to its element size) inside a flattened tensor of {flat.numel()} bytes"
+            )
+        named.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)))
+    return named
+
+
+def deserialize_payload(payload: str, load_format: str | None) -> NamedTensors:
+    """One ``/update_weights_from_tensor`` payload as named tensors: :func:`deserialize_flattened_bucket` for
+    ``load_format="flattened_bucket"``, else :func:`deserialize_named_tensors`."""
+    if load_format == FLATTENED_BUCKET:
+        return deserialize_flattened_bucket(payload)
+    return deserialize_named_tensors(payload)

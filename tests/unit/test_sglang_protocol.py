@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import stat
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,7 +65,13 @@ from megatron_rl.rollout.protocol import (
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.generator import SampleOutput
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangPlacement, build_sglang_command, write_private_config
-from megatron_rl.weight_sync.tensor_serialization import rebuild_args_with_uuid, serialize_named_tensors
+from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
+from megatron_rl.weight_sync.tensor_serialization import (
+    flattened_bucket,
+    rebuild_args_with_uuid,
+    serialize_flattened_bucket,
+    serialize_named_tensors,
+)
 from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
 from tests.tiny_checkpoints import save_tiny_moe
@@ -249,6 +256,28 @@ def test_sglang_deserializes_our_cpu_payload_exactly():
     restored = MultiprocessingSerializer.deserialize(serialize_named_tensors(tensors))
     assert [name for name, _ in restored] == ["a", "b"]
     assert all(torch.equal(copy, original) for (_, copy), (_, original) in zip(restored, tensors, strict=True))
+
+
+@needs_sglang
+def test_sglang_loads_our_flattened_bucket_exactly():
+    """SGLang's allow-list unpickler opens our ``flattened_bucket`` payload (metadata as SimpleNamespace) and its
+    own weight updater rebuilds every tensor from it, bit for bit, in order."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    sent = [("a", torch.randn(3, 4)), ("b", torch.arange(6, dtype=torch.bfloat16)), ("c", torch.randn(5).double())]
+    buffers = BucketBuffers(num_buffers=1)
+    buffers.seal([(name, buffers.copy_in(tensor)) for name, tensor in sent])  # sizes the buffer for the bucket
+    buffers.restart()
+    bucket = [(name, buffers.copy_in(tensor)) for name, tensor in sent]
+    flat = flattened_bucket(bucket)
+    assert flat is not None
+    loaded: list[tuple[str, torch.Tensor]] = []
+    runner = types.SimpleNamespace(get_model=lambda: types.SimpleNamespace(load_weights=loaded.extend))
+    payload = MultiprocessingSerializer.deserialize(serialize_flattened_bucket(*flat))
+    assert WeightUpdater._update_weights_from_flattened_bucket(runner, flattened_tensor_bucket_dict=payload)[0]
+    assert [name for name, _ in loaded] == ["a", "b", "c"]
+    assert all(t.dtype == o.dtype and torch.equal(t, o) for (_, t), (_, o) in zip(loaded, sent, strict=True))
 
 
 @needs_sglang

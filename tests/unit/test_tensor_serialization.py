@@ -11,13 +11,19 @@ import pytest
 import torch
 from torch.multiprocessing import reductions
 
+from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
 from megatron_rl.weight_sync.buckets import BucketFiller
 from megatron_rl.weight_sync.tensor_serialization import (
+    FLATTENED_BUCKET,
     REBUILD_DEVICE_ARG,
     UnsafePayloadError,
+    deserialize_flattened_bucket,
     deserialize_named_tensors,
+    deserialize_payload,
+    flattened_bucket,
     rebuild_args_with_index,
     rebuild_args_with_uuid,
+    serialize_flattened_bucket,
     serialize_named_tensors,
     with_device_uuid,
 )
@@ -45,6 +51,84 @@ class _Exploit:
 def test_unpickler_refuses_anything_but_named_tensors(payload):
     with pytest.raises(UnsafePayloadError):
         deserialize_named_tensors(base64.b64encode(pickle.dumps(payload)).decode())
+
+
+def _views_of_one_storage() -> list[tuple[str, torch.Tensor]]:
+    storage = torch.zeros(1024, dtype=torch.uint8)
+    a = storage[64:112].view(torch.float32).view(3, 4).copy_(torch.randn(3, 4))
+    b = storage[256:268].view(torch.bfloat16).copy_(torch.arange(6, dtype=torch.bfloat16))
+    c = storage[512:552].view(torch.float64).copy_(torch.randn(5, dtype=torch.float64))
+    return [("c", c), ("a", a), ("b", b)]  # any order; gaps between them
+
+
+def test_a_flattened_bucket_spans_its_views_and_round_trips_bit_exact():
+    named = _views_of_one_storage()
+    flat, metadata = flattened_bucket(named)
+    assert flat.dtype == torch.uint8 and flat.numel() == 552 - 64 and flat.data_ptr() == named[1][1].data_ptr()
+    assert [(m.name, m.start_idx, m.end_idx, m.numel) for m in metadata] == [
+        ("c", 448, 488, 40),
+        ("a", 0, 48, 48),
+        ("b", 192, 204, 12),
+    ]
+    restored = deserialize_payload(serialize_flattened_bucket(flat, metadata), FLATTENED_BUCKET)
+    assert [name for name, _ in restored] == ["c", "a", "b"]
+    for (_, original), (_, copy) in zip(named, restored, strict=True):
+        assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original)
+
+
+def test_tensors_of_several_storages_or_strided_go_one_by_one():
+    named = _views_of_one_storage()
+    assert flattened_bucket([*named, ("other", torch.ones(3))]) is None
+    assert flattened_bucket([("t", named[1][1].t())]) is None
+    assert flattened_bucket([*named, ("empty", named[0][1][:0])]) is None
+    assert flattened_bucket([]) is None
+
+
+def _flattened_payload(flat: object, metadata: object) -> str:
+    return base64.b64encode(pickle.dumps({"flattened_tensor": flat, "metadata": metadata})).decode()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _flattened_payload(torch.zeros(16, dtype=torch.uint8), [_Exploit()]),
+        _flattened_payload(torch.zeros(4), []),
+        base64.b64encode(pickle.dumps([("x", torch.ones(1))])).decode(),
+    ],
+    ids=["global", "not-uint8", "not-a-dict"],
+)
+def test_flattened_unpickler_refuses_foreign_objects(payload):
+    with pytest.raises(UnsafePayloadError):
+        deserialize_flattened_bucket(payload)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "shape", "dtype"),
+    [
+        (0, 20, (5,), torch.float32),
+        (8, 16, (3,), torch.float32),
+        (2, 6, (1,), torch.float32),
+        (-4, 0, (1,), torch.float32),
+    ],
+    ids=["past-the-end", "size-mismatch", "misaligned", "negative"],
+)
+def test_flattened_metadata_outside_its_tensor_is_refused(start, end, shape, dtype):
+    flat, (meta,) = flattened_bucket([("w", torch.zeros(4))])
+    meta.start_idx, meta.end_idx, meta.shape, meta.dtype = start, end, torch.Size(shape), dtype
+    with pytest.raises(UnsafePayloadError, match="w: bytes"):
+        deserialize_flattened_bucket(serialize_flattened_bucket(flat, [meta]))
+
+
+def test_released_bucket_buffers_come_back_at_their_size():
+    """After a release the next sync's bucket lies in one buffer again (so it goes flattened)."""
+    buffers = BucketBuffers(num_buffers=1)
+    tensors = [torch.full((n,), float(n)) for n in (10, 300, 5000)]
+    first = [(str(i), buffers.copy_in(t)) for i, t in enumerate(tensors)]
+    assert flattened_bucket(first) is None  # the buffer grew twice inside the first bucket
+    buffers.seal(first)
+    buffers.release()
+    again = [(str(i), buffers.copy_in(t)) for i, t in enumerate(tensors)]
+    assert flattened_bucket(again) is not None
 
 
 def test_buckets_respect_the_size_and_keep_order():

@@ -26,7 +26,7 @@ from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.weight_sync.buckets import BucketFiller
 from megatron_rl.weight_sync.syncer import WeightSyncer
-from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors
+from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, serialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
 from tests.tiny_checkpoints import save_tiny_moe
 
@@ -43,6 +43,7 @@ class RecordingEngine:
         self.gate = threading.Event()
         self.received: list[list[tuple[str, torch.Tensor]]] = []
         self.read_from: list[list[int]] = []
+        self.formats: list[str | None] = []
         self.concurrent = self.max_concurrent = 0
         self.fail_on = fail_on
         self._lock = threading.Lock()
@@ -57,7 +58,8 @@ class RecordingEngine:
                 self.received.append([])
                 raise RuntimeError(f"bucket {self.fail_on} refused")
             (payload,) = request.serialized_named_tensors
-            opened = deserialize_named_tensors(payload)
+            opened = deserialize_payload(payload, request.load_format)
+            self.formats.append(request.load_format)
             self.read_from.append([t.data_ptr() for _, t in opened])
             self.received.append([(name, t.clone()) for name, t in opened])
         finally:
@@ -84,6 +86,22 @@ def test_buckets_arrive_in_order_with_the_bytes_they_were_sent_with():
     for sent, got in zip(buckets, engine.received, strict=True):
         assert [name for name, _ in got] == [name for name, _ in sent]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent, got, strict=True))
+    transport.close()
+
+
+def test_a_bucket_in_one_buffer_goes_as_one_flattened_tensor():
+    """The first sync sizes the buffer (its bucket straddles two, so it goes tensor by tensor); every later
+    sync's bucket lies in one buffer and goes as SGLang's flattened_bucket, with the same bytes arriving."""
+    engine = RecordingEngine()
+    engine.gate.set()
+    transport = TensorTransport([engine])
+    for sync in range(3):
+        transport.begin(f"v{sync}")
+        bucket = [(name, t + sync) for name, t in _bucket(0)]
+        transport.send_bucket(bucket, f"v{sync}")
+        transport.finish(f"v{sync}")
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bucket, engine.received[-1], strict=True))
+    assert engine.formats == [None, FLATTENED_BUCKET, FLATTENED_BUCKET]
     transport.close()
 
 
@@ -197,7 +215,9 @@ class InProcessEngine:
         self.backend = backend
 
     def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:
-        self.backend.update_from_tensor(request.serialized_named_tensors, request.weight_version)
+        self.backend.update_from_tensor(
+            request.serialized_named_tensors, request.weight_version, load_format=request.load_format
+        )
 
     def pause_generation(self, mode: str = "retract") -> None:
         self.backend.pause(mode)
@@ -248,3 +268,9 @@ def test_syncs_from_shared_memory_weights_land_exactly_without_packing(backend):
         assert all(torch.equal(backend.params[name], weights[name]) for name in names), step
         assert len(backend._shared_buffers) == len(weights)  # the engine holds the sender's own storages
     syncer.close()
+
+
+def test_the_reference_engine_refuses_a_load_format_sglang_does_not_know(backend):
+    payload = serialize_named_tensors([("model.norm.weight", torch.ones(4))])
+    with pytest.raises(ValueError, match="^Unknown load_format=safetensors$"):
+        backend.update_from_tensor([payload], "v", load_format="safetensors")

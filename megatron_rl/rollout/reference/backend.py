@@ -57,7 +57,7 @@ from megatron_rl.rollout.reference.generator import RequestState, decode_step, e
 from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.rollout.reference.slot_model import SlotModel
 from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
-from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors
+from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload
 from megatron_rl.weight_sync.weight_group import (
     WeightGroup,
     broadcast_from_trainer,
@@ -423,14 +423,23 @@ class ReferenceBackend:
             self._session = False
             self._shared_buffers.end_sync()
 
-    def update_from_tensor(self, payloads: list[str], version: str | None, flush: bool = False) -> None:
-        """Load one serialized bucket (this engine has one rank, so exactly one payload); inside a session."""
+    def update_from_tensor(
+        self, payloads: list[str], version: str | None, flush: bool = False, load_format: str | None = None
+    ) -> None:
+        """Load one serialized bucket (this engine has one rank, so exactly one payload); inside a session.
+
+        ``load_format`` as SGLang's: None or ``"direct"`` (a list of named tensors; this engine loads
+        by name either way) or ``"flattened_bucket"`` (one flat tensor and metadata); any other is
+        refused (ValueError) before the payload is opened.
+        """
         self._assert_single_dp("update weights from tensor")
+        if load_format not in (None, "direct", FLATTENED_BUCKET):
+            raise ValueError(f"Unknown load_format={load_format}")
         with self._control:
             self._require_session("update_weights_from_tensor")
             if len(payloads) != 1:
                 raise ValueError(f"the reference engine has 1 TP rank; got {len(payloads)} serialized_named_tensors")
-            named_tensors = deserialize_named_tensors(payloads[0])
+            named_tensors = deserialize_payload(payloads[0], load_format)
             self._shared_buffers.hold(named_tensors)
             self._load(named_tensors, version, flush)
 

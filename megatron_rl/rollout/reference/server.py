@@ -159,7 +159,7 @@ ROUTES: dict[str, Route] = {
     "/begin_weight_update": _update(lambda b, r: b.begin_weight_update(), BeginWeightUpdateRequest.from_json),
     "/end_weight_update": _update(lambda b, r: b.end_weight_update(), EndWeightUpdateRequest.from_json),
     "/update_weights_from_tensor": _update(
-        lambda b, r: b.update_from_tensor(r.serialized_named_tensors, r.weight_version, r.flush_cache),
+        lambda b, r: b.update_from_tensor(r.serialized_named_tensors, r.weight_version, r.flush_cache, r.load_format),
         UpdateWeightsFromTensorRequest.from_json,
     ),
     "/init_weights_update_group": _update(ReferenceBackend.init_group, InitWeightsUpdateGroupRequest.from_json),
