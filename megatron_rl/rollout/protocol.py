@@ -143,7 +143,9 @@ class DestroyWeightsUpdateGroupRequest(_Body):
 
 @dataclass(frozen=True)
 class UpdateWeightsFromDistributedRequest(_Body):
-    """``POST /update_weights_from_distributed``: the engine receives one ``broadcast(src=0)`` per name, in order.
+    """``POST /update_weights_from_distributed``: the engine receives one ``broadcast(src=0)`` per name, in order,
+    or with ``load_format="flattened_bucket"`` one broadcast of them all packed back to back
+    (:mod:`~megatron_rl.weight_sync.dense_buckets`).
 
     ``dtypes`` are torch dtype names without the ``torch.`` prefix (``"float32"``, ``"bfloat16"``).
     """

@@ -10,21 +10,25 @@ weight-update session (SGLang 0.5.23: tensor and distributed updates), which
 the syncer's controller opens and closes.
 
 - :class:`TensorTransport` (colocated): ``/update_weights_from_tensor`` with
-  IPC handles: CUDA tensors as they are (their device named by UUID), CPU tensors
-  in shared memory as they are too (the engine's copy into its weights is then the
-  only copy). It hands out bucket memory (:attr:`WeightTransport.allocate`): two
-  reused shared-memory buffers per rank, filled in turn, which the exporter writes
-  its full tensors into (the TP gather's concatenation, the layout conversion), so
-  a CPU trainer's bucket goes as views with no pack; other CPU tensors in private
-  memory are copied into the same buffers (one copy, the model's storage untouched).
-  One bucket is in flight while the next is exported. CUDA IPC handles open only on
+  IPC handles (a CUDA device named by UUID). It hands out bucket memory
+  (:attr:`WeightTransport.allocate`): two reused shared-memory buffers per rank,
+  filled in turn, which the exporter writes its full tensors into (the TP gather's
+  concatenation, the layout conversion), so a CPU trainer's bucket goes as views with
+  no pack; other CPU tensors in private memory are copied into the same buffers (one
+  copy, the model's storage untouched), CUDA tensors into two such buffers on their
+  device. A bucket in one buffer goes as SGLang's ``flattened_bucket`` (one handle
+  and per-tensor metadata); CPU tensors already in shared memory go as they are, one
+  handle each (the engine's copy into its weights is then the only copy). One bucket
+  is in flight while the next is exported. CUDA IPC handles open only on
   the sender's node: the recipe check refuses colocated engines on nodes without the
   sending rank.
 - :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
   broadcast group with every engine rank (engine ``i`` at rank offset
   1 + sum of the previous engines' sizes); per bucket it posts
-  ``/update_weights_from_distributed`` to every engine and broadcasts the
-  tensors in order. Gloo on CPU, NCCL on GPU; the group is created on the first
+  ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` to
+  every engine and broadcasts the bucket's tensors packed back to back as one
+  buffer (:mod:`~megatron_rl.weight_sync.dense_buckets`; a bucket whose dtypes
+  would misalign that layout goes as several such requests). Gloo on CPU, NCCL on GPU; the group is created on the first
   bucket and kept until :meth:`close`. Joining a group and each bucket's
   requests + broadcasts run under the one :class:`~megatron_rl.weight_sync.send_lock.SendLock`
   of all trainer ranks, so several sending ranks never deadlock engines that
@@ -60,6 +64,7 @@ from megatron_rl.rollout.protocol import (
 )
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
 from megatron_rl.weight_sync.buckets import NamedTensor
+from megatron_rl.weight_sync.dense_buckets import aligned_runs, pack
 from megatron_rl.weight_sync.send_lock import SendLock, create_send_lock
 from megatron_rl.weight_sync.tensor_serialization import (
     FLATTENED_BUCKET,
@@ -310,21 +315,25 @@ class DistributedTransport(WeightTransport):
             self._send(bucket, version)
 
     def _send(self, bucket: list[NamedTensor], version: str) -> None:
+        """Each aligned run of the bucket as one request and one broadcast of its dense bytes (SGLang's
+        ``flattened_bucket``), instead of one broadcast per tensor."""
         group = self._ensure_group()
-        request = UpdateWeightsFromDistributedRequest(
-            names=[name for name, _ in bucket],
-            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            shapes=[list(t.shape) for _, t in bucket],
-            group_name=self.group_name,
-            flush_cache=False,
-            weight_version=version,
-        )
-        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
-            posts = [pool.submit(engine.update_weights_from_distributed, request) for engine in self.engines]
-            for _, tensor in bucket:
-                broadcast_from_trainer(group, tensor.contiguous())
-            for post in posts:
-                post.result()
+        for run in aligned_runs(bucket):
+            request = UpdateWeightsFromDistributedRequest(
+                names=[name for name, _ in run],
+                dtypes=[str(t.dtype).removeprefix("torch.") for _, t in run],
+                shapes=[list(t.shape) for _, t in run],
+                group_name=self.group_name,
+                flush_cache=False,
+                weight_version=version,
+                load_format=FLATTENED_BUCKET,
+            )
+            flat = pack(run)
+            with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+                posts = [pool.submit(engine.update_weights_from_distributed, request) for engine in self.engines]
+                broadcast_from_trainer(group, flat)
+                for post in posts:
+                    post.result()
 
     def engines_replaced(self, indices: Collection[int]) -> None:
         """The broadcast group included the old processes of engines ``indices``: the other engines leave it,

@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
         "data",
         "config",
         "parallel.device",
+        "weight_sync.dense_buckets",
         "weight_sync.tensor_serialization",
         "weight_sync.weight_group",
     },

@@ -66,6 +66,7 @@ from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.generator import SampleOutput
 from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangPlacement, build_sglang_command, write_private_config
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
+from megatron_rl.weight_sync.dense_buckets import aligned_runs, pack
 from megatron_rl.weight_sync.tensor_serialization import (
     flattened_bucket,
     rebuild_args_with_uuid,
@@ -294,11 +295,15 @@ ENGINE_RANKS = 2  # one engine with TP 2 (rank offset 1), as SGLang joins it: ra
 GROUP_TIMEOUT_S = 60.0
 
 
-def _sglang_engine_rank(tp_rank: int, port: int, hf_dir: str, results) -> None:
-    """One SGLang TP worker's side of /init_weights_update_group + /update_weights_from_distributed."""
+def _sglang_engine_rank(tp_rank: int, port: int, named: list, runs: list | None, results) -> None:
+    """One SGLang TP worker's side of /init_weights_update_group + /update_weights_from_distributed.
+
+    ``runs``: None for one broadcast per tensor, else each flattened request's (names, dtypes, shapes),
+    received as SGLang 0.5.23 does (``FlattenedTensorBucket.empty``, one broadcast, ``reconstruct_tensors``).
+    """
     import torch.distributed as dist
-    from safetensors.torch import load_file
     from sglang.srt.utils.common import init_custom_process_group
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     group = init_custom_process_group(
@@ -308,34 +313,52 @@ def _sglang_engine_rank(tp_rank: int, port: int, hf_dir: str, results) -> None:
         rank=1 + tp_rank,
         group_name="megatron_rl_weights_rank0",
     )
-    expected = sorted(load_file(Path(hf_dir) / "model.safetensors").items())
-    received = [torch.empty(t.shape, dtype=t.dtype) for _, t in expected]
-    handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in received]
-    for handle in handles:
-        handle.wait()
-    differing = [name for (name, t), r in zip(expected, received, strict=True) if not torch.equal(t, r)]
+    if runs is None:
+        received = [(name, torch.empty(t.shape, dtype=t.dtype)) for name, t in named]
+        handles = [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in received]
+        for handle in handles:
+            handle.wait()
+    else:
+        received = []
+        for names, dtypes, shapes in runs:
+            bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+            dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+            received += bucket.reconstruct_tensors()
+    differing = [
+        name for (name, t), (got, r) in zip(named, received, strict=True) if got != name or not torch.equal(t, r)
+    ]
     results.put((tp_rank, len(received), differing))
     dist.destroy_process_group(group)
     dist.destroy_process_group()
 
 
 @needs_sglang
-def test_sglang_init_custom_process_group_receives_our_broadcast_bit_exact(tmp_path):
+@pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened"])
+def test_sglang_init_custom_process_group_receives_our_broadcast_bit_exact(tmp_path, flattened):
+    """SGLang's own group join and receive path gets our broadcasts bit for bit: one per tensor, or our dense
+    packing of each aligned run against SGLang's flattened-bucket layout (an odd bfloat16 tensor before
+    float32 ones forces a second run)."""
     from safetensors.torch import load_file
 
     hf_dir = save_tiny_moe(tmp_path / "moe")
     named = sorted(load_file(hf_dir / "model.safetensors").items())
+    named = [*named[:3], ("odd.bfloat16", torch.randn(7).bfloat16()), *named[3:]]
+    runs = aligned_runs(named) if flattened else None
+    assert runs is None or len(runs) == 2
+    metadata = None
+    if runs is not None:
+        metadata = [([n for n, _ in r], [t.dtype for _, t in r], [list(t.shape) for _, t in r]) for r in runs]
     port = free_port()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    engines = [context.Process(target=_sglang_engine_rank, args=(r, port, str(hf_dir), results)) for r in (0, 1)]
+    engines = [context.Process(target=_sglang_engine_rank, args=(r, port, named, metadata, results)) for r in (0, 1)]
     for process in engines:
         process.start()
     try:
         group = create_weight_group(
             "127.0.0.1", port, 0, 1 + ENGINE_RANKS, "megatron_rl_weights_rank0", "gloo", timeout_s=GROUP_TIMEOUT_S
         )
-        for _, tensor in named:
+        for tensor in [pack(run) for run in runs] if runs else [t for _, t in named]:
             broadcast_from_trainer(group, tensor)
         reports = sorted(results.get(timeout=GROUP_TIMEOUT_S) for _ in engines)
         destroy_weight_group(group)
