@@ -11,14 +11,18 @@ picks (``auto``: tensor when colocated, distributed otherwise), and its slowest 
 
 - ``tensor`` (CUDA IPC, same node): each engine GPU copies its own share of the weights
   (:func:`~megatron_rl.plan.param_count.engine_gpu_weights`, bf16) from the trainer's GPUs, all
-  engine GPUs at once: that share / :data:`NVLINK_GBPS`;
+  engine GPUs at once: that share / :data:`NVLINK_GBPS`; plus :data:`MICROSECONDS_PER_TENSOR` times
+  the tensors (:func:`~megatron_rl.plan.param_count.hf_tensor_counts`), which on one H200
+  dominated a sync: at least one sending rank's share (the dense tensors of a pipeline stage and
+  its EP rank's experts, the senders in parallel), at most every tensor (an engine serves one
+  weight request at a time, so if the cost is the engine's, the senders' buckets queue);
 - ``distributed`` (NCCL broadcast): the send lock lets one sending rank broadcast at a time, so
   the whole model crosses one sender's network link: model bytes / :data:`NETWORK_GBPS`;
 - ``disk``: every byte is written to the shared filesystem, then (after a barrier, no overlap)
   every node reads all of it: model bytes / :data:`FS_WRITE_GBPS` + model bytes / :data:`FS_READ_GBPS`.
 
 Not modelled: the trainer's TP all-gathers, per-bucket request round trips and the engines'
-post-processing, so the figure is the data movement alone.
+post-processing; distributed and disk are data movement alone.
 
 Tokens/s/GPU (:func:`estimate_throughput`), defined as NeMo-RL publishes it: all tokens of a step
 (prompt + response, every sample) / (step seconds x GPUs). Per token, a forward pass costs
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.layout import trainer_world_size
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.plan.param_count import engine_gpu_weights, model_params
+from megatron_rl.plan.param_count import engine_gpu_weights, hf_tensor_counts, model_params
 
 BF16_BYTES = 2
 
@@ -90,6 +94,13 @@ class Assumption:
 NVLINK_GBPS = Assumption(
     "NVLink copy per GPU", Range(200, 350), "GB/s", "H100 NVLink 4: 450 GB/s per direction nominal"
 )
+MICROSECONDS_PER_TENSOR = Assumption(
+    "tensor transport time per tensor",
+    Range(62, 72),
+    "us",
+    "measured on one H200: a TP1 Megatron export through CUDA IPC into the reference engine, 6.38 GB "
+    "in 1,611 and in 3,147 tensors, docs/gpu-checks.md",
+)
 NETWORK_GBPS = Assumption(
     "network per sending GPU", Range(20, 45), "GB/s", "NCCL broadcast over one 400 Gb/s (50 GB/s) NIC"
 )
@@ -137,8 +148,13 @@ def estimate_sync(cfg: RunConfig, arch: QwenArchitecture, transport: str | None 
     if kind == "tensor":
         weights = engine_gpu_weights(arch, cfg.rollout)
         share = (weights.gemm + weights.other) * BF16_BYTES
-        return SyncEstimate(kind, model_bytes, share, Range(share, share).per(NVLINK_GBPS.value.scaled(1e9)),
-                            (NVLINK_GBPS,))  # fmt: skip
+        copies = Range(share, share).per(NVLINK_GBPS.value.scaled(1e9))
+        dense, expert = hf_tensor_counts(arch)
+        parallel = cfg.parallel
+        one_sender = dense / parallel.pp + expert / (parallel.ep * parallel.pp)
+        per_tensor = MICROSECONDS_PER_TENSOR.value.scaled(1e-6)
+        tensors = Range(one_sender * per_tensor.low, (dense + expert) * per_tensor.high)
+        return SyncEstimate(kind, model_bytes, share, copies + tensors, (NVLINK_GBPS, MICROSECONDS_PER_TENSOR))
     exact = Range(model_bytes, model_bytes)
     if kind == "distributed":
         return SyncEstimate(kind, model_bytes, model_bytes, exact.per(NETWORK_GBPS.value.scaled(1e9)), (NETWORK_GBPS,))

@@ -48,8 +48,9 @@ Engines (SGLang): weights per GPU from :func:`~megatron_rl.plan.param_count.engi
 SGLang sizes its KV pool at start (on an empty GPU: the engines start before the trainer) as
 ``mem_fraction x GPU - weights``; KV bytes per token per GPU ``2 x layers x kv_heads_per_gpu x
 head_dim x 2`` (bf16 cache). Colocated peaks (``orchestration/memory_handover.py``): training
-(engines released), weight sync (trainer parameters, engine weights, a bucket and the largest
-gathered tensor), rollout (the engine's ``mem_fraction`` share plus both processes' reserves;
+(engines released), weight sync (trainer parameters, engine weights, the largest gathered tensor
+and a bucket; with the tensor transport its two device bucket buffers, each up to twice the
+larger of a bucket and that tensor), rollout (the engine's ``mem_fraction`` share plus both processes' reserves;
 the trainer is fully offloaded to pinned host memory).
 """
 
@@ -61,6 +62,7 @@ from dataclasses import dataclass
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import engine_layout, trainer_layout
 from megatron_rl.config.schema import ParallelConfig, RunConfig, TrainConfig
+from megatron_rl.plan.estimates import resolved_transport
 from megatron_rl.plan.param_count import (
     ParamCount,
     chunk_layers,
@@ -277,10 +279,18 @@ class MemoryPlan:
 
 def _sync_peak(cfg: RunConfig, arch: QwenArchitecture, stage: StagePlan, engine: EnginePlan) -> tuple[Amount, ...]:
     gathered = padded_vocab_size(arch.vocab_size, cfg.parallel.tp) * arch.hidden_size * 2
+    bucket = cfg.weight_sync.bucket_size_mb * 2**20
+    if resolved_transport(cfg) == "tensor":  # two reused device buffers, each at most 2 x the largest bucket
+        staging = Amount(
+            "largest gathered tensor + 2 device bucket buffers of up to 2 x max(bucket, it) (bf16)",
+            gathered + 4 * max(bucket, gathered),
+        )
+    else:
+        staging = Amount("bucket + largest gathered tensor (bf16)", bucket + gathered)
     return (
         Amount(f"trainer {stage.state[0].label}", stage.parameter_bytes),
         Amount("engine weights", engine.weight_bytes),
-        Amount("bucket + largest gathered tensor (bf16)", cfg.weight_sync.bucket_size_mb * 2**20 + gathered),
+        staging,
         _reserve(2),
     )
 

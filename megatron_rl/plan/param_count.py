@@ -114,6 +114,22 @@ def model_params(arch: QwenArchitecture) -> ParamCount:
     return layers + ParamCount(dense=vocab * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size)
 
 
+def hf_tensor_counts(arch: QwenArchitecture) -> tuple[int, int]:
+    """(dense, expert) tensors of the Hugging Face checkpoint, as a weight sync sends them: per layer 4
+    attention projections, 2 QK norms and 2 layer norms, then the router and 3 per expert (MoE layer)
+    or 3 MLP projections (dense layer); the embedding, the final norm and, untied, the output layer.
+    (Qwen3-30B-A3B: 435 dense + 18,432 expert = 18,867.)"""
+    dense, expert = 3 if not arch.tie_word_embeddings else 2, 0
+    for layer in range(arch.num_layers):
+        dense += 8
+        if arch.moe_layer_pattern and arch.moe_layer_pattern[layer]:
+            dense += 1
+            expert += 3 * arch.num_experts
+        else:
+            dense += 3
+    return dense, expert
+
+
 @dataclass(frozen=True)
 class EngineWeights:
     """One engine GPU's weight elements: in GEMMs (quantisable) and the rest (embeddings, norms, router)."""

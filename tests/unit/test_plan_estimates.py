@@ -10,6 +10,7 @@ from megatron_rl.plan.estimates import (
     FS_READ_GBPS,
     FS_WRITE_GBPS,
     GENERATION_MFU,
+    MICROSECONDS_PER_TENSOR,
     NETWORK_GBPS,
     NVLINK_GBPS,
     PEAK_BF16_TFLOPS,
@@ -21,7 +22,7 @@ from megatron_rl.plan.estimates import (
     forward_flops_per_token,
     resolved_transport,
 )
-from megatron_rl.plan.param_count import engine_gpu_weights, model_params
+from megatron_rl.plan.param_count import engine_gpu_weights, hf_tensor_counts, model_params
 from tests.unit.test_memory_plan import ARCH_30B, RECIPE, TINY_MOE
 
 
@@ -41,6 +42,13 @@ def test_active_gemm_params_by_hand():
     assert active_gemm_params(ARCH_30B) == 48 * (18_874_368 + 38_010_880) + 151_936 * 2_048
 
 
+def test_tensor_counts_are_the_checkpoints():
+    """Qwen3-30B-A3B: 48 layers x (4 projections, 2 QK norms, 2 layer norms, router) + embedding, final norm,
+    output layer; 48 x 128 x 3 expert tensors. The tiny model: layer 1 dense (3 MLP tensors, no router)."""
+    assert hf_tensor_counts(ARCH_30B) == (48 * 9 + 3, 48 * 128 * 3) == (435, 18_432)
+    assert hf_tensor_counts(TINY_MOE) == (3 * 9 + 11 + 3, 3 * 4 * 3)
+
+
 def _recipe(*overrides: str):
     return load_recipe(RECIPE, list(overrides), require_files=False)[0]
 
@@ -58,7 +66,14 @@ def test_sync_seconds_are_bytes_over_the_assumed_link():
     tensor = estimate_sync(cfg, ARCH_30B, "tensor")
     weights = engine_gpu_weights(ARCH_30B, cfg.rollout)
     assert tensor.link_bytes == (weights.gemm + weights.other) * 2 < model_bytes
-    assert tensor.seconds.high == pytest.approx(tensor.link_bytes / (NVLINK_GBPS.value.low * 1e9))
+    # plus the time per tensor: one EP rank's share (435 dense + 18,432 / 8 experts) up to all 18,867 tensors
+    per_tensor = MICROSECONDS_PER_TENSOR.value
+    assert tensor.seconds.low == pytest.approx(
+        tensor.link_bytes / (NVLINK_GBPS.value.high * 1e9) + (435 + 18_432 / 8) * per_tensor.low * 1e-6
+    )
+    assert tensor.seconds.high == pytest.approx(
+        tensor.link_bytes / (NVLINK_GBPS.value.low * 1e9) + 18_867 * per_tensor.high * 1e-6
+    )
     with pytest.raises(ValueError, match="unknown weight-sync transport"):
         estimate_sync(cfg, ARCH_30B, "carrier-pigeon")
 
