@@ -282,7 +282,7 @@ def _sync_peak(cfg: RunConfig, arch: QwenArchitecture, stage: StagePlan, engine:
     bucket = cfg.weight_sync.bucket_size_mb * 2**20
     if resolved_transport(cfg) == "tensor":  # two reused device buffers, each at most 2 x the largest bucket
         staging = Amount(
-            "largest gathered tensor + 2 device bucket buffers of up to 2 x max(bucket, it) (bf16)",
+            "2 bucket buffers + largest gathered tensor (bf16)",
             gathered + 4 * max(bucket, gathered),
         )
     else:
