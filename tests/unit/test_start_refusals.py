@@ -201,6 +201,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/reference/slot_model.py", ""): "the model's config.json, which config/hf_config.py refuses first "
     "(RoPE scaling, sliding windows, activations other than SiLU)",
     ("rollout/reference/backend.py", "names, dtypes and shapes"): "wire-format contract of a weight update",
+    ("rollout/reference/backend.py", "Unknown load_format"): "wire-format contract of a weight update (our "
+    "transports send None or flattened_bucket)",
     ("rollout/reference/backend.py", "no *.safetensors"): "disk weight update contents, written by the trainer",
     ("rollout/reference/backend.py", "weight elements"): "disk weight update contents, written by the trainer",
     ("rollout/reference/backend.py", "WeightUpdateRefused"): "the weight-update protocol's state at request time "
@@ -223,6 +225,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
     ("weight_sync/transports.py", "before begin()"): "call order inside the syncer",
+    ("weight_sync/dense_buckets.py", ""): "wire-format contract of a flattened distributed update (the sender "
+    "packs aligned runs of tensors it holds)",
     ("weight_sync/bucket_buffers.py", "not in the bucket being sent"): "internal: the exporter sends every "
     "tensor it allocated in its bucket",
     ("orchestration/trainer_group.py", "shards for"): "the driver shards by the group's own DP size",
