@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import select
 import socket
 import threading
@@ -204,9 +205,15 @@ class HttpEngine(RolloutEngine):
 
     def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
         """This thread's connection to the engine's current address (new if none, or if the server closed it),
-        set to ``timeout``; and whether it served a request before."""
-        held: dict[tuple[str, int], http.client.HTTPConnection] = getattr(self._connections, "held", None) or {}
-        self._connections.held = held
+        set to ``timeout``; and whether it served a request before.
+
+        A process forked from one that used this engine starts without connections: the parent's
+        thread-local ones come with the fork and hold its sockets, which parent and children would
+        otherwise share, reading each other's answers (seen: forked trainer ranks that hung)."""
+        held: dict[tuple[str, int], http.client.HTTPConnection] | None = getattr(self._connections, "held", None)
+        if held is None or self._connections.pid != os.getpid():
+            held = self._connections.held = {}
+            self._connections.pid = os.getpid()
         for stale in [address for address in held if address != self._address]:  # the engine was rebound
             held.pop(stale).close()
         connection = held.get(self._address)

@@ -15,6 +15,7 @@ source in docs/architecture.md ("The reference engine as SGLang's twin"):
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 import urllib.request
@@ -222,3 +223,23 @@ def test_metrics_count_forward_seconds_under_sglangs_counter(served):
         metric_samples(after, IDLE_SECONDS_METRIC),
     )
     assert idle_after[1] >= idle_before[1] + 0.05
+
+
+def _ask_many(engine: HttpEngine, rounds: int) -> None:
+    for _ in range(rounds):
+        assert engine.request("/model_info", timeout_s=20)["weight_version"] == "default"
+
+
+def test_forked_processes_open_their_own_connections(served):
+    """A rank forked from a process that used the engine does not reuse that process's kept-alive socket:
+    parent and two children asking at once all get their answers (sharing it, a child read another's)."""
+    engine, _ = served
+    _ask_many(engine, 1)
+    context = multiprocessing.get_context("fork")
+    children = [context.Process(target=_ask_many, args=(engine, 200)) for _ in range(2)]
+    for child in children:
+        child.start()
+    _ask_many(engine, 200)
+    for child in children:
+        child.join(60)
+    assert [child.exitcode for child in children] == [0, 0]
