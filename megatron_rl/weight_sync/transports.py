@@ -25,10 +25,11 @@ the syncer's controller opens and closes.
 - :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
   broadcast group with every engine rank (engine ``i`` at rank offset
   1 + sum of the previous engines' sizes); per bucket it posts
-  ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` to
-  every engine and broadcasts the bucket's tensors packed back to back as one
-  buffer (:mod:`~megatron_rl.weight_sync.dense_buckets`; a bucket whose dtypes
-  would misalign that layout goes as several such requests). Gloo on CPU, NCCL on GPU; the group is created on the first
+  ``/update_weights_from_distributed`` to every engine and broadcasts the bucket:
+  on GPU with ``load_format="flattened_bucket"``, its tensors packed back to back
+  as one buffer (:mod:`~megatron_rl.weight_sync.dense_buckets`; a bucket whose
+  dtypes would misalign that layout goes as several such requests), on CPU one
+  broadcast per tensor (``DistributedTransport.flatten``). Gloo on CPU, NCCL on GPU; the group is created on the first
   bucket and kept until :meth:`close`. Joining a group and each bucket's
   requests + broadcasts run under the one :class:`~megatron_rl.weight_sync.send_lock.SendLock`
   of all trainer ranks, so several sending ranks never deadlock engines that
@@ -256,6 +257,12 @@ class DistributedTransport(WeightTransport):
     ``master_address``: the address engines reach this rank's node by; the group's store is
     hosted there, listening on that address only (the default 127.0.0.1 serves engines on
     this node only).
+
+    ``flatten``: send each bucket packed into one buffer (SGLang's ``flattened_bucket``: one
+    request and broadcast per aligned run) or one broadcast per tensor. Default: packed for CUDA
+    buckets (NCCL: one collective instead of thousands, and the packing is a device copy),
+    tensor by tensor for CPU ones (gloo: measured on the 2-core box, a TP2 x EP2 sync of 0.77 GB
+    took 0.93-1.26 s tensor by tensor and 1.26-1.29 s packed, the packing copy unhidden).
     """
 
     def __init__(
@@ -266,10 +273,12 @@ class DistributedTransport(WeightTransport):
         master_address: str = "127.0.0.1",
         backend: str | None = None,
         timeout_s: float = 300.0,
+        flatten: bool | None = None,
     ) -> None:
         self.engines = list(engines)
         self.engine_world_sizes = list(engine_world_sizes or [1] * len(self.engines))
         self.master_address = master_address
+        self.flatten = flatten
         self.backend = backend or collective_backend()
         self.timeout_s = timeout_s
         self.group_name = f"megatron_rl_weights_rank{_rank()}"
@@ -315,10 +324,11 @@ class DistributedTransport(WeightTransport):
             self._send(bucket, version)
 
     def _send(self, bucket: list[NamedTensor], version: str) -> None:
-        """Each aligned run of the bucket as one request and one broadcast of its dense bytes (SGLang's
-        ``flattened_bucket``), instead of one broadcast per tensor."""
+        """Flattened: each aligned run of the bucket as one request and one broadcast of its dense bytes;
+        else the bucket as one request and a broadcast per tensor (see ``flatten``)."""
         group = self._ensure_group()
-        for run in aligned_runs(bucket):
+        flatten = self.flatten if self.flatten is not None else any(t.is_cuda for _, t in bucket)
+        for run in aligned_runs(bucket) if flatten else [bucket]:
             request = UpdateWeightsFromDistributedRequest(
                 names=[name for name, _ in run],
                 dtypes=[str(t.dtype).removeprefix("torch.") for _, t in run],
@@ -326,12 +336,13 @@ class DistributedTransport(WeightTransport):
                 group_name=self.group_name,
                 flush_cache=False,
                 weight_version=version,
-                load_format=FLATTENED_BUCKET,
+                load_format=FLATTENED_BUCKET if flatten else None,
             )
-            flat = pack(run)
+            payload = [pack(run)] if flatten else [t.contiguous() for _, t in run]
             with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
                 posts = [pool.submit(engine.update_weights_from_distributed, request) for engine in self.engines]
-                broadcast_from_trainer(group, flat)
+                for tensor in payload:
+                    broadcast_from_trainer(group, tensor)
                 for post in posts:
                     post.result()
 

@@ -29,11 +29,11 @@ SYNCS = 3
 GROUP_TIMEOUT_S = 60.0
 
 
-def _send_half(rank: int, world_size: int, hf_dir, engines: list[ReferenceEngine]) -> int:
+def _send_half(rank: int, world_size: int, hf_dir, engines: list[ReferenceEngine], flatten: bool) -> int:
     dist.init_process_group("gloo")
     named = sorted(load_file(hf_dir / "model.safetensors").items())
     share = [(name, tensor * (1 + sync)) for sync in range(SYNCS) for name, tensor in named[rank::world_size]]
-    transport = DistributedTransport(engines, timeout_s=GROUP_TIMEOUT_S)
+    transport = DistributedTransport(engines, timeout_s=GROUP_TIMEOUT_S, flatten=flatten)
     syncer = WeightSyncer(engines, transport, bucket_bytes=BUCKET_BYTES)
     per_sync = len(share) // SYNCS
     buckets = 0
@@ -45,7 +45,8 @@ def _send_half(rank: int, world_size: int, hf_dir, engines: list[ReferenceEngine
 
 
 @pytest.mark.distributed
-def test_two_senders_into_two_engines_do_not_deadlock(tmp_path):
+@pytest.mark.parametrize("flatten", [False, True], ids=["per-tensor", "flattened"])
+def test_two_senders_into_two_engines_do_not_deadlock(tmp_path, flatten):
     hf_dir = save_tiny_moe(tmp_path / "moe")
     engines = [
         ReferenceEngine(f"e{i}", hf_dir, free_port(), log_dir=tmp_path, load_format="dummy", seed=i) for i in range(2)
@@ -55,7 +56,7 @@ def test_two_senders_into_two_engines_do_not_deadlock(tmp_path):
             engine.start()
         for engine in engines:
             engine.wait_healthy(120)
-        buckets = run_distributed(_send_half, 2, hf_dir, engines)
+        buckets = run_distributed(_send_half, 2, hf_dir, engines, flatten)
         assert min(buckets) >= 10 * SYNCS, buckets  # enough rounds for crossed orders to occur without the lock
         named = load_file(hf_dir / "model.safetensors")
         for engine in engines:

@@ -445,14 +445,17 @@ def _sync_as_trainer(port: int, kind: str, named: list, version: str) -> None:
     from megatron_rl.weight_sync.transports import DistributedTransport, TensorTransport
 
     engine = HttpEngine("sglang-http", "127.0.0.1", port, request_timeout_s=60)
-    transport = TensorTransport([engine]) if kind == "tensor" else DistributedTransport([engine], timeout_s=60)
+    if kind == "tensor":
+        transport = TensorTransport([engine])
+    else:
+        transport = DistributedTransport([engine], timeout_s=60, flatten=kind == "distributed-flattened")
     syncer = WeightSyncer([engine], transport, bucket_bytes=1 << 14)
     syncer.sync(named, version)
     syncer.close()
 
 
 @needs_sglang
-@pytest.mark.parametrize("kind", ["tensor", "distributed"])
+@pytest.mark.parametrize("kind", ["tensor", "distributed", "distributed-flattened"])
 def test_syncers_through_sglangs_http_layer_are_bit_exact(sglang_http, kind):
     """A trainer process syncs into the engine behind SGLang's routes (session, group join, broadcast, flush)."""
     engine, backend = sglang_http
