@@ -2,7 +2,7 @@
 # The GPU checks of issue 12 (scripts/device_check.py) on one lent H200, in one call of at most 8 minutes.
 #
 #   scripts/device_check.sh --fetch     here, with a package index: the wheels of scripts/device_wheels.txt
-#                                       into .whl/ (gitignored; about 5 MB)
+#                                       into .whl/ (gitignored; about 24 MB)
 #   scripts/device_check.sh             there: install .whl/*.whl into /tmp/site (no index, no deps), run the
 #                                       checks, write $OUT/gpu-checks.md, gpu-checks.json and device_check.log
 #   scripts/device_check.sh --dry-run   the CPU rehearsal (no wheels, no CUDA), into $OUT or /tmp
