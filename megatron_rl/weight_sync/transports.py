@@ -29,8 +29,8 @@ the syncer's controller opens and closes.
   on GPU with ``load_format="flattened_bucket"``, its tensors packed back to back
   as one buffer (:mod:`~megatron_rl.weight_sync.dense_buckets`; a bucket whose
   dtypes would misalign that layout goes as several such requests), on CPU one
-  broadcast per tensor (``DistributedTransport.flatten``). Gloo on CPU, NCCL on GPU; the group is created on the first
-  bucket and kept until :meth:`close`. Joining a group and each bucket's
+  broadcast per tensor (``DistributedTransport.flatten``). Gloo on CPU, NCCL on
+  GPU; the group is created on the first bucket and kept until :meth:`close`. Joining a group and each bucket's
   requests + broadcasts run under the one :class:`~megatron_rl.weight_sync.send_lock.SendLock`
   of all trainer ranks, so several sending ranks never deadlock engines that
   serve one weight request at a time.
