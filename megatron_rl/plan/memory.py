@@ -50,8 +50,8 @@ SGLang sizes its KV pool at start (on an empty GPU: the engines start before the
 head_dim x 2`` (bf16 cache). Colocated peaks (``orchestration/memory_handover.py``): training
 (engines released), weight sync (trainer parameters, engine weights, the largest gathered tensor
 and a bucket; with the tensor transport its two device bucket buffers, each up to twice the
-larger of a bucket and that tensor), rollout (the engine's ``mem_fraction`` share plus both processes' reserves;
-the trainer is fully offloaded to pinned host memory).
+larger of a bucket and that tensor), rollout (the engine's ``mem_fraction`` share plus both
+processes' reserves; the trainer is fully offloaded to pinned host memory).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ request's tensors out back to back, in request order, with no padding, and refus
 whose byte offset is not a multiple of its element size ("Unaligned received tensor"). The
 sender packs the same layout (:func:`pack`); :func:`aligned_runs` splits a bucket where that
 rule would fail (a float32 tensor after an odd number of bfloat16 elements), so every run is
-one request and one broadcast. :func:`dense_layout` and :func:`unpack` are the receiver's side
-(the reference engine's), with SGLang's checks and messages. Torch only: both sides import it.
+one request and one broadcast. :func:`dense_layout` and :func:`empty_bucket` are the receiver's
+side (the reference engine's), with SGLang's checks and messages. Torch only: both sides import it.
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ from collections.abc import Sequence
 import torch
 
 NamedTensor = tuple[str, torch.Tensor]
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def aligned_runs(bucket: Sequence[NamedTensor]) -> list[list[NamedTensor]]:
@@ -38,19 +34,18 @@ def aligned_runs(bucket: Sequence[NamedTensor]) -> list[list[NamedTensor]]:
             runs.append([])
             offset = 0
         runs[-1].append((name, tensor))
-        offset += _nbytes(tensor)
+        offset += tensor.nbytes
     return runs
 
 
 def pack(run: Sequence[NamedTensor]) -> torch.Tensor:
     """The tensors of ``run`` (one of :func:`aligned_runs`) back to back in a new ``uint8`` tensor on the
     first one's device (one copy of each)."""
-    flat = torch.empty(sum(_nbytes(t) for _, t in run), dtype=torch.uint8, device=run[0][1].device)
+    flat = torch.empty(sum(t.nbytes for _, t in run), dtype=torch.uint8, device=run[0][1].device)
     offset = 0
     for _, tensor in run:
-        size = _nbytes(tensor)
-        flat[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        offset += size
+        flat[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        offset += tensor.nbytes
     return flat
 
 
@@ -72,12 +67,18 @@ def dense_layout(names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Se
     return offsets
 
 
-def unpack(
-    flat: torch.Tensor, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
-) -> list[NamedTensor]:
-    """Views of ``flat`` (laid out by :func:`dense_layout`) as the named tensors, in order."""
+def empty_bucket(
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    device: torch.device | str,
+) -> tuple[torch.Tensor, list[NamedTensor]]:
+    """A new ``uint8`` tensor on ``device`` laid out by :func:`dense_layout`, and the named tensors as views
+    of it, in order (receive into the flat tensor, read the views), as SGLang's ``FlattenedTensorBucket.empty``
+    and ``reconstruct_tensors``. Raises what :func:`dense_layout` raises."""
     offsets = dense_layout(names, dtypes, shapes)
-    return [
+    flat = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
+    return flat, [
         (name, flat[start:end].view(dtype).view(tuple(shape)))
         for name, dtype, shape, start, end in zip(names, dtypes, shapes, offsets, offsets[1:], strict=False)
     ]

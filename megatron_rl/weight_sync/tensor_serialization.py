@@ -211,7 +211,7 @@ def flattened_bucket(
         ):
             return None
         start = tensor.storage_offset() * tensor.element_size()
-        spans.append((start, start + tensor.numel() * tensor.element_size()))
+        spans.append((start, start + tensor.nbytes))
     first, last = min(start for start, _ in spans), max(end for _, end in spans)
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, first, (last - first,))
     metadata = [
@@ -234,6 +234,14 @@ def serialize_flattened_bucket(flat: torch.Tensor, metadata: Sequence[types.Simp
     return _dumps({"flattened_tensor": flat.detach(), "metadata": list(metadata)})
 
 
+def _unpickle(payload: str, unpickler: type[pickle.Unpickler]) -> Any:
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except ValueError as error:
+        raise UnsafePayloadError(f"payload is not base64: {error}") from error
+    return unpickler(io.BytesIO(raw)).load()
+
+
 def deserialize_named_tensors(payload: str) -> NamedTensors:
     """Inverse of :func:`serialize_named_tensors`; tensors are views of the sender's memory (copy them).
 
@@ -242,11 +250,7 @@ def deserialize_named_tensors(payload: str) -> NamedTensors:
 
     Raises UnsafePayloadError for a payload naming any other global, or not a list of (str, Tensor) pairs.
     """
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except ValueError as error:
-        raise UnsafePayloadError(f"payload is not base64: {error}") from error
-    loaded = _TensorOnlyUnpickler(io.BytesIO(raw)).load()
+    loaded = _unpickle(payload, _TensorOnlyUnpickler)
     if not isinstance(loaded, list) or not all(
         isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
         for item in loaded
@@ -262,11 +266,7 @@ def deserialize_flattened_bucket(payload: str) -> NamedTensors:
     for a payload that is not a dict of a 1-D ``uint8`` tensor and metadata entries whose byte range lies
     inside it and matches their shape and dtype.
     """
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except ValueError as error:
-        raise UnsafePayloadError(f"payload is not base64: {error}") from error
-    loaded = _FlattenedBucketUnpickler(io.BytesIO(raw)).load()
+    loaded = _unpickle(payload, _FlattenedBucketUnpickler)
     if not isinstance(loaded, dict) or set(loaded) != {"flattened_tensor", "metadata"}:
         raise UnsafePayloadError("a flattened_bucket payload must be a dict of 'flattened_tensor' and 'metadata'")
     flat, metadata = loaded["flattened_tensor"], loaded["metadata"]

@@ -99,9 +99,9 @@ def _on_every_engine(engines: Sequence[RolloutEngine], call: Callable[[int, Roll
             future.result()
 
 
-def _opens_in_place(tensor: torch.Tensor) -> bool:
-    """Whether an engine can open ``tensor`` where it is: a CUDA tensor, or a CPU tensor in shared memory."""
-    return tensor.is_cuda or (tensor.device.type == "cpu" and tensor.untyped_storage().is_shared())
+def _in_shared_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a CPU tensor in shared memory, which an engine opens where it is."""
+    return tensor.device.type == "cpu" and tensor.untyped_storage().is_shared()
 
 
 class WeightTransport(abc.ABC):
@@ -191,19 +191,19 @@ class TensorTransport(WeightTransport):
 
     def _shareable(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as the engines can open it: as it is in shared memory, else copied into a buffer."""
-        if tensor.device.type == "cpu" and _opens_in_place(tensor):
+        if _in_shared_memory(tensor):
             return tensor
         return self._buffers_for(tensor).copy_in(tensor)
 
     def _post(self, shared: list[NamedTensor], version: str) -> None:
         flat = flattened_bucket(shared)
+        load_format = None if flat is None else FLATTENED_BUCKET
+
+        def serialize() -> str:
+            return serialize_named_tensors(shared) if flat is None else serialize_flattened_bucket(*flat)
 
         def update(index: int, engine: RolloutEngine) -> None:
-            if flat is None:
-                payloads = [serialize_named_tensors(shared) for _ in range(self.engine_tp_sizes[index])]
-            else:
-                payloads = [serialize_flattened_bucket(*flat) for _ in range(self.engine_tp_sizes[index])]
-            load_format = None if flat is None else FLATTENED_BUCKET
+            payloads = [serialize() for _ in range(self.engine_tp_sizes[index])]
             request = UpdateWeightsFromTensorRequest(
                 payloads, load_format=load_format, flush_cache=False, weight_version=version
             )

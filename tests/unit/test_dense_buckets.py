@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.weight_sync.dense_buckets import aligned_runs, dense_layout, pack, unpack
+from megatron_rl.weight_sync.dense_buckets import aligned_runs, dense_layout, empty_bucket, pack
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:
@@ -40,7 +40,9 @@ def test_pack_then_unpack_gives_every_tensor_back_bit_exact():
         flat = pack(run)
         names, dtypes, shapes = [n for n, _ in run], [t.dtype for _, t in run], [list(t.shape) for _, t in run]
         assert flat.dtype == torch.uint8 and flat.numel() == dense_layout(names, dtypes, shapes)[-1]
-        restored += unpack(flat, names, dtypes, shapes)
+        received, views = empty_bucket(names, dtypes, shapes, "cpu")
+        received.copy_(flat)
+        restored += views
     assert [name for name, _ in restored] == [name for name, _ in named]
     for (_, original), (_, copy) in zip(named, restored, strict=True):
         assert copy.dtype == original.dtype and copy.shape == original.shape and torch.equal(copy, original)
@@ -49,7 +51,8 @@ def test_pack_then_unpack_gives_every_tensor_back_bit_exact():
 def test_a_non_contiguous_tensor_is_packed_by_value():
     matrix = torch.arange(12.0).view(3, 4)
     (run,) = aligned_runs([("t", matrix.t())])
-    ((_, copy),) = unpack(pack(run), ["t"], [torch.float32], [[4, 3]])
+    flat, ((_, copy),) = empty_bucket(["t"], [torch.float32], [[4, 3]], "cpu")
+    flat.copy_(pack(run))
     assert torch.equal(copy, matrix.t())
 
 

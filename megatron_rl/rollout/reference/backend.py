@@ -57,7 +57,7 @@ from megatron_rl.rollout.reference.generator import RequestState, decode_step, e
 from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.rollout.reference.slot_model import SlotModel
 from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
-from megatron_rl.weight_sync.dense_buckets import dense_layout, unpack
+from megatron_rl.weight_sync.dense_buckets import empty_bucket
 from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload
 from megatron_rl.weight_sync.weight_group import (
     WeightGroup,
@@ -482,7 +482,7 @@ class ReferenceBackend:
 
     def update_from_distributed(self, request: UpdateWeightsFromDistributedRequest) -> None:
         """Receive each named tensor by broadcast from the trainer (rank 0), or with ``load_format="flattened_bucket"``
-        all of them in one broadcast (SGLang's layout and checks: :func:`dense_layout`), then load them; inside a
+        all of them in one broadcast (SGLang's layout and checks: :func:`empty_bucket`), then load them; inside a
         session."""
         self._assert_single_dp("update weights from distributed")
         with self._control:
@@ -497,10 +497,8 @@ class ReferenceBackend:
                 raise ValueError("names, dtypes and shapes must have the same length")
             dtypes = [getattr(torch, dtype) for dtype in request.dtypes]
             if request.load_format == FLATTENED_BUCKET:
-                nbytes = dense_layout(request.names, dtypes, request.shapes)[-1]
-                flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                flat, received = empty_bucket(request.names, dtypes, request.shapes, self.device)
                 broadcast_from_trainer(group, flat)
-                received = unpack(flat, request.names, dtypes, request.shapes)
             else:
                 received = []
                 for name, dtype, shape in zip(request.names, dtypes, request.shapes, strict=True):
