@@ -34,6 +34,10 @@ Checks (the parent process never touches CUDA, so ranks can fork):
    per-byte from the per-tensor cost. Passes when, for each model, the engine's weights equal
    the last export (first rows of six tensors) and a generation reports the synced version.
    Dry run: small models on CPU, shared memory.
+7. ``early_batches``: a measurement (issue 15's dynamic-sampling batches on a GPU engine):
+   ``benchmarks/early_generation_batches.py`` with the reference engine on the GPU, generation
+   batches sent as soon as they are certain to be needed against one after the other. Passes when
+   both keep the same groups in every step (the benchmark exits 0). Dry run: the engine on CPU, 2 steps.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -512,13 +517,28 @@ def render(results: list[CheckResult], env: dict[str, str], dry_run: bool) -> st
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- 7. early_batches
+
+
+def check_early_batches(dry_run: bool) -> tuple[bool, dict[str, Any]]:
+    """The benchmark in its own process (its engine and reward workers are processes of their own)."""
+    command = [sys.executable, str(REPO / "benchmarks" / "early_generation_batches.py")]
+    command += ["--device", "cpu", "--steps", "2"] if dry_run else ["--device", "cuda", "--steps", "8"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("|") or "x (same groups" in line]
+    return done.returncode == 0, {"report": "\n".join(lines) or (done.stdout + done.stderr)[-3000:]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="rehearse on CPU (no CUDA calls)")
     parser.add_argument("--workdir", type=Path, required=True, help="scratch directory (checkpoints, logs)")
     parser.add_argument("--report", type=Path, help="write the Markdown report here")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
-    parser.add_argument("--only", nargs="*", help="run only these checks (parity, train, ipc_sync, sync_bench)")
+    parser.add_argument(
+        "--only", nargs="*", help="run only these checks (parity, train, ipc_sync, sync_bench, early_batches)"
+    )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run to rehearse on CPU", file=sys.stderr)
@@ -530,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     if not args.dry_run:
         (env["gpu"],) = run_local_ranks(_device_name, 1)
-    wanted = set(args.only or ("parity", "train", "ipc_sync", "sync_bench"))
+    wanted = set(args.only or ("parity", "train", "ipc_sync", "sync_bench", "early_batches"))
     results: list[CheckResult] = []
     if "parity" in wanted:
         results.append(_run("parity", lambda: check_parity_on_device(tiny)))
@@ -558,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
             bench = partial(check_sync_bench, cfg, model_dir, args.workdir / "logs", buckets)
             results.append(_run(name, bench))
             print(render(results[-1:], env, args.dry_run), flush=True)
+    if "early_batches" in wanted:
+        results.append(_run("early_batches", partial(check_early_batches, args.dry_run)))
+        print(render(results[-1:], env, args.dry_run), flush=True)
     report = render(results, env, args.dry_run)
     if args.report:
         args.report.write_text(report)

@@ -19,7 +19,11 @@ Per step (:meth:`RolloutManager.generate_step`):
    ``prompts_per_step`` are kept, abort every later request still in flight
    and discard later scores (counted as aborted); otherwise take the
    next generation batch, up to ``max_gen_batches`` (then an error, or the
-   partial step when ``on_exhausted: train_partial``).
+   partial step when ``on_exhausted: train_partial``). Without partial rollouts
+   the next batch is sent as soon as it is certain to be needed (the groups kept
+   plus those not yet known to be dropped cannot fill the step), while the
+   current one's last groups still generate; the batches and kept groups are
+   those of sending it after the current one ends.
 
 With partial rollouts (``rollout.partial_rollout_tokens``, :mod:`partial`), each request generates
 at most a window of tokens; a group with a response cut at the window is carried to the next step,
@@ -163,6 +167,19 @@ class _OrderedSelection:
             self._outcomes[position] = (group, False)
             self._settle()
 
+    def cannot_fill(self) -> bool:
+        """Whether the step stays short of ``needed`` even if every position not yet known to be dropped,
+        discarded or carried is kept: the next generation batch is then certain to be needed."""
+        open_positions = range(self._settled, self._size)
+        possible = sum(1 for position in open_positions if self._outcomes.get(position, (None, True))[1])
+        return len(self.kept) + possible < self._needed
+
+    def extend(self, count: int) -> None:
+        """Append ``count`` positions (a generation batch taken while this one runs); only while
+        :meth:`cannot_fill`, when no cutoff has been set (``cutoff`` is the size)."""
+        self._size += count
+        self.cutoff = self._size
+
     def finish(self, continued: dict[int, PartialGroup]) -> None:
         """The batch is over: positions past the cutoff count as aborted, except the ``continued`` groups
         (by position), which stay carried as they were."""
@@ -209,6 +226,8 @@ class RolloutManager:
 
     Group uids (also the engines' request ids) are ``<uid_prefix><n>``; managers sharing engines
     need distinct prefixes, since an engine remembers an aborted id until a request of it ends.
+    ``early_batches`` (without partial rollouts only) sends a generation batch as soon as it is certain
+    to be needed; False sends it after the one before has ended (the same groups, later).
     """
 
     def __init__(
@@ -230,6 +249,7 @@ class RolloutManager:
         seed: int | None = None,
         recover: Recovery | None = None,
         max_token_lag: int | None = None,
+        early_batches: bool = True,
     ) -> None:
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -254,6 +274,7 @@ class RolloutManager:
         )
         self._unfinished: list[PartialGroup] = []
         self.max_token_lag = max_token_lag
+        self.early_batches = early_batches and self.windows.tokens is None
 
     def _sampling(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
         return SamplingParams(
@@ -275,6 +296,15 @@ class RolloutManager:
         n = self.rollout.n_samples_per_prompt
         group = PartialGroup(item, uid, seed, [PartialSample() for _ in range(n)])
         return _Submission(group, [_Request(next(self._engine_cycle), request, list(range(n)), capped)], False)
+
+    def _new_submissions(self, indices: list[int]) -> list[_Submission]:
+        """The first windows of the prompts ``indices``, just taken from the sampler: their serials (request
+        ids and seeds) count from the sampler's position after the batch."""
+        serial = self._next_serial()
+        return [
+            self._new_submission(self.dataset[index], f"{self._uid_prefix}{serial + offset}", serial + offset)
+            for offset, index in enumerate(indices)
+        ]
 
     def _continued_submission(self, group: PartialGroup) -> _Submission:
         """A carried group's next window: one request per unfinished response."""
@@ -349,18 +379,31 @@ class RolloutManager:
         unfinished: list[PartialGroup],
         counts: dict[str, int],
         bar: _Progress,
+        take_batch: Callable[[], list[int]] | None,
     ) -> None:
         """Generate one round: the ``continued`` groups' next windows, then the prompts ``indices``; the groups
-        still generating after it are appended to ``unfinished``, in order."""
-        serial = self._next_serial()
-        submissions = [self._continued_submission(group) for group in continued]
-        for offset, index in enumerate(indices):
-            uid = f"{self._uid_prefix}{serial + offset}"
-            submissions.append(self._new_submission(self.dataset[index], uid, serial + offset))
+        still generating after it are appended to ``unfinished``, in order.
+
+        With ``take_batch`` (no partial rollouts), the round goes on with the next generation batch, taken
+        from ``take_batch`` (empty: none may be taken), as soon as the groups so far are certain not to fill
+        the step (:meth:`_OrderedSelection.cannot_fill`), while the rest of this one still generates: the
+        batches, seeds and kept groups are those of one round per batch, without the engines idling
+        between batches.
+        """
+        submissions = [self._continued_submission(group) for group in continued] + self._new_submissions(indices)
         selection = _OrderedSelection(len(submissions), kept, unfinished, self.prompts_per_step, counts)
+
+        def next_batch() -> dict[int, _Submission]:
+            if take_batch is None or not selection.cannot_fill():
+                return {}
+            first = len(submissions)
+            submissions.extend(self._new_submissions(take_batch()))
+            selection.extend(len(submissions) - first)
+            return dict(enumerate(submissions[first:], start=first))
+
         pending = dict(enumerate(submissions))
         while pending:
-            crashed = self._generate(pending, selection, bar)
+            crashed = self._generate(pending, selection, bar, next_batch)
             pending = {position: pending[position] for position in crashed if position < selection.cutoff}
             if pending:
                 counts["engine_restarts"] += self._recover_engines([crashed[position] for position in pending])
@@ -389,23 +432,33 @@ class RolloutManager:
         return dataclasses.replace(sub, requests=requests)
 
     def _generate(
-        self, submissions: dict[int, _Submission], selection: _OrderedSelection, bar: _Progress
+        self,
+        submissions: dict[int, _Submission],
+        selection: _OrderedSelection,
+        bar: _Progress,
+        next_batch: Callable[[], dict[int, _Submission]],
     ) -> dict[int, tuple[RolloutEngine, EngineUnavailableError]]:
         """Send ``submissions`` (by position), score the groups that ended, carry the others, and decide
-        each group in ``selection``.
+        each group in ``selection``; after each answer or score, send what ``next_batch`` returns too
+        (added to ``submissions``).
 
         Returns once every request has answered or failed and every score is in; the positions with a
         request whose engine was unreachable (its process gone), with the engine and the error, are
         returned undecided.
         """
-        generating = {
-            self._threads.submit(req.engine.generate, req.request): (position, index)
-            for position, sub in submissions.items()
-            for index, req in enumerate(sub.requests)
-        }
-        answers: dict[int, dict[int, list[GenerateResult]]] = {position: {} for position in submissions}
+        generating: dict[Future, tuple[int, int]] = {}
+        answers: dict[int, dict[int, list[GenerateResult]]] = {}
         scoring: dict[Future, tuple[int, PartialGroup]] = {}
         crashed: dict[int, tuple[RolloutEngine, EngineUnavailableError]] = {}
+
+        def send(batch: dict[int, _Submission]) -> None:
+            submissions.update(batch)
+            for position, sub in batch.items():
+                answers[position] = {}
+                for index, req in enumerate(sub.requests):
+                    generating[self._threads.submit(req.engine.generate, req.request)] = (position, index)
+
+        send(dict(submissions))
         while generating or scoring:
             done, _ = wait([*generating, *scoring], return_when=FIRST_COMPLETED)
             for future in done:
@@ -423,6 +476,7 @@ class RolloutManager:
                     scored = self._group(group, future.result())
                     if position < selection.cutoff:
                         selection.decide(position, scored, self._has_signal(scored))
+            send(next_batch())
             bar.update(len(selection.kept), f"rollout: {len(selection.kept)}/{self.prompts_per_step} groups")
             self._abort_surplus(submissions, {position for position, _ in generating.values()}, selection, crashed)
         return crashed
@@ -497,15 +551,22 @@ class RolloutManager:
             fresh = [g for g in carried if for_step - 1 - (g.oldest_version() or 0) <= self.max_token_lag]
             counts["stale"], carried = len(carried) - len(fresh), fresh
         gen_batches = 0
+
+        def take_batch() -> list[int]:
+            nonlocal gen_batches
+            if gen_batches >= max_batches:
+                return []
+            gen_batches += 1
+            return self.sampler.next_batch()
+
+        early = take_batch if self.early_batches else None
         try:
             while len(kept) < self.prompts_per_step:
-                take_batch = len(kept) + len(carried) < self.prompts_per_step and gen_batches < max_batches
-                if not take_batch and not carried:
+                new_batch = len(kept) + len(carried) < self.prompts_per_step and gen_batches < max_batches
+                if not new_batch and not carried:
                     break
-                indices = self.sampler.next_batch() if take_batch else []
-                gen_batches += int(take_batch)
                 unfinished: list[PartialGroup] = []
-                self._run_batch(indices, carried, kept, unfinished, counts, bar)
+                self._run_batch(take_batch() if new_batch else [], carried, kept, unfinished, counts, bar, early)
                 carried = unfinished
         finally:
             bar.close()

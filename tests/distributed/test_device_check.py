@@ -32,7 +32,16 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = {r["name"]: r for r in json.loads((tmp_path / "gpu-checks.json").read_text())}
-    assert set(results) == {"parity", "train", "offload", "plan", "ipc_sync", "sync_bench", "sync_bench_more_tensors"}
+    assert set(results) == {
+        "parity",
+        "train",
+        "offload",
+        "plan",
+        "ipc_sync",
+        "sync_bench",
+        "sync_bench_more_tensors",
+        "early_batches",
+    }
     assert all(r["passed"] and r["error"] is None for r in results.values())
     assert results["train"]["details"]["main_param_dtypes"] == ["torch.float32"]
     assert results["train"]["details"]["param_dtypes"] == ["torch.bfloat16"]
@@ -44,6 +53,7 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
         assert details["differing"] == [] and len(details["checked"]) == 6 and details["weight_version"] == "b4-2"
     assert bench["sync_1mb_buckets"] > 1 == bench["sync_4mb_buckets"]
     assert more["tensors"] - bench["tensors"] == 2 * 3 * 16  # 2 layers x 3 projections x 16 more experts
+    assert "(same groups in all 2 steps)" in results["early_batches"]["details"]["report"]
     report = (tmp_path / "gpu-checks.md").read_text()
     assert "Mode: CPU dry run" in report and "| ipc_sync | PASS |" in report
 

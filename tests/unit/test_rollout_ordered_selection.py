@@ -93,3 +93,47 @@ def test_continued_groups_past_the_cutoff_stay_carried_unchanged() -> None:
     # The cutoff is position 1: the continued groups 1 and 2 go on in the next step as they were.
     assert unfinished == ["g1", "g2"]
     assert counts["aborted"] == 5
+
+
+def _select_extended(order: tuple[int, ...]) -> tuple[list[str], dict, int]:
+    """SIGNAL's positions in two batches of 4: the second is sent (the selection extended) as soon as the
+    first cannot fill the step; ``order`` is the completion order of the requests sent. Returns the kept
+    uids, the counts and how many of the first batch's groups were decided when the second was sent."""
+    kept: list[RolloutGroup] = []
+    counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
+    selection = _OrderedSelection(4, kept, [], NEEDED, counts)
+    waiting, sent, decided_when_sent = list(order), 4, -1
+    while waiting:
+        position = next(p for p in waiting if p < sent)
+        waiting.remove(position)
+        if position >= selection.cutoff:
+            selection.discard(position)
+        else:
+            selection.decide(position, RolloutGroup(f"g{position}", position, _samples(position)), SIGNAL[position])
+        if sent == 4 and selection.cannot_fill():
+            selection.extend(4)
+            sent, decided_when_sent = 8, 8 - len(waiting)
+    selection.finish({})
+    return [g.uid for g in kept], counts, decided_when_sent
+
+
+def test_a_batch_sent_early_selects_as_one_batch_after_the_other() -> None:
+    sequential = _select(tuple(range(8)))
+    for order in itertools.permutations(range(8)):
+        kept, counts, _ = _select_extended(order)
+        assert (kept, counts) == sequential
+    # The first batch keeps at most 2 of the 3 needed (positions 1 and 3): once 0 and 2 are known to be
+    # dropped, the second batch is certain to be needed and goes out while 1 and 3 still generate.
+    assert _select_extended((0, 2, 1, 3, 4, 5, 6, 7))[2] == 2
+    assert _select_extended((1, 3, 0, 2, 4, 5, 6, 7))[2] == 4
+
+
+def test_cannot_fill_counts_only_positions_that_may_still_be_kept() -> None:
+    kept: list[RolloutGroup] = []
+    counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
+    selection = _OrderedSelection(3, kept, [], 2, counts)
+    assert not selection.cannot_fill()
+    selection.decide(2, RolloutGroup("g2", 2, _samples(2)), False)  # dropped, not yet settled
+    assert not selection.cannot_fill()  # positions 0 and 1 may still both be kept
+    selection.discard(1)
+    assert selection.cannot_fill()
