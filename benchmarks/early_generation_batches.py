@@ -52,14 +52,16 @@ PROMPTS = 512
 PROMPTS_PER_STEP = 8
 
 
-def _model_dir(root: Path) -> Path:
-    """The tiny recipe's model config, with an EOS token inside its 32-token vocabulary."""
+def _save_model_config(root: Path) -> Qwen3MoeConfig:
+    """The tiny recipe's model config, with EOS token ``EOS`` (inside its 32-token vocabulary), saved in ``root``."""
     init = load_recipe(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")[0].model.random_init
-    Qwen3MoeConfig(**{k: v for k, v in init.items() if k != "architectures"}, eos_token_id=EOS).save_pretrained(root)
-    return root
+    config = Qwen3MoeConfig(**{k: v for k, v in init.items() if k != "architectures"}, eos_token_id=EOS)
+    config.save_pretrained(root)
+    return config
 
 
 def _dataset(constant_share: float, vocab: int) -> PromptDataset:
+    """``PROMPTS`` prompts of 4-8 random tokens (ids 3 and up); a share ``constant_share`` without signal."""
     rng = torch.Generator().manual_seed(0)
     items = []
     for index in range(PROMPTS):
@@ -124,14 +126,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        engine = ReferenceEngine(
-            "bench", _model_dir(root), free_port(), log_dir=root, load_format="dummy", device=args.device
-        )
+        config = _save_model_config(root)
+        engine = ReferenceEngine("bench", root, free_port(), log_dir=root, load_format="dummy", device=args.device)
         engine.start()
         managers: dict[str, RolloutManager] = {}
         try:
             engine.wait_healthy(300)
-            dataset = _dataset(args.constant_share, 32)
+            dataset = _dataset(args.constant_share, config.vocab_size)
             managers = {arm: _manager(engine, dataset, args.max_new, arm == "early") for arm in ("early", "sequential")}
             for manager in managers.values():
                 manager.generate_step()
