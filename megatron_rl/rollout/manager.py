@@ -149,29 +149,26 @@ class _OrderedSelection:
         self.kept, self.unfinished, self._needed, self._counts = kept, unfinished, needed, counts
         self._outcomes: dict[int, tuple[RolloutGroup | PartialGroup | None, bool]] = {}
         self._settled = 0
+        self._waiting_unkept = 0  # outcomes waiting to settle that will not be kept
 
     def discard(self, position: int) -> None:
         """The request at ``position`` was aborted or is surplus (past the cutoff: counted by :meth:`finish`)."""
         if position < self.cutoff:
-            self._outcomes[position] = (None, False)
-            self._settle()
+            self._record(position, None, False)
 
     def decide(self, position: int, group: RolloutGroup, has_signal: bool) -> None:
         """The scored group at ``position``; dynamic sampling drops it when it has no signal."""
-        self._outcomes[position] = (group, has_signal)
-        self._settle()
+        self._record(position, group, has_signal)
 
     def carry(self, position: int, group: PartialGroup) -> None:
         """The group at ``position`` has responses still generating: it goes on in the next step."""
         if position < self.cutoff:
-            self._outcomes[position] = (group, False)
-            self._settle()
+            self._record(position, group, False)
 
     def cannot_fill(self) -> bool:
         """Whether the step stays short of ``needed`` even if every position not yet known to be dropped,
-        discarded or carried is kept: the next generation batch is then certain to be needed."""
-        open_positions = range(self._settled, self._size)
-        possible = sum(1 for position in open_positions if self._outcomes.get(position, (None, True))[1])
+        discarded or carried is kept: the next generation batch is then certain to be needed. O(1)."""
+        possible = self._size - self._settled - self._waiting_unkept
         return len(self.kept) + possible < self._needed
 
     def extend(self, count: int) -> None:
@@ -189,10 +186,16 @@ class _OrderedSelection:
             else:
                 self._counts["aborted"] += 1
 
+    def _record(self, position: int, group: RolloutGroup | PartialGroup | None, has_signal: bool) -> None:
+        self._outcomes[position] = (group, has_signal)
+        self._waiting_unkept += not has_signal
+        self._settle()
+
     def _settle(self) -> None:
         while self._settled < self.cutoff and self._settled in self._outcomes:
             group, has_signal = self._outcomes.pop(self._settled)
             self._settled += 1
+            self._waiting_unkept -= not has_signal
             if group is None:
                 self._counts["aborted"] += 1
                 continue
