@@ -15,6 +15,7 @@ source in docs/architecture.md ("The reference engine as SGLang's twin"):
 
 from __future__ import annotations
 
+import http.client
 import multiprocessing
 import threading
 import time
@@ -170,6 +171,21 @@ def test_syncer_wraps_a_tensor_sync_in_one_session(served):
         assert all(torch.equal(backend.params[name], t) for name, t in named)
     assert not backend._session and backend.weight_version == "step-2"
     syncer.close()
+
+
+def test_a_sync_of_many_buckets_reuses_its_connections(served, monkeypatch):
+    """The transport calls the engine from threads it keeps, so a sync opens no connection per bucket."""
+    engine, backend = served
+    syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=1)  # one tensor per bucket
+    named = [(name, torch.full_like(p, 2.0)) for name, p in backend.params.items() if p.dim() == 1]
+    syncer.sync(named, "first")
+    connects = []
+    opened = http.client.HTTPConnection.connect
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", lambda self: connects.append(1) or opened(self))
+    stats = syncer.sync(named, "second")
+    syncer.close()
+    assert stats.num_buckets == len(named) > 10 and backend.weight_version == "second"
+    assert connects == []
 
 
 def test_abort_follows_sglangs_rid_registry(served):
