@@ -4,12 +4,12 @@ An HTTP engine client keeps one connection per thread. The tensor transport used
 bucket from a thread pool made for that bucket, so every bucket started a thread and opened a
 connection (and the server a thread for it); it now keeps its engine threads for its life
 (``transports._engine_threads``). Both ways are timed in one process, alternating: a reference
-engine (its own process, HTTP) with a small Qwen3 model (91 tensors, 8 layers of width 32) synced
-one tensor per bucket, so the seconds are the requests' and not the bytes'. The baseline, "a pool
+engine (its own process, HTTP) with the tiny recipe's Qwen3-MoE (2 layers of width 64, 4 experts)
+synced one tensor per bucket, so the seconds are the requests' and not the bytes'. The baseline, "a pool
 per bucket", runs the same transport with its calls routed through a pool made per call (what
 ``_on_every_engine`` does without a kept pool).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/weight_sync_per_bucket.py [--repeats 10]
+    PYTHONPATH=. .venv/bin/python benchmarks/weight_sync_per_bucket.py [--repeats 20]
 
 The last line: milliseconds per bucket, a pool per bucket over kept threads.
 """
@@ -23,24 +23,24 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from benchmarks.tables import print_table
+from megatron_rl.config import load_recipe
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout import ReferenceEngine
 from megatron_rl.weight_sync import transports
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import TensorTransport
 
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+CONFIG = {
+    key: value
+    for key, value in load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_moe_cpu_dapo.yaml")[
+        0
+    ].model.random_init.items()
+    if key != "architectures"
+}
+"""The tiny recipe's model (``model.random_init``)."""
 KEPT = transports._on_every_engine
 
 
@@ -51,16 +51,17 @@ def _pool_per_call(engines, call, pool=None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10, help="syncs per way, after one warm-up sync each")
+    parser.add_argument("--repeats", type=int, default=20, help="syncs per way, after one warm-up sync each")
     args = parser.parse_args()
     torch.manual_seed(0)
     named = [
-        (n, p.detach().clone().share_memory_()) for n, p in Qwen3ForCausalLM(Qwen3Config(**CONFIG)).named_parameters()
+        (n, p.detach().clone().share_memory_())
+        for n, p in Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).named_parameters()
     ]
     ways = {"a pool per bucket": _pool_per_call, "kept threads": KEPT}
     seconds: dict[str, list[float]] = {way: [] for way in ways}
     with tempfile.TemporaryDirectory() as tmp:
-        Qwen3Config(**CONFIG).save_pretrained(tmp)
+        Qwen3MoeConfig(**CONFIG).save_pretrained(tmp)
         engine = ReferenceEngine("per-bucket", tmp, free_port(), log_dir=Path(tmp), load_format="dummy")
         engine.start()
         syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=1)  # one tensor per bucket
