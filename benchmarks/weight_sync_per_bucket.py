@@ -6,8 +6,7 @@ connection (and the server a thread for it); it now keeps its engine threads for
 (``transports._engine_threads``). Both ways are timed in one process, alternating: a reference
 engine (its own process, HTTP) with the tiny recipe's Qwen3-MoE (2 layers of width 64, 4 experts)
 synced one tensor per bucket, so the seconds are the requests' and not the bytes'. The baseline, "a pool
-per bucket", runs the same transport with its calls routed through a pool made per call (what
-``_on_every_engine`` does without a kept pool).
+per bucket", runs the same transport with its calls routed through a pool made per call.
 
     PYTHONPATH=. .venv/bin/python benchmarks/weight_sync_per_bucket.py [--repeats 20]
 
@@ -20,6 +19,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,9 +44,10 @@ CONFIG = {
 KEPT = transports._on_every_engine
 
 
-def _pool_per_call(engines, call, pool=None) -> None:
+def _pool_per_call(engines, call, pool) -> None:
     """The code before: a pool made for every call, whatever the transport keeps."""
-    KEPT(engines, call)
+    with ThreadPoolExecutor(max_workers=len(engines)) as per_call:
+        KEPT(engines, call, per_call)
 
 
 def main() -> None:

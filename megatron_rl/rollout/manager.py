@@ -556,6 +556,7 @@ class RolloutManager:
         gen_batches = 0
 
         def take_batch() -> list[int]:
+            """The sampler's next generation batch (never empty), or [] once ``max_batches`` were taken."""
             nonlocal gen_batches
             if gen_batches >= max_batches:
                 return []
@@ -565,11 +566,11 @@ class RolloutManager:
         early = take_batch if self.early_batches else None
         try:
             while len(kept) < self.prompts_per_step:
-                new_batch = len(kept) + len(carried) < self.prompts_per_step and gen_batches < max_batches
-                if not new_batch and not carried:
+                indices = take_batch() if len(kept) + len(carried) < self.prompts_per_step else []
+                if not indices and not carried:
                     break
                 unfinished: list[PartialGroup] = []
-                self._run_batch(take_batch() if new_batch else [], carried, kept, unfinished, counts, bar, early)
+                self._run_batch(indices, carried, kept, unfinished, counts, bar, early)
                 carried = unfinished
         finally:
             bar.close()

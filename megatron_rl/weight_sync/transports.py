@@ -43,7 +43,6 @@ the syncer's controller opens and closes.
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
 import shutil
 from collections.abc import Callable, Collection, Sequence
@@ -101,13 +100,12 @@ def _engine_threads(engines: Sequence[RolloutEngine], name: str) -> ThreadPoolEx
 
 
 def _on_every_engine(
-    engines: Sequence[RolloutEngine], call: Callable[[int, RolloutEngine], None], pool: ThreadPoolExecutor | None = None
+    engines: Sequence[RolloutEngine], call: Callable[[int, RolloutEngine], None], pool: ThreadPoolExecutor
 ) -> None:
-    """Run ``call(index, engine)`` for all engines concurrently, in ``pool`` (else in a pool made for this
-    call); re-raise the first failure."""
-    with contextlib.nullcontext(pool) if pool is not None else _engine_threads(engines, "engine-call") as threads:
-        for future in [threads.submit(call, i, engine) for i, engine in enumerate(engines)]:
-            future.result()
+    """Run ``call(index, engine)`` for all engines concurrently in ``pool`` (the transport's
+    :func:`_engine_threads`); re-raise the first failure."""
+    for future in [pool.submit(call, i, engine) for i, engine in enumerate(engines)]:
+        future.result()
 
 
 def _in_shared_memory(tensor: torch.Tensor) -> bool:
@@ -392,6 +390,7 @@ class DiskTransport(WeightTransport):
         self.directory = Path(directory)
         self.hf_config_dir = Path(hf_config_dir)
         self._shards = 0
+        self._engine_calls = _engine_threads(self.engines, "weight-sync-disk")
 
     def begin(self, version: str) -> None:
         if _rank() == 0:
@@ -412,5 +411,8 @@ class DiskTransport(WeightTransport):
                 if (self.hf_config_dir / name).exists():
                     shutil.copy(self.hf_config_dir / name, self.directory / name)
             request = UpdateWeightsFromDiskRequest(str(self.directory), weight_version=version, flush_cache=False)
-            _on_every_engine(self.engines, lambda i, e: e.update_weights_from_disk(request))
+            _on_every_engine(self.engines, lambda i, e: e.update_weights_from_disk(request), self._engine_calls)
         _barrier()
+
+    def close(self) -> None:
+        self._engine_calls.shutdown(wait=True)
