@@ -88,26 +88,10 @@ until [ "$("$root/.venv/bin/python" -c 'import ray; ray.init(logging_level="ERRO
     sleep 2
 done
 echo "[ray_cluster] all $num_nodes node(s) joined; running: $*"
-signalled=""
-forward() {
-    signalled="$1"
-    echo "[ray_cluster] SIG$1 received; forwarding it to the command"
-    kill -s "$1" "$child" 2>/dev/null || true
-}
 MEGATRON_RL_STOPPED_EARLY_FILE="$(mktemp "${TMPDIR:-/tmp}/megatron-rl-stopped-early.XXXXXX")"
 export MEGATRON_RL_STOPPED_EARLY_FILE
-"$@" &
-child=$!
-trap 'forward USR1' USR1
-trap 'forward TERM' TERM
-while :; do
-    set +e
-    wait "$child"
-    status=$?
-    set -e
-    kill -0 "$child" 2>/dev/null || break  # else a trapped signal interrupted the wait: the command still runs
-done
-trap - USR1 TERM
+source "$(dirname "${BASH_SOURCE[0]}")/forward_signals.sh"
+run_forwarding_signals "$@"
 stopped_early=0
 [ -s "$MEGATRON_RL_STOPPED_EARLY_FILE" ] && stopped_early=1
 rm -f "$MEGATRON_RL_STOPPED_EARLY_FILE"
