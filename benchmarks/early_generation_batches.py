@@ -102,6 +102,21 @@ def _outcome(step: RolloutStep) -> tuple:
     return groups, {name: value for name, value in step.metrics.items() if name != "rollout/seconds"}
 
 
+def _difference(outcomes: dict[str, tuple]) -> str:
+    """What differs between the two arms' outcomes of one step (for the failure message)."""
+    (early_groups, early_metrics), (sequential_groups, sequential_metrics) = outcomes["early"], outcomes["sequential"]
+    early_uids, sequential_uids = [uid for uid, _ in early_groups], [uid for uid, _ in sequential_groups]
+    if early_uids != sequential_uids:
+        return f"kept groups {early_uids} against {sequential_uids}"
+    for (uid, early), (_, sequential) in zip(early_groups, sequential_groups, strict=True):
+        for index, (a, b) in enumerate(zip(early, sequential, strict=True)):
+            if a != b:
+                field = "tokens" if a[0] != b[0] else "log-probs" if a[1] != b[1] else "scores"
+                return f"group {uid} sample {index}: {field} differ"
+    changed = sorted(name for name in early_metrics if early_metrics[name] != sequential_metrics.get(name))
+    return f"metrics {changed} differ"
+
+
 def _timed_step(manager: RolloutManager, engine: ReferenceEngine) -> tuple[RolloutStep, dict[str, float]]:
     before = engine.request("/metrics")
     start = time.perf_counter()
@@ -146,7 +161,7 @@ def main() -> None:
                     timings[arm].append(timing)
                     print(f"step {step} {arm}: {timing['seconds']:.3f} s, {timing['batches']:.0f} batches", flush=True)
                 if outcomes["early"] != outcomes["sequential"]:
-                    raise SystemExit(f"step {step}: the two arms kept different groups; early batches are not exact")
+                    raise SystemExit(f"step {step}: early batches are not exact: {_difference(outcomes)}")
         finally:
             for manager in managers.values():
                 manager.close()

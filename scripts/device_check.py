@@ -38,6 +38,10 @@ Checks (the parent process never touches CUDA, so ranks can fork):
    ``benchmarks/early_generation_batches.py`` with the reference engine on the GPU, generation
    batches sent as soon as they are certain to be needed against one after the other. Passes when
    both keep the same groups in every step (the benchmark exits 0). Dry run: the engine on CPU, 2 steps.
+8. ``engine_invariance``: ``tests/unit/test_reference_engine_batching.py`` with
+   ``MEGATRON_RL_TEST_DEVICE=cuda``: the reference engine's ops and forward give a row the same bits
+   whatever rows are computed with it, and whole responses do not depend on the requests running
+   with them, on the GPU's kernels. Passes when every test passes. Dry run: the same tests on CPU.
 """
 
 from __future__ import annotations
@@ -530,6 +534,24 @@ def check_early_batches(dry_run: bool) -> tuple[bool, dict[str, Any]]:
     return done.returncode == 0, {"report": "\n".join(lines) or (done.stdout + done.stderr)[-3000:]}
 
 
+# ---------------------------------------------------------------- 8. engine_invariance
+
+
+def check_engine_invariance(dry_run: bool) -> tuple[bool, dict[str, Any]]:
+    """The reference engine's batch-invariance tests on the device, in a pytest process of their own."""
+    test_file = REPO / "tests" / "unit" / "test_reference_engine_batching.py"
+    env = {
+        **os.environ,
+        "MEGATRON_RL_TEST_DEVICE": "cpu" if dry_run else "cuda",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    outcome = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR", "E  "))]
+    summary = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else [done.stderr[-2000:]]
+    return done.returncode == 0, {"report": "\n".join(outcome[:40] + summary)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="rehearse on CPU (no CUDA calls)")
@@ -537,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, help="write the Markdown report here")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument(
-        "--only", nargs="*", help="run only these checks (parity, train, ipc_sync, sync_bench, early_batches)"
+        "--only",
+        nargs="*",
+        help="run only these checks (parity, train, ipc_sync, sync_bench, early_batches, engine_invariance)",
     )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -550,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     if not args.dry_run:
         (env["gpu"],) = run_local_ranks(_device_name, 1)
-    wanted = set(args.only or ("parity", "train", "ipc_sync", "sync_bench", "early_batches"))
+    wanted = set(args.only or ("parity", "train", "ipc_sync", "sync_bench", "early_batches", "engine_invariance"))
     results: list[CheckResult] = []
     if "parity" in wanted:
         results.append(_run("parity", lambda: check_parity_on_device(tiny)))
@@ -578,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
             bench = partial(check_sync_bench, cfg, model_dir, args.workdir / "logs", buckets)
             results.append(_run(name, bench))
             print(render(results[-1:], env, args.dry_run), flush=True)
+    if "engine_invariance" in wanted:
+        results.append(_run("engine_invariance", partial(check_engine_invariance, args.dry_run)))
+        print(render(results[-1:], env, args.dry_run), flush=True)
     if "early_batches" in wanted:
         results.append(_run("early_batches", partial(check_early_batches, args.dry_run)))
         print(render(results[-1:], env, args.dry_run), flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,7 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
         "sync_bench",
         "sync_bench_more_tensors",
         "early_batches",
+        "engine_invariance",
     }
     assert all(r["passed"] and r["error"] is None for r in results.values())
     assert results["train"]["details"]["main_param_dtypes"] == ["torch.float32"]
@@ -54,6 +56,9 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
     assert bench["sync_1mb_buckets"] > 1 == bench["sync_4mb_buckets"]
     assert more["tensors"] - bench["tensors"] == 2 * 3 * 16  # 2 layers x 3 projections x 16 more experts
     assert "(same groups in all 2 steps)" in results["early_batches"]["details"]["report"]
+    assert re.fullmatch(r"\d+ passed in [\d.]+s", results["engine_invariance"]["details"]["report"]), results[
+        "engine_invariance"
+    ]
     report = (tmp_path / "gpu-checks.md").read_text()
     assert "Mode: CPU dry run" in report and "| ipc_sync | PASS |" in report
 

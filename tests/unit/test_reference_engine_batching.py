@@ -14,11 +14,17 @@ placements need every response to be a function of its own request. Checked bitw
   ``torch.multinomial(probs, 1, generator)`` on its own rows picks.
 
 And the forward computes what transformers' Qwen3 / Qwen3-MoE compute, up to fp32 rounding.
+
+The ops themselves (``invariant_ops``) are checked row by row for many row counts. Everything but the
+sampler's tests runs on ``MEGATRON_RL_TEST_DEVICE`` (default cpu): ``scripts/device_check.py`` runs
+this file with ``cuda`` on a GPU, where kernels are chosen differently.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,9 +33,29 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.generator import INVALID_PROBABILITIES, RequestState, sample_rows
+from megatron_rl.rollout.reference.invariant_ops import (
+    ROWS_PER_CALL,
+    in_fixed_row_calls,
+    needs_fixed_row_calls,
+    rms_norm,
+    row_invariant_linear,
+    slot_attention,
+)
 from megatron_rl.rollout.reference.slot_model import SlotModel
 
 CONTEXT = 64
+DEVICE = torch.device(os.environ.get("MEGATRON_RL_TEST_DEVICE", "cpu"))
+
+
+@pytest.fixture(params=[1, 2] if DEVICE.type == "cpu" else [None], ids=lambda threads: f"threads={threads}")
+def intra_op_threads(request) -> Iterator[None]:
+    """On CPU, torch's intra-op threads: 1 (the blocked forms) and 2 (calls of ROWS_PER_CALL rows)."""
+    before = torch.get_num_threads()
+    if request.param is not None:
+        torch.set_num_threads(request.param)
+        assert needs_fixed_row_calls(DEVICE) == (request.param > 1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -38,7 +64,7 @@ def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
-    return model.eval()
+    return model.eval().to(DEVICE)
 
 
 def _moe(hidden: int, intermediate: int, experts: int, vocab: int, layers: int, **extra) -> torch.nn.Module:
@@ -93,13 +119,13 @@ def _feed(slot_model: SlotModel, calls: list[list[tuple[int, int, int]]], watche
     """Run each call's (slot, position, token) triples; the watched slot's last-token logits and all its routing."""
     logits, routing = [], []
     for call in calls:
-        slots, positions, tokens = (torch.tensor(column) for column in zip(*call, strict=True))
+        slots, positions, tokens = (torch.tensor(column, device=DEVICE) for column in zip(*call, strict=True))
         mine = (slots == watched_slot).nonzero().flatten()
         mine = mine[positions[mine].argsort()]
         out, routed = slot_model.forward(tokens, slots, positions, mine[-1:])
         logits.append(out[0])
         if routed is not None:
-            routing.append(routed[mine])
+            routing.append(routed[mine.cpu()])
     return logits, routing
 
 
@@ -109,7 +135,7 @@ def _sequence_calls(slot: int, tokens: list[int], prompt_len: int) -> list[list[
     return [prefill] + [[(slot, p, tokens[p])] for p in range(prompt_len, len(tokens))]
 
 
-def test_a_sequence_computes_the_same_bits_alone_and_among_others(model):
+def test_a_sequence_computes_the_same_bits_alone_and_among_others(model, intra_op_threads):
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     target = torch.randint(vocab, (9,), generator=generator).tolist()
@@ -150,12 +176,90 @@ def test_the_forward_computes_transformers_logits(model):
     terms * eps * magnitude ~ 1e3 * 6e-8 * 10 = 6e-4 per operation in the worst case, and
     errors of independent operations do not line up: 1e-3 absolute on logits of magnitude ~10.
     """
-    tokens = torch.randint(model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     expected = model(input_ids=tokens).logits[0].float()
     slot_model = SlotModel(model, slots=1, context_length=CONTEXT)
-    positions = torch.arange(10)
-    ours, _ = slot_model.forward(tokens[0], torch.zeros(10, dtype=torch.long), positions, positions)
+    positions = torch.arange(10, device=DEVICE)
+    ours, _ = slot_model.forward(tokens[0], torch.zeros(10, dtype=torch.long, device=DEVICE), positions, positions)
     torch.testing.assert_close(ours, expected, atol=1e-3, rtol=0)
+
+
+ROW_COUNTS = [1, 2, 3, 16, 17, 100, 127, 128, 129, 255, 256, 257, 600]
+"""Rows computed with the watched ones: on both sides of ``ROWS_PER_CALL`` and its multiples."""
+
+
+def _watched_among_others(watched: torch.Tensor, others: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``watched`` inserted in the middle of ``others`` (dim 0), on DEVICE; and where it starts."""
+    at = others.shape[0] // 2
+    return torch.cat([others[:at], watched, others[at:]]).to(DEVICE), at
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), [(64, 64, False), (64, 32, True), (512, 1000, False), (2048, 512, True)])
+def test_a_linear_rows_result_does_not_depend_on_the_rows_computed_with_it(
+    k: int, n: int, bias: bool, intra_op_threads: None
+) -> None:
+    generator = torch.Generator().manual_seed(k + n)
+    weight = (0.1 * torch.randn(n, k, generator=generator)).to(DEVICE)
+    bias_n = torch.randn(n, generator=generator).to(DEVICE) if bias else None
+    watched = torch.randn(3, k, generator=generator)
+    alone = row_invariant_linear(watched.to(DEVICE), weight, bias_n)
+    for rows in ROW_COUNTS:
+        x, at = _watched_among_others(watched, torch.randn(rows, k, generator=generator))
+        assert torch.equal(row_invariant_linear(x, weight, bias_n)[at : at + 3], alone), f"{rows} other rows"
+
+
+@pytest.mark.parametrize("shape", [(64,), (4, 16), (2048,)])
+def test_a_norms_row_does_not_depend_on_the_rows_computed_with_it(
+    shape: tuple[int, ...], intra_op_threads: None
+) -> None:
+    generator = torch.Generator().manual_seed(sum(shape))
+    weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=generator)).to(DEVICE)
+    watched = torch.randn(3, *shape, generator=generator)
+    alone = rms_norm(watched.to(DEVICE), weight, 1e-6)
+    for rows in ROW_COUNTS:
+        x, at = _watched_among_others(watched, torch.randn(rows, *shape, generator=generator))
+        assert torch.equal(rms_norm(x, weight, 1e-6)[at : at + 3], alone), f"{rows} other rows"
+
+
+def test_an_attention_tokens_result_does_not_depend_on_the_tokens_computed_with_it(intra_op_threads: None) -> None:
+    generator = torch.Generator().manual_seed(3)
+    slots, kv_heads, heads, dim = 8, 2, 4, 16
+    keys, values = (torch.randn(slots, kv_heads, CONTEXT, dim, generator=generator).to(DEVICE) for _ in range(2))
+
+    def tokens(count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.randn(count, heads, dim, generator=generator)
+        return (
+            q,
+            torch.randint(slots, (count,), generator=generator),
+            torch.randint(CONTEXT, (count,), generator=generator),
+        )
+
+    watched = tokens(3)
+    alone = slot_attention(
+        *(t.to(DEVICE) for t in watched[:1]), keys, values, *(t.to(DEVICE) for t in watched[1:]), 0.25
+    )
+    for rows in ROW_COUNTS:
+        others = tokens(rows)
+        (q, at), (slot_ids, _), (positions, _) = (
+            _watched_among_others(w, o) for w, o in zip(watched, others, strict=True)
+        )
+        out = slot_attention(q, keys, values, slot_ids, positions, 0.25)
+        assert torch.equal(out[at : at + 3], alone), f"{rows} other tokens"
+
+
+@pytest.mark.parametrize("rows", [0, 1, ROWS_PER_CALL - 1, ROWS_PER_CALL, ROWS_PER_CALL + 1, 600])
+def test_fixed_row_calls_return_the_ops_rows(rows: int) -> None:
+    """Each call gets exactly ROWS_PER_CALL rows, and every row comes back in place."""
+    x = torch.randn(rows, 3, 2, generator=torch.Generator().manual_seed(rows))
+    index = torch.arange(rows)
+    calls = []
+
+    def op(x_chunk: torch.Tensor, index_chunk: torch.Tensor) -> torch.Tensor:
+        calls.append(x_chunk.shape[0])
+        return x_chunk.sum(-1) * 2 + index_chunk[:, None]
+
+    assert torch.equal(in_fixed_row_calls(op, x, index), x.sum(-1) * 2 + index[:, None])
+    assert calls == [ROWS_PER_CALL] * max(1, -(-rows // ROWS_PER_CALL))
 
 
 REQUESTS = [
