@@ -61,13 +61,17 @@ def _offline_wandb_env(home: Path) -> dict[str, str]:
 
 
 class _Watcher(threading.Thread):
-    """Records the listening sockets and command lines of ``pid`` and its descendants until stopped."""
+    """Records the listening sockets and command lines of ``pid`` and its descendants until stopped.
+
+    Every distinct command line a process showed is kept: an exiting process's ``/proc/PID/cmdline``
+    reads empty for a moment before it becomes a zombie, which must not erase what was seen.
+    """
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.root = psutil.Process(pid)
         self.listening: dict[tuple[str, int], str] = {}
-        self.command_lines: dict[int, str] = {}
+        self.command_lines: dict[int, set[str]] = {}
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -78,7 +82,8 @@ class _Watcher(threading.Thread):
                 return
             for process in processes:
                 try:
-                    self.command_lines[process.pid] = " ".join(process.cmdline())
+                    if command_line := " ".join(process.cmdline()):
+                        self.command_lines.setdefault(process.pid, set()).add(command_line)
                     for connection in process.net_connections(kind="inet"):
                         if connection.status == psutil.CONN_LISTEN:
                             self.listening[connection.laddr.ip, connection.laddr.port] = process.name()
@@ -139,9 +144,9 @@ def test_the_tiny_run_listens_on_loopback_only_and_its_keys_reach_no_file(tmp_pa
     assert elsewhere == {}, f"listening beyond loopback: {elsewhere}"
     assert len(watcher.listening) >= 5, watcher.listening  # Ray's servers, the trainer store, the engine, ...
 
-    engine_lines = [line for line in watcher.command_lines.values() if "megatron_rl.rollout.reference.server" in line]
-    assert engine_lines, "the engine process was not seen"
-    assert not [line for line in watcher.command_lines.values() if engine_key in line]
+    command_lines = [line for lines in watcher.command_lines.values() for line in lines]
+    assert [line for line in command_lines if "megatron_rl.rollout.reference.server" in line], "engine not seen"
+    assert not [line for line in command_lines if engine_key in line]
     engine_log = (run_dir / "logs" / "reference0.log").read_text()
     assert "(API key required)" in engine_log
 
