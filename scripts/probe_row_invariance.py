@@ -20,19 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rl.rollout.reference.invariant_ops import rms_norm, row_invariant_linear
+from megatron_rl.rollout.reference.invariant_ops import blocked_bmm_linear, rms_norm, row_invariant_linear
 
 COUNTS = [1, 2, 13, 16, 17, 100, 255, 600, 5000]
-
-
-def _bmm_of_16_row_blocks(x_TK: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
-    rows, blocks = x_TK.shape[0], -(-x_TK.shape[0] // 16)
-    padded = x_TK.new_zeros(blocks * 16, x_TK.shape[1])
-    padded[:rows] = x_TK
-    weight_KN = weight_NK.t()
-    return torch.bmm(padded.view(blocks, 16, -1), weight_KN.expand(blocks, *weight_KN.shape)).view(blocks * 16, -1)[
-        :rows
-    ]
 
 
 def differing_counts(op: Callable[[torch.Tensor], torch.Tensor], row_shape: tuple[int, ...], device: str) -> list[int]:
@@ -60,12 +50,12 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     for k, n in [(64, 64), (64, 32), (512, 1000), (1024, 1024), (2048, 512)]:
         weight = (0.1 * torch.randn(n, k, generator=generator)).to(device)
-        for name, op in (
+        for label, op in (
             ("F.linear", lambda x, w=weight: torch.nn.functional.linear(x, w)),
-            ("bmm of 16-row blocks", lambda x, w=weight: _bmm_of_16_row_blocks(x, w)),
+            ("bmm of 16-row blocks", lambda x, w=weight: blocked_bmm_linear(x, w)),
             ("row_invariant_linear", lambda x, w=weight: row_invariant_linear(x, w)),
         ):
-            print(f"{name:>22} K={k:<5} N={n:<5} differs at {differing_counts(op, (k,), device)}")
+            print(f"{label:>22} K={k:<5} N={n:<5} differs at {differing_counts(op, (k,), device)}")
     for dim in (16, 64, 2048):
         weight = torch.ones(dim, device=device)
         print(

@@ -81,6 +81,14 @@ def row_invariant_linear(
     """
     if needs_fixed_row_calls(x_TK.device):
         return in_fixed_row_calls(lambda x: torch.nn.functional.linear(x, weight_NK, bias_N), x_TK)
+    return blocked_bmm_linear(x_TK, weight_NK, bias_N)
+
+
+def blocked_bmm_linear(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` as one ``torch.bmm`` of :data:`ROW_BLOCK`-row blocks (zero rows pad the last).
+
+    Row-invariant on CPU with one intra-op thread only (see the module docstring); [T, K] -> [T, N].
+    """
     rows = x_TK.shape[0]
     blocks = -(-rows // ROW_BLOCK)
     padded = x_TK.new_zeros(blocks * ROW_BLOCK, x_TK.shape[1])
