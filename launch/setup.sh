@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with Python 3.12 and install megatron-rl with its pinned dependency set.
-# Idempotent: does nothing when the installed set matches pyproject.toml and the lock file.
+# With --sglang, also .venv-sglang: SGLang 0.5.23 for engines on CPU (launch/requirements-sglang.lock says
+# why it is an environment of its own), and the libcuda.so.1 stand-in its CPU engines load
+# (megatron_rl/rollout/sglang_cpu.py). Idempotent: does nothing when the installed sets match their lock files.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -18,9 +20,40 @@ find_python312() {
     exit 1
 }
 
+with_sglang=0
+for arg in "$@"; do
+    case "$arg" in
+        --sglang) with_sglang=1 ;;
+        *) echo "usage: $0 [--sglang]" >&2; exit 2 ;;
+    esac
+done
+
+# This machine's pip configuration may name local package folders that do not exist; drop that noise.
+quiet_pip() { local python="$1"; shift; "$python" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
+
+setup_sglang() {
+    local sglang_venv="$root/.venv-sglang" sglang_lock="$root/launch/requirements-sglang.lock"
+    local sglang_stamp="$sglang_venv/.installed-$(sha256sum "$sglang_lock" | cut -c1-16)"
+    if [ ! -f "$sglang_stamp" ]; then
+        [ -x "$sglang_venv/bin/python" ] || "$(find_python312)" -m venv "$sglang_venv"
+        echo "[setup] installing SGLang 0.5.23 into $sglang_venv (first time: a few minutes, about 11 GB)"
+        quiet_pip "$sglang_venv/bin/python" install --quiet --upgrade pip
+        quiet_pip "$sglang_venv/bin/python" install --quiet -c "$sglang_lock" sglang==0.5.23
+        rm -f "$sglang_venv"/.installed-*
+        touch "$sglang_stamp"
+    fi
+    if ! "$root/.venv/bin/python" -c 'import torch, sys; sys.exit(torch.cuda.is_available())'; then
+        return  # a GPU machine: engines load the real driver, never the stand-in
+    fi
+    "$root/.venv/bin/python" -c 'from megatron_rl.rollout.sglang_cpu import driver_standin_dir; driver_standin_dir()'
+}
+
 stamp_of() { cat "$root/pyproject.toml" "$lock" | sha256sum | cut -c1-16; }
 stamp="$venv/.installed-$(stamp_of)"
-[ -f "$stamp" ] && exit 0
+if [ -f "$stamp" ]; then
+    [ "$with_sglang" = 1 ] && setup_sglang
+    exit 0
+fi
 
 if [ ! -x "$venv/bin/python" ]; then
     py="$(find_python312)"
@@ -28,10 +61,9 @@ if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
 fi
 echo "[setup] installing megatron-rl and its pinned dependencies (first time: a few minutes, about 6 GB)"
-# This machine's pip configuration may name local package folders that do not exist; drop that noise.
-quiet_pip() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
-quiet_pip install --quiet --upgrade pip
-quiet_pip install --quiet -c "$lock" -e "$root[test,plots]"
+quiet_pip "$venv/bin/python" install --quiet --upgrade pip
+quiet_pip "$venv/bin/python" install --quiet -c "$lock" -e "$root[test,plots]"
 rm -f "$venv"/.installed-*
 touch "$stamp"
+[ "$with_sglang" = 1 ] && setup_sglang
 echo "[setup] done"

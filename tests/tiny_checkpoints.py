@@ -45,7 +45,13 @@ def save_tiny_dense(path: Path) -> Path:
 
 
 def save_tiny_moe(
-    path: Path, *, sparse_step: bool = False, dtype: torch.dtype = torch.float32, vocab_size: int = VOCAB
+    path: Path,
+    *,
+    sparse_step: bool = False,
+    dtype: torch.dtype = torch.float32,
+    vocab_size: int = VOCAB,
+    max_position_embeddings: int = 64,
+    all_sparse: bool = False,
 ) -> Path:
     """Qwen3-MoE, 4 layers, 4 experts top-2, untied embeddings.
 
@@ -53,11 +59,13 @@ def save_tiny_moe(
     ``sparse_step=True``: every second layer dense via ``decoder_sparse_step=2``,
     un-normalised top-k probabilities. ``dtype``: the saved weights' dtype. ``vocab_size``:
     e.g. 256, which Megatron does not pad at TP 2 (the default 100 is padded to 256).
+    ``max_position_embeddings``: room for long generations (RoPE has no learnt positions).
+    ``all_sparse=True``: every layer MoE, as Qwen3-30B-A3B (SGLang 0.5.23 serves no other kind).
     """
     routing = (
         dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)
         if sparse_step
-        else dict(norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
+        else dict(norm_topk_prob=True, mlp_only_layers=[] if all_sparse else [1], decoder_sparse_step=1)
     )
     config = Qwen3MoeConfig(
         intermediate_size=48,
@@ -66,7 +74,7 @@ def save_tiny_moe(
         num_experts_per_tok=2,
         tie_word_embeddings=False,
         **routing,
-        **{**_COMMON, "vocab_size": vocab_size},
+        **{**_COMMON, "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings},
     )
     model = Qwen3MoeForCausalLM(config)
     _randomise(model, seed=2)

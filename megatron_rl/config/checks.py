@@ -12,7 +12,6 @@ so a layout can be checked before downloading anything; ``validate --strict`` an
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
 
 
 @dataclass(frozen=True)
@@ -140,10 +140,40 @@ def _check_world_size(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findin
         )
 
 
+def _check_sglang_on_cpu(cfg: RunConfig) -> Iterator[Finding]:
+    """What SGLang 0.5.23's CPU path (DESIGN section 6) cannot do: each of these needs CUDA there."""
+    rollout = cfg.rollout
+    if sglang_python() is None:
+        yield _error("rollout.engine", f"no SGLang installation found: {INSTALL_HINT}")
+    if rollout.max_total_tokens is None:
+        yield _error(
+            "rollout.max_total_tokens",
+            "SGLang on CPU sizes its KV cache from the host's memory (15 GB and more); set it, e.g. to 8192",
+        )
+    if (rollout.tp, rollout.ep, rollout.dp) != (1, 1, 1):
+        yield _error("rollout.tp", "SGLang on CPU runs one process per engine: rollout.tp, ep and dp must be 1")
+    if rollout.quantization is not None:
+        yield _error("rollout.quantization", f"{rollout.quantization} rollouts need GPUs; remove it on CPU")
+    if cfg.algorithm.routing_replay:
+        yield _error(
+            "algorithm.routing_replay",
+            "SGLang 0.5.23 on CPU cannot return routed experts (its capture buffer is registered with CUDA, "
+            "srt/state_capturer/base.py); use rollout.engine=reference for routing replay on CPU",
+        )
+
+
 def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     rollout, cluster = cfg.rollout, cfg.cluster
+    if rollout.engine == "sglang" and arch.is_moe and not all(arch.moe_layer_pattern):
+        dense = [i for i, sparse in enumerate(arch.moe_layer_pattern) if not sparse]
+        yield _error(
+            "rollout.engine",
+            f"the model's layers {dense} are dense (mlp_only_layers / decoder_sparse_step), but SGLang 0.5.23 builds "
+            "every Qwen3-MoE layer as MoE (srt/models/qwen3_moe.py, stage_facts) and would serve them with "
+            "uninitialised experts; use rollout.engine=reference for this model",
+        )
     if rollout.engine == "sglang" and cluster.gpus_per_node == 0:
-        yield _error("rollout.engine", "SGLang needs GPUs; use engine 'reference' on CPU")
+        yield from _check_sglang_on_cpu(cfg)
     if rollout.engine == "reference" and (rollout.tp, rollout.ep, rollout.dp) != (1, 1, 1):
         yield _error(
             "rollout.tp",

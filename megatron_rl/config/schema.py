@@ -210,6 +210,16 @@ class RolloutConfig(Section):
         0.8, gt=0.0, lt=1.0, description="Engine GPU memory fraction (SGLang mem_fraction_static)."
     )
     quantization: Literal["fp8"] | None = Field(None, description="Rollout weight quantisation in the engine.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="SGLang's --dtype of the engine's weights and activations (auto: the checkpoint's, but float32 "
+        "checkpoints in float16); CPU recipes use float32 so the train/rollout gap measures the code.",
+    )
+    max_total_tokens: PositiveInt | None = Field(
+        None,
+        description="SGLang's KV cache size in tokens (--max-total-tokens); None: sized from mem_fraction. "
+        "Required for SGLang on CPU, which would size its cache from the host's memory.",
+    )
     max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight per engine.")
     startup_timeout_s: PositiveFloat = Field(600.0, description="Seconds to wait for an engine to become healthy.")
     request_timeout_s: PositiveFloat = Field(3600.0, description="Seconds before a generate request is an error.")

@@ -106,7 +106,10 @@ def first_visible_index(gpu_ids: Sequence[str], visible_devices: str | None) -> 
 def sglang_placement(
     gpu_ids: Sequence[str], visible_devices: str | None, *, host: str, port: int, nccl_port: int
 ) -> SGLangPlacement:
-    """The :class:`SGLangPlacement` of an engine on ``gpu_ids`` of one node, serving on ``host:port``."""
+    """The :class:`SGLangPlacement` of an engine on ``gpu_ids`` of one node (none: on the CPU), serving on
+    ``host:port``."""
+    if not gpu_ids:
+        return SGLangPlacement(base_gpu_id=0, port=port, nccl_port=nccl_port, host=host, device="cpu")
     return SGLangPlacement(
         base_gpu_id=first_visible_index(gpu_ids, visible_devices), port=port, nccl_port=nccl_port, host=host
     )

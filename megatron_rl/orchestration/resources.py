@@ -142,7 +142,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         )
         run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan, network, run.api_key)
         run.engines = list(run.engine_hosts.clients)
-        colocated = cfg.rollout.placement == "colocated"
+        colocated = engines_hand_over_memory(cfg)
         if colocated:
             release_engine_caches(run.engines)
         trainer_slots = [slots[position] for position in plan.trainer_positions]
@@ -166,6 +166,16 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         run.close()
         raise
     return run
+
+
+def engines_hand_over_memory(cfg: RunConfig) -> bool:
+    """Whether engines release and resume memory around training: colocated ones, except SGLang on CPU.
+
+    SGLang 0.5.23's release synchronises a CUDA device and so kills its scheduler on CPU, where
+    trainer and engines share host memory and there is nothing to hand over.
+    """
+    on_cpu_sglang = cfg.rollout.engine == "sglang" and cfg.cluster.gpus_per_node == 0
+    return cfg.rollout.placement == "colocated" and not on_cpu_sglang
 
 
 def initial_weights(cfg: RunConfig, tokenizer: transformers.PreTrainedTokenizerBase) -> Path:

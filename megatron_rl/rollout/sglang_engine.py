@@ -29,16 +29,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
+from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
 from megatron_rl.rollout.access import check_listen_host
 from megatron_rl.rollout.http_engine import HttpEngine
 from megatron_rl.rollout.server_process import ServerProcess
+from megatron_rl.rollout.sglang_cpu import CPU_FLAGS, cpu_engine_environment
 
 CONFIG_FILE_NAME = "server.yaml"
 """The private ``--config`` file of an engine with an API key (SGLang accepts only .yaml/.yml)."""
@@ -52,6 +53,7 @@ class SGLangPlacement:
     """Where one engine runs: ``base_gpu_id`` is its first local GPU; ports must be free on its node.
 
     ``dist_init_addr``/``nnodes``/``node_rank`` are for an engine spanning nodes (None/1/0 otherwise).
+    ``device="cpu"``: SGLang's CPU path on a machine without a GPU (:mod:`~megatron_rl.rollout.sglang_cpu`).
     """
 
     base_gpu_id: int
@@ -61,6 +63,7 @@ class SGLangPlacement:
     dist_init_addr: str | None = None
     nnodes: int = 1
     node_rank: int = 0
+    device: Literal["cuda", "cpu"] = "cuda"
 
 
 def build_sglang_command(
@@ -71,14 +74,16 @@ def build_sglang_command(
     routing_replay: bool = False,
     seed: int = 0,
     config_file: str | Path | None = None,
-    python: str = sys.executable,
+    python: str | None = None,
 ) -> list[str]:
-    """``python -m sglang.launch_server ...`` for one engine.
+    """``python -m sglang.launch_server ...`` for one engine (``python``: default
+    :func:`~megatron_rl.config.sglang_env.sglang_python`).
 
     ``config_file``: a YAML file of more arguments (``--config``; how the API key gets in).
     Raises ValueError for a placement that cannot work (negative GPU id, port
     outside 1..65535, node_rank >= nnodes, several nodes without dist_init_addr,
-    a wildcard host that would listen on every interface).
+    a wildcard host that would listen on every interface, a CPU engine without
+    ``max_total_tokens``).
     """
     check_listen_host(placement.host)
     if placement.base_gpu_id < 0:
@@ -90,6 +95,11 @@ def build_sglang_command(
         raise ValueError(f"node_rank {placement.node_rank} must be in [0, nnodes={placement.nnodes})")
     if placement.nnodes > 1 and not placement.dist_init_addr:
         raise ValueError("an engine spanning nodes (nnodes > 1) needs dist_init_addr (host:port of node 0)")
+    if placement.device == "cpu" and config.max_total_tokens is None:
+        raise ValueError("a CPU SGLang engine needs rollout.max_total_tokens (SGLang sizes its cache from host RAM)")
+    python = python or sglang_python()
+    if python is None:
+        raise ValueError(f"no SGLang installation found: {INSTALL_HINT}")
     command = [
         python, "-m", "sglang.launch_server",
         "--model-path", str(model_path),
@@ -101,14 +111,19 @@ def build_sglang_command(
         "--ep-size", str(config.ep),
         "--dp-size", str(config.dp),
         "--mem-fraction-static", str(config.mem_fraction),
+        "--dtype", config.dtype,
         "--random-seed", str(seed),
         "--skip-tokenizer-init",
         "--skip-server-warmup",
     ]  # fmt: skip
+    if config.max_total_tokens is not None:
+        command += ["--max-total-tokens", str(config.max_total_tokens)]
+    if placement.device == "cpu":
+        command += CPU_FLAGS
     if placement.nnodes > 1:
         command += ["--dist-init-addr", str(placement.dist_init_addr)]
         command += ["--nnodes", str(placement.nnodes), "--node-rank", str(placement.node_rank)]
-    if config.placement == "colocated":
+    if config.placement == "colocated" and placement.device == "cuda":  # the memory saver needs CUDA
         command += ["--enable-memory-saver", "--disable-prefill-cuda-graph"]
     if routing_replay:
         command.append("--enable-return-routed-experts")
@@ -137,7 +152,8 @@ class SGLangEngine(HttpEngine):
 
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
     ``api_key``: the server's ``--api-key``, given through a private config file (module docstring);
-    this client sends it. ``env``: more environment variables for the server (e.g. ``NCCL_SOCKET_IFNAME``).
+    this client sends it. ``env``: more environment variables for the server (e.g. ``NCCL_SOCKET_IFNAME``);
+    a CPU placement adds :func:`~megatron_rl.rollout.sglang_cpu.cpu_engine_environment`.
     """
 
     def __init__(
@@ -160,6 +176,8 @@ class SGLangEngine(HttpEngine):
         command = build_sglang_command(
             config, placement, model_path, routing_replay=routing_replay, seed=seed, config_file=config_file
         )
+        if placement.device == "cpu":
+            env = {**(env or {}), **cpu_engine_environment()}
         process = ServerProcess(
             command,
             Path(log_dir) / f"{name}.log",
