@@ -12,6 +12,7 @@ so a layout can be checked before downloading anything; ``validate --strict`` an
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass

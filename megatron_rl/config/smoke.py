@@ -164,7 +164,7 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
         Change("parallel.vpp", layout["vpp"], "kept if used"),
         Change("parallel.ep", layout["ep"], "kept if used"),
         Change("parallel.etp", layout["etp"], "kept if used"),
-        Change("rollout.engine", "reference", "SGLang needs GPUs"),
+        Change("rollout.engine", "reference", "the fast CPU engine (SGLang on CPU is slower; see tests/sglang)"),
         Change("rollout.tp", 1, "the reference engine is one process"),
         Change("rollout.ep", 1, "the reference engine is one process"),
         Change("rollout.dp", 1, "the reference engine is one process"),

@@ -79,4 +79,3 @@ def cpu_engine_environment(base: Mapping[str, str] | None = None, build_root: Pa
     base = os.environ if base is None else base
     library_path = [str(driver_standin_dir(build_root))] + [p for p in base.get("LD_LIBRARY_PATH", "").split(":") if p]
     return {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": ":".join(library_path)}
-

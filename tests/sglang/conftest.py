@@ -29,10 +29,11 @@ CPU_ROLLOUT = dict(engine="sglang", dtype="float32", max_total_tokens=4096, requ
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if sglang_python() is None:
-        skip = pytest.mark.skip(reason=f"no SGLang installation: {INSTALL_HINT}")
-        for item in items:
-            if Path(__file__).parent in Path(item.path).parents:
+    skip = pytest.mark.skip(reason=f"no SGLang installation: {INSTALL_HINT}") if sglang_python() is None else None
+    for item in items:
+        if Path(__file__).parent in Path(item.path).parents:
+            item.add_marker(pytest.mark.sglang)
+            if skip is not None:
                 item.add_marker(skip)
 
 

@@ -53,7 +53,9 @@ def test_a_stop_token_ends_the_sample_the_same_way_on_both_engines(sglang, refer
     (free,) = sglang.generate(_greedy(PROMPTS[0]))
     stop = free.output_ids[3]
     first = free.output_ids.index(stop)
-    request = GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=[stop]))
+    request = GenerateRequest(
+        PROMPTS[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=[stop])
+    )
     answers = [engine.generate(request)[0] for engine in (sglang, reference)]
     for answer in answers:
         assert answer.output_ids == free.output_ids[: first + 1]  # no_stop_trim: the stop token is kept

@@ -64,7 +64,9 @@ def test_a_second_begin_and_an_end_without_begin_are_refused_by_both_engines(sgl
 
 
 @pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened"])
-def test_a_tensor_update_of_every_weight_serves_the_new_checkpoint(restore_weights, moe_weights_b, expected_b, flattened):
+def test_a_tensor_update_of_every_weight_serves_the_new_checkpoint(
+    restore_weights, moe_weights_b, expected_b, flattened
+):
     """CPU tensors in shared memory, as the tensor transport sends them (one payload per engine TP rank)."""
     from megatron_rl.weight_sync.tensor_serialization import flattened_bucket, serialize_flattened_bucket
 
@@ -100,7 +102,9 @@ def test_a_disk_update_from_a_missing_directory_fails_and_keeps_the_weights(sgla
     _assert_serves(sglang, expected, "default")
 
 
-def _sync_as_trainer(port: int, api_key: str, kind: str, config_dir: str, sync_dir: str, named: list, version: str) -> None:
+def _sync_as_trainer(
+    port: int, api_key: str, kind: str, config_dir: str, sync_dir: str, named: list, version: str
+) -> None:
     """A trainer process: our WeightSyncer with transport ``kind`` into the engine at ``port``."""
     from megatron_rl.rollout.http_engine import HttpEngine
     from megatron_rl.weight_sync.syncer import WeightSyncer

@@ -144,6 +144,12 @@ START_REFUSALS = (
         "rollout/sglang_engine.py", "an engine spanning nodes", ("rollout.tp=8", "rollout.dp=2"), "rollout.tp", QWEN_30B
     ),
     Refusal(
+        "rollout/sglang_engine.py",
+        "needs rollout.max_total_tokens",
+        ("rollout.engine=sglang",),
+        "rollout.max_total_tokens",
+    ),
+    Refusal(
         "orchestration/placement_group.py",
         "engines spanning nodes",
         ("rollout.tp=2", "rollout.dp=3"),
@@ -243,6 +249,10 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/http_engine.py", ""): "engine failures and timeouts at run time",
     ("rollout/server_process.py", ""): "platform (Linux) and process state",
     ("rollout/sglang_engine.py", "must be"): "ports and GPU ids come from the placement, not the recipe",
+    ("rollout/sglang_engine.py", "no SGLang installation"): "the machine: where SGLang is installed (validate "
+    "checks it too, naming rollout.engine)",
+    ("rollout/sglang_cpu.py", ""): "the machine: a C compiler for the driver stand-in, or a GPU where a CPU engine "
+    "was asked for (the recipe's cluster.gpus_per_node decides)",
     ("rollout/sglang_engine.py", "control character"): "the run's API key (drawn by the run, or "
     "MEGATRON_RL_ENGINE_API_KEY), not a recipe field",
     ("rollout/access.py", "refusing to listen"): "engine addresses come from the run's network (127.0.0.1 or "

@@ -1,0 +1,47 @@
+"""``megatron-rl train`` with the real SGLang 0.5.23 as its engine, as a user runs it (short versions of
+``recipes/tiny_moe_cpu_dapo_sglang.yaml``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.e2e.tiny_runs import ROOT, TWO_STEPS, read_metrics, run_train
+
+RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_sglang.yaml"
+RUN = Path("runs") / "tiny-moe-cpu-dapo-sglang"
+MISMATCH_BOUND = 1e-4
+"""|trainer - SGLang| log-prob, both fp32 over a 32-token vocabulary (measured about 5e-7 at most)."""
+
+
+def _training_steps(records: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [r for r in records if "actor/mismatch_abs_mean" in r]
+
+
+def test_the_sglang_recipe_trains_with_a_logged_mismatch_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Colocated on CPU: weights by tensor transport (shared memory) into SGLang; the trainer's log-probs
+    against SGLang's are logged every step; a second command continues from the saved step. What the
+    resumed run generates is not bitwise that of an uninterrupted one: SGLang on CPU ignores
+    ``sampling_seed`` (it needs deterministic inference, which its CPU attention refuses)."""
+    first = run_train(tmp_path, [*TWO_STEPS, "checkpoint.interval=2"], RECIPE)
+    assert "engines: sglang0 at 127.0.0.1:" in first
+    second = run_train(tmp_path, [*TWO_STEPS, "train.steps=3", "checkpoint.interval=2"], RECIPE)
+    assert "step 3/3" in second and "step 1/3" not in second  # continued after the saved step 2
+    records = read_metrics(tmp_path / RUN)
+    steps = _training_steps(records)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for record in steps:
+        assert 0 <= record["actor/mismatch_abs_max"] < MISMATCH_BOUND
+        assert record["actor/mismatch_abs_mean"] <= record["actor/mismatch_abs_max"]
+    assert (tmp_path / RUN / "logs" / "sglang0.log").is_file()
+
+
+DISAGGREGATED = ["rollout.placement=disaggregated", "cluster.cpu_trainer_ranks=1", "parallel.ep=1"]
+
+
+def test_the_sglang_recipe_trains_disaggregated_over_a_gloo_broadcast(tmp_path: Path) -> None:
+    """Disaggregated: weights by /init_weights_update_group + /update_weights_from_distributed over gloo."""
+    run_train(tmp_path, [*TWO_STEPS, *DISAGGREGATED], RECIPE)
+    steps = _training_steps(read_metrics(tmp_path / RUN))
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["actor/mismatch_abs_max"] < MISMATCH_BOUND for r in steps)
+    assert all(r["time/weight_sync_s"] > 0 for r in steps)
