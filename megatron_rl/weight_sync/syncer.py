@@ -7,13 +7,15 @@ SGLang 0.5.23's weight-update session added where its ``weight_updater.py``
 requires it:
 
 1. controller: ``pause_generation(retract)`` (in-flight requests are held and
-   will re-prefill with the new weights), ``flush_cache`` (plain-text answer;
-   accepted while paused with retract), ``begin_weight_update`` when the
+   will re-prefill with the new weights), ``begin_weight_update`` when the
    transport needs a session (tensor, distributed);
 2. barrier; every rank streams its share of the export through the transport;
    barrier;
 3. controller: ``end_weight_update`` (the engine post-processes the weights,
-   e.g. FP8 re-quantisation), ``flush_cache``, ``continue_generation``.
+   e.g. FP8 re-quantisation), ``flush_cache`` (plain-text answer; accepted while
+   paused with retract; drops prefixes cached under the old weights), ``continue_generation``.
+   One flush, after the update: nothing is prefilled while paused, and on CPU each
+   SGLang flush is a ``gc.collect()`` of about 0.5 s.
 
 A sync that fails after step 1 closes the session on the controller (so a
 retry can open one) and re-raises; generation stays paused, since the
@@ -68,7 +70,6 @@ def _barrier() -> None:
 
 def _open(engine: RolloutEngine, session: bool) -> None:
     engine.pause_generation("retract")
-    engine.flush_cache()
     if session:
         engine.begin_weight_update()
 

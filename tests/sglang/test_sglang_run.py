@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
-from tests.e2e.tiny_runs import ROOT, TWO_STEPS, read_metrics, run_train
+import psutil
+
+from tests.e2e.tiny_runs import ROOT, TWO_STEPS, read_metrics, run_env, run_train, train_command
 
 RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_sglang.yaml"
 RUN = Path("runs") / "tiny-moe-cpu-dapo-sglang"
 MISMATCH_BOUND = 1e-4
 """|trainer - SGLang| log-prob, both fp32 over a 32-token vocabulary (measured about 5e-7 at most)."""
+RUN_TIMEOUT_S = 600
 
 
 def _training_steps(records: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -45,3 +52,41 @@ def test_the_sglang_recipe_trains_disaggregated_over_a_gloo_broadcast(tmp_path: 
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["actor/mismatch_abs_max"] < MISMATCH_BOUND for r in steps)
     assert all(r["time/weight_sync_s"] > 0 for r in steps)
+
+
+def _sglang_servers(model_dir: Path) -> list[psutil.Process]:
+    """The running SGLang server processes that serve ``model_dir`` (the launcher, not its children)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "sglang.launch_server" in cmdline and str(model_dir) in cmdline:
+            found.append(process)
+    return found
+
+
+def test_a_killed_sglang_engine_is_restarted_and_the_run_completes(tmp_path: Path) -> None:
+    """SIGKILL to the SGLang server's process group while the run trains: the engine host starts a new
+    server, the weights are synced into it, its requests are sent again and the run ends."""
+    process = subprocess.Popen(
+        train_command([*TWO_STEPS, "train.steps=4"], RECIPE),
+        cwd=tmp_path,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = tmp_path / RUN / "logs" / "metrics.jsonl"
+    model_dir = (tmp_path / RUN / "initial_hf").resolve()
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.is_file() and any('"actor/loss"' in line for line in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.2)
+    servers = _sglang_servers(model_dir)
+    assert len(servers) == 1, f"expected one SGLang server of {model_dir}, found {servers}"
+    os.killpg(servers[0].pid, signal.SIGKILL)
+    output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
+    assert process.returncode == 0, output[-4000:]
+    records = read_metrics(tmp_path / RUN)
+    assert sum(r.get("rollout/engine_restarts", 0) for r in records) == 1
+    assert _training_steps(records)[-1]["step"] == 4
