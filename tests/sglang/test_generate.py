@@ -106,9 +106,10 @@ def _generate_in_thread(engine, request: GenerateRequest) -> tuple[threading.Thr
     return thread, answers
 
 
-LONG = SamplingParams(max_new_tokens=1500, temperature=1.0, ignore_eos=True)
-"""Several seconds of decoding on CPU (about 5 ms a token here), so a request is still running when acted on."""
-RUNNING_S = 0.5
+LONG = SamplingParams(max_new_tokens=1900, temperature=1.0, ignore_eos=True)
+"""About 10 s of decoding on CPU (about 5 ms a token here), so a request is still running when acted on."""
+RUNNING_S = 1.0
+"""Time for a request to reach the engine before the test acts on it (an unknown rid is ignored)."""
 
 
 def test_abort_by_rid_ends_the_request_with_finish_abort(sglang):
