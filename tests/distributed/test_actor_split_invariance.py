@@ -26,6 +26,10 @@ from tests.distributed_utils import run_distributed
 
 PARAM_ATOL = 2e-6
 LOGPROB_ATOL = 1e-5
+METRIC_ATOL = 1e-6
+"""The step's metrics are means of per-token terms of size about 1: summed in another order across
+splits, fp32 moves them by some eps (1.2e-7) times that size, however small the mean itself
+(a loss of -0.0082 differed by 1.04e-7 between TP2 x PP2 and DP1 on an AMD EPYC)."""
 # name: (sizes, world size, token budget per micro-batch, expected micro-batches per rank)
 SPLITS = {
     "dp1-mb1": (ParallelSizes(), 1, 256, 1),
@@ -80,7 +84,7 @@ def test_one_step_parameters_agree_across_splits(split_runs, mode):
             error = (weights[key] - value).abs().max().item()
             assert error <= PARAM_ATOL, f"{name} {key}: max |diff| {error:.2e}"
         for key in ("loss", "policy_loss", "grad_norm", "clip_frac_upper", "clip_frac_lower", "approx_kl", "tokens"):
-            assert metrics[key] == pytest.approx(reference_metrics[key], rel=1e-5, abs=1e-7), f"{name} {key}"
+            assert metrics[key] == pytest.approx(reference_metrics[key], rel=1e-5, abs=METRIC_ATOL), f"{name} {key}"
 
 
 @pytest.mark.distributed
