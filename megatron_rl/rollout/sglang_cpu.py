@@ -24,8 +24,9 @@ import torch
 
 STANDIN_SOURCE = Path(__file__).with_name("native") / "libcuda_standin.c"
 STANDIN_LIBRARY = "libcuda.so.1"
-CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native")
-"""Flags of a CPU engine: SGLang's CPU device and its torch-native attention (the CPU backends need AMX kernels)."""
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle")
+"""Flags of a CPU engine: SGLang's CPU device, its torch-native attention (the CPU backends need AMX
+kernels), and an idle scheduler that waits on its sockets instead of spinning a core the trainer needs."""
 
 
 def default_build_root() -> Path:

@@ -25,7 +25,7 @@ from tests.tiny_checkpoints import save_tiny_moe
 
 STARTUP_TIMEOUT_S = 240.0
 API_KEY = "sglang-test-key"
-CPU_ROLLOUT = dict(engine="sglang", dtype="float32", max_total_tokens=4096, request_timeout_s=120.0)
+CPU_ROLLOUT = dict(engine="sglang", dtype="float32", max_total_tokens=4096, request_timeout_s=600.0)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

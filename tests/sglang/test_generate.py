@@ -80,7 +80,7 @@ def test_sglang_gives_n_samples_fresh_ids_that_a_group_abort_does_not_reach(sgla
     thread, answers = _generate_in_thread(sglang, GenerateRequest([7, 8], params, rid="group-abort"))
     time.sleep(RUNNING_S)
     sglang.abort("group-abort")
-    thread.join(120)
+    thread.join(REQUEST_TIMEOUT_S)
     assert len(answers[0]) == 3 and not any(r.aborted for r in answers[0])
     assert not any(r.rid.startswith("group-abort") for r in answers[0])
 
@@ -109,6 +109,7 @@ def _generate_in_thread(engine, request: GenerateRequest) -> tuple[threading.Thr
 LONG = SamplingParams(max_new_tokens=1900, temperature=1.0, ignore_eos=True)
 """About 10 s of decoding on CPU (about 5 ms a token here), so a request is still running when acted on."""
 RUNNING_S = 1.0
+REQUEST_TIMEOUT_S = 600
 """Time for a request to reach the engine before the test acts on it (an unknown rid is ignored)."""
 
 
@@ -116,7 +117,7 @@ def test_abort_by_rid_ends_the_request_with_finish_abort(sglang):
     thread, answers = _generate_in_thread(sglang, GenerateRequest([7, 8], LONG, rid="to-abort"))
     time.sleep(RUNNING_S)
     sglang.abort("to-abort")
-    thread.join(120)
+    thread.join(REQUEST_TIMEOUT_S)
     (result,) = answers[0]
     assert result.aborted and len(result.output_ids) < LONG.max_new_tokens
 
@@ -125,20 +126,21 @@ def test_pause_with_abort_aborts_running_requests_and_continue_serves_again(sgla
     thread, answers = _generate_in_thread(sglang, GenerateRequest([7, 8], LONG, rid="paused"))
     time.sleep(RUNNING_S)
     sglang.pause_generation("abort")
-    thread.join(120)
+    thread.join(REQUEST_TIMEOUT_S)
     assert answers[0][0].aborted
     sglang.continue_generation()
     assert not sglang.generate(_greedy([7, 8], 3))[0].aborted
 
 
 def test_pause_with_retract_holds_requests_until_continue(sglang):
-    thread, answers = _generate_in_thread(sglang, GenerateRequest([7, 8], LONG, rid="held"))
+    params = SamplingParams(max_new_tokens=800, temperature=1.0, ignore_eos=True)  # still running at the pause
+    thread, answers = _generate_in_thread(sglang, GenerateRequest([7, 8], params, rid="held"))
     time.sleep(RUNNING_S)
     sglang.pause_generation("retract")
     sglang.flush_cache()  # accepted while paused with retract: what a weight sync does
     time.sleep(0.5)
     assert thread.is_alive() and not answers
     sglang.continue_generation()
-    thread.join(120)
+    thread.join(REQUEST_TIMEOUT_S)
     (result,) = answers[0]
-    assert not result.aborted and len(result.output_ids) == LONG.max_new_tokens
+    assert not result.aborted and len(result.output_ids) == params.max_new_tokens

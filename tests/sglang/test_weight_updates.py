@@ -9,6 +9,7 @@ first checkpoint back from disk.
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,10 @@ def test_our_weight_syncer_over_each_transport_serves_the_new_checkpoint(
         args=(port, API_KEY, kind, str(moe_dir_b), str(tmp_path / "sync"), named, f"{kind}-1"),
     )
     trainer.start()
-    trainer.join(SYNC_TIMEOUT_S)
+    deadline = time.monotonic() + SYNC_TIMEOUT_S
+    # Poll the exit status: join() waits on a pipe that torch_shm_manager (which the tensor transport's
+    # shared memory starts from the trainer) inherits and holds open long after the trainer exits.
+    while trainer.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert trainer.exitcode == 0
     _assert_serves(engine, expected_b, f"{kind}-1")
