@@ -151,8 +151,6 @@ def _check_sglang_on_cpu(cfg: RunConfig) -> Iterator[Finding]:
             "rollout.max_total_tokens",
             "SGLang on CPU sizes its KV cache from the host's memory (15 GB and more); set it, e.g. to 8192",
         )
-    if (rollout.tp, rollout.ep, rollout.dp) != (1, 1, 1):
-        yield _error("rollout.tp", "SGLang on CPU runs one process per engine: rollout.tp, ep and dp must be 1")
     if rollout.quantization is not None:
         yield _error("rollout.quantization", f"{rollout.quantization} rollouts need GPUs; remove it on CPU")
     if cfg.algorithm.routing_replay:
@@ -175,10 +173,15 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
         )
     if rollout.engine == "sglang" and cluster.gpus_per_node == 0:
         yield from _check_sglang_on_cpu(cfg)
-    if rollout.engine == "reference" and (rollout.tp, rollout.ep, rollout.dp) != (1, 1, 1):
+    one_process = "the reference engine" if rollout.engine == "reference" else "SGLang on CPU"
+    if (rollout.engine == "reference" or cluster.gpus_per_node == 0) and (rollout.tp, rollout.ep, rollout.dp) != (
+        1,
+        1,
+        1,
+    ):
         yield _error(
             "rollout.tp",
-            f"the reference engine is one process: rollout.tp, rollout.ep and rollout.dp must be 1 "
+            f"{one_process} is one process: rollout.tp, rollout.ep and rollout.dp must be 1 "
             f"(got {rollout.tp}, {rollout.ep}, {rollout.dp}); more engines come from cluster.cpu_engines on CPU",
         )
     if rollout.tp % rollout.ep:

@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -66,8 +65,8 @@ def driver_standin_dir(build_root: Path | None = None) -> Path:
     return target
 
 
-def cpu_engine_environment(base: Mapping[str, str] | None = None, build_root: Path | None = None) -> dict[str, str]:
-    """The variables a CPU SGLang engine process needs beyond ``base`` (default: this process's environment).
+def cpu_engine_environment() -> dict[str, str]:
+    """The variables a CPU SGLang engine process needs beyond this process's environment.
 
     ``SGLANG_USE_CPU_ENGINE=1`` and ``LD_LIBRARY_PATH`` led by the stand-in's directory. Raises
     RuntimeError when torch sees a GPU here: a GPU machine runs SGLang on its GPUs, with the real driver.
@@ -77,6 +76,6 @@ def cpu_engine_environment(base: Mapping[str, str] | None = None, build_root: Pa
             "a CPU SGLang engine was asked for on a machine with a GPU; set cluster.gpus_per_node to the GPUs "
             "per node so the engine runs on them"
         )
-    base = os.environ if base is None else base
-    library_path = [str(driver_standin_dir(build_root))] + [p for p in base.get("LD_LIBRARY_PATH", "").split(":") if p]
+    inherited = [path for path in os.environ.get("LD_LIBRARY_PATH", "").split(":") if path]
+    library_path = [str(driver_standin_dir()), *inherited]
     return {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": ":".join(library_path)}

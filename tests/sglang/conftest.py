@@ -1,7 +1,7 @@
 """The real SGLang 0.5.23 server on this machine's CPU, and our reference engine beside it.
 
 One SGLang engine (started through :class:`~megatron_rl.rollout.sglang_engine.SGLangEngine`, the
-production launcher, with an API key) and one reference engine serve the same tiny Qwen3-MoE
+production launcher) and one reference engine, both with the same API key, serve the same tiny Qwen3-MoE
 checkpoint, fp32, for the whole session. Tests that change weights put the checkpoint's back.
 The tests skip when no SGLang installation is found (``./launch/setup.sh --sglang``); ``.ci/run``
 fails on any skip here.
@@ -21,10 +21,10 @@ from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine, SGLangPlacement
 from megatron_rl.rollout.http_engine import HttpEngine
+from tests.api_key_cases import API_KEY
 from tests.tiny_checkpoints import save_tiny_moe
 
 STARTUP_TIMEOUT_S = 240.0
-API_KEY = "sglang-test-key"
 CPU_ROLLOUT = dict(engine="sglang", dtype="float32", max_total_tokens=4096, request_timeout_s=600.0)
 
 
@@ -75,7 +75,8 @@ def sglang(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 @pytest.fixture(scope="session")
 def reference(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpEngine]:
-    engine = ReferenceEngine("reference", moe_dir, free_port(), log_dir=tmp_path_factory.mktemp("reference-logs"))
+    log_dir = tmp_path_factory.mktemp("reference-logs")
+    engine = ReferenceEngine("reference", moe_dir, free_port(), log_dir=log_dir, api_key=API_KEY)
     engine.start()
     engine.wait_healthy(STARTUP_TIMEOUT_S)
     yield engine

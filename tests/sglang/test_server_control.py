@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import os
 
 import pytest
@@ -10,18 +9,8 @@ import pytest
 from megatron_rl.rollout.engine import EngineRequestError, EngineStartupError, EngineUnavailableError
 from megatron_rl.rollout.protocol import FLUSH_CACHE_OK, GenerateRequest, SamplingParams
 from megatron_rl.rollout.sglang_engine import CONFIG_FILE_NAME
-from tests.sglang.conftest import API_KEY, start_sglang
-
-
-def _raw(engine, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
-    host, port = engine.base_url.removeprefix("http://").rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        connection.request(method, path, body=b"{}" if method == "POST" else None, headers=headers)
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
+from tests.api_key_cases import API_KEY, KEY_CASES, raw_request
+from tests.sglang.conftest import start_sglang
 
 
 def test_flush_cache_answers_the_same_plain_text_on_both_engines(sglang, reference):
@@ -35,15 +24,18 @@ def test_health_and_health_generate_answer_on_both_engines(sglang, reference):
         engine.request("/health_generate")
 
 
-@pytest.mark.parametrize(
-    "headers",
-    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}],
-    ids=["no key", "wrong key", "wrong scheme"],
-)
-def test_sglang_refuses_requests_without_the_runs_key_and_health_stays_open(sglang, headers):
-    status, _ = _raw(sglang, "POST", "/generate", {"Content-Type": "application/json", **headers})
-    assert status == 401
-    assert _raw(sglang, "GET", "/health", headers)[0] == 200
+def _port(engine) -> int:
+    return int(engine.base_url.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("case", KEY_CASES, ids=lambda c: f"{c[0]} {c[1]} {c[2]} {(c[3] or b'')[:9]!r}")
+def test_the_reference_engine_answers_every_key_case_as_sglang_does(sglang, reference, case):
+    """The real server behind its own --api-key middleware and ours: same status; the same 401 bytes."""
+    theirs = raw_request(_port(sglang), *case)
+    ours = raw_request(_port(reference), *case)
+    assert ours[0] == theirs[0], (ours, theirs)
+    if theirs[0] == 401:
+        assert ours == theirs == (401, "application/json", b'{"error":"Unauthorized"}')
 
 
 def test_the_key_reaches_sglang_through_a_file_that_is_gone_once_healthy(sglang):

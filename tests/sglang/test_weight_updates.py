@@ -23,6 +23,7 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromTensorRequest,
 )
 from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
+from tests.api_key_cases import API_KEY
 from tests.sglang.transformers_decode import greedy, load_model
 
 PROMPT = [5, 17, 42, 8]
@@ -129,8 +130,6 @@ def test_our_weight_syncer_over_each_transport_serves_the_new_checkpoint(
 ):
     """The production path: pause (retract), flush, session, buckets over the transport (gloo broadcast
     groups joined through /init_weights_update_group for distributed), end, flush, continue."""
-    from tests.sglang.conftest import API_KEY
-
     engine = restore_weights
     port = int(engine.base_url.rsplit(":", 1)[1])
     named = sorted(moe_weights_b.items())

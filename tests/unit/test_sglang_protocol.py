@@ -28,7 +28,6 @@ body SGLang's app answers behind its own API-key middleware.
 
 from __future__ import annotations
 
-import http.client
 import importlib.util
 import multiprocessing
 import os
@@ -74,6 +73,7 @@ from megatron_rl.weight_sync.tensor_serialization import (
     serialize_named_tensors,
 )
 from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
+from tests.api_key_cases import API_KEY, KEY_CASES, raw_request
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
 from tests.tiny_checkpoints import save_tiny_moe
 
@@ -484,9 +484,6 @@ def test_weight_update_with_dp_2_fails_sglangs_assertion_through_its_http_layer(
 # ---------------------------------------------------------------- --api-key: SGLang's checks and ours
 
 
-API_KEY = "run-key-4f1c"
-
-
 def test_the_api_key_reaches_sglang_through_a_private_file_not_the_command_line(tmp_path):
     engine = SGLangEngine(
         "e0", RolloutConfig(), SGLangPlacement(0, 30000, 30001), "/models/qwen3", log_dir=tmp_path, api_key=API_KEY
@@ -510,47 +507,6 @@ def test_the_api_key_reaches_sglang_through_a_private_file_not_the_command_line(
         assert args.api_key == API_KEY and args.port == 30000 and args.skip_tokenizer_init
     engine.shutdown()
     assert not config_file.parent.exists()
-
-
-def _raw(port: int, method: str, path: str, authorization: str | None, body: bytes | None) -> tuple[int, str, bytes]:
-    """(status, content type, body) of one request, sent as is."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
-    connection.request(method, path, body=body, headers=headers)
-    response = connection.getresponse()
-    answer = response.status, response.getheader("Content-Type") or "", response.read()
-    connection.close()
-    return answer
-
-
-GENERATE_BODY = b'{"input_ids": [5, 17, 42], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}'
-KEY_CASES = [  # (method, path, Authorization header, body)
-    ("GET", "/health", None, None),
-    ("GET", "/health", "Bearer wrong", None),
-    ("GET", "/healthz", None, None),
-    ("POST", "/generate", None, GENERATE_BODY),
-    ("POST", "/generate", "Bearer wrong", GENERATE_BODY),
-    ("POST", "/generate", f"Basic {API_KEY}", GENERATE_BODY),
-    ("POST", "/generate", "Bearer", GENERATE_BODY),
-    ("POST", "/generate", f"Bearer  {API_KEY}", GENERATE_BODY),
-    ("POST", "/generate", f"Bearer {API_KEY}x", GENERATE_BODY),
-    ("POST", "/generate", f"Bearer {API_KEY}", GENERATE_BODY),
-    ("POST", "/generate", f"bearer {API_KEY}", GENERATE_BODY),
-    ("POST", "/generate", None, b"{not json"),
-    ("POST", "/update_weights_from_distributed", None, b"{}"),
-    ("POST", "/init_weights_update_group", "Bearer wrong", b"{}"),
-    ("POST", "/update_weights_from_tensor", None, b"{}"),
-    ("POST", "/begin_weight_update", "Bearer wrong", b"{}"),
-    ("POST", "/release_memory_occupation", None, b"{}"),
-    ("POST", "/resume_memory_occupation", "Bearer wrong", b"{}"),
-    ("POST", "/pause_generation", None, b"{}"),
-    ("POST", "/flush_cache", None, None),
-    ("POST", "/flush_cache", f"Bearer {API_KEY}", None),
-    ("GET", "/model_info", None, None),
-    ("POST", "/abort_request", "Bearer wrong", b"{}"),
-    ("GET", "/no_such_endpoint", None, None),
-    ("GET", "/no_such_endpoint", f"Bearer {API_KEY}", None),
-]
 
 
 @pytest.fixture(scope="module")
@@ -578,8 +534,8 @@ def servers_with_key(tiny_moe_dir) -> Iterator[tuple[int, int]]:
 @pytest.mark.parametrize("case", KEY_CASES, ids=lambda c: f"{c[0]} {c[1]} {c[2]} {(c[3] or b'')[:9]!r}")
 def test_the_reference_server_checks_the_api_key_as_sglang_does(servers_with_key, case):
     sglang_port, our_port = servers_with_key
-    sglang = _raw(sglang_port, *case)
-    ours = _raw(our_port, *case)
+    sglang = raw_request(sglang_port, *case)
+    ours = raw_request(our_port, *case)
     assert ours[0] == sglang[0], (ours, sglang)
     if sglang[0] == 401:
         assert ours == sglang == (401, "application/json", b'{"error":"Unauthorized"}')
