@@ -1,8 +1,8 @@
 """Prompt data, rewards, synthetic tasks and batch balancing for RL post-training.
 
 Depends on pyarrow, numpy, tokenizers and transformers; never imports Megatron, Ray or torch.
-Importing the package registers the built-in rewards (``math_dapo``, ``math_01``,
-``synthetic_successor``, ``synthetic_max``).
+Importing the package registers the built-in rewards (``math_dapo``, the DAPO rule;
+``math_equiv`` and ``math_01``, lenient equivalence; ``synthetic_successor``, ``synthetic_max``).
 """
 
 from megatron_rl.data.balancing import (
@@ -18,6 +18,7 @@ from megatron_rl.data.math_reward import (
     is_correct_math_response,
     math_01,
     math_dapo,
+    math_equiv,
     normalize_answer,
     parse_number,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "load_prompt_dataset",
     "math_01",
     "math_dapo",
+    "math_equiv",
     "normalize_answer",
     "parse_number",
     "register_reward",

@@ -1,4 +1,4 @@
-"""Math answer extraction, normalisation and the math_dapo / math_01 rewards."""
+"""Math rewards: math_dapo (the DAPO reference rule) and math_equiv / math_01 (the lenient checker)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rl.data import (
+    RewardOutput,
     answers_match,
     extract_answer,
     extract_boxed,
@@ -17,9 +18,165 @@ from megatron_rl.data import (
     is_correct_math_response,
     math_01,
     math_dapo,
+    math_equiv,
     normalize_answer,
 )
+from megatron_rl.data.math_reward import DAPO_WINDOW_CHARS, dapo_extract_answer, dapo_is_correct, dapo_normalize
 
+# (response, ground truth, correct by the DAPO rule, correct by the lenient checker).
+# The DAPO column is what the reference ``compute_score`` (verl/utils/reward_score/math_dapo.py)
+# returns: each row was checked against the reference code itself (acc == column, score == +-1).
+PAD = "The computation is done." * 20  # 480 characters, longer than the DAPO window
+FORMATS = [
+    # Integers and signs.
+    ("Answer: 42", "42", True, True),
+    ("answer: 42", "42", True, True),
+    ("ANSWER : 42", "42", True, True),
+    ("Final Answer: 42", "42", True, True),
+    ("Answer:42", "42", True, True),
+    ("Answer: -7", "-7", True, True),
+    ("Answer: - 7", "-7", True, True),
+    ("Answer: -7", "7", False, False),
+    ("Answer: 073", "73", False, True),
+    # Decimals.
+    ("Answer: 0.5", "0.5", True, True),
+    ("Answer: 0.5", "\\frac{1}{2}", False, True),
+    ("Answer: 5.0", "5", False, True),
+    ("Answer: .5", "0.5", False, True),
+    ("Answer: 0.\\overline{3}", "0.3", True, False),
+    # Fractions.
+    ("Answer: \\frac{3}{4}", "\\frac{3}{4}", True, True),
+    ("Answer: \\frac34", "\\frac{3}{4}", True, True),
+    ("Answer: $\\frac{3}{4}$", "\\frac{3}{4}", True, True),
+    ("Answer: \\dfrac{3}{4}", "\\frac{3}{4}", False, True),
+    ("Answer: 3/4", "\\frac{3}{4}", False, True),
+    ("Answer: \\frac{1}{2}", "1/2", False, True),
+    ("Answer: 1/2", "1/2", True, True),
+    ("Answer: -\\frac{1}{2}", "-\\frac{1}{2}", True, True),
+    # Roots and symbols.
+    ("Answer: 2\\sqrt{3}", "2\\sqrt{3}", True, True),
+    ("Answer: 2\\sqrt3", "2\\sqrt{3}", True, False),
+    ("Answer: \\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}", True, True),
+    ("Answer: \\pi", "\\pi", True, True),
+    # Units: DAPO deletes a fixed list of unit words, the lenient checker none.
+    ("Answer: 5 cm", "5", True, False),
+    ("Answer: 5\\text{ cm}", "5", True, False),
+    ("Answer: 5 m", "5", False, False),
+    ("Answer: 5\\text{ m}", "5", True, False),
+    ("Answer: 12 dollars", "12", True, False),
+    ("Answer: \\$12", "12", True, False),
+    ("Answer: 3 hours", "3", True, False),
+    ("Answer: 7 \\text{ ways}", "7", True, False),
+    ("Answer: 7 apples", "7", False, False),
+    # Degrees and percent.
+    ("Answer: 90^\\circ", "90", True, True),
+    ("Answer: 90^{\\circ}", "90", True, True),
+    ("Answer: 90 degrees", "90", True, False),
+    ("Answer: 90°", "90", False, False),
+    ("Answer: 25\\%", "25", False, True),
+    ("Answer: 25\\%", "25\\%", True, True),
+    # Boxes: DAPO reads only the Answer: line; the lenient checker prefers the last box.
+    ("Answer: \\boxed{7}", "7", True, True),
+    ("Answer: $\\boxed{7}$", "7", True, True),
+    ("The answer is \\boxed{7}.", "7", False, True),
+    ("Answer: 7\nso the result is \\boxed{3}", "7", True, False),
+    ("Answer: 5", "\\boxed{5}", True, True),
+    ("Answer: \\boxed{5", "5", False, False),
+    # Several Answer: lines: the last one counts; on one line the first takes the rest of it.
+    ("Answer: 3\nWait, let me recheck.\nAnswer: 7", "7", True, True),
+    ("Answer: 7\nAnswer: 3", "7", False, False),
+    ("Answer: 3 Answer: 7", "7", False, False),
+    # Answer: with trailing text, assignments, punctuation.
+    ("Answer: 7 because 3+4=7", "7", True, False),
+    ("Answer: x = 7", "7", True, True),
+    ("Answer: 7 = x", "7", False, False),
+    ("Answer: 7.", "7", False, True),
+    ("Answer: $7$.", "7", True, True),
+    ("Answer:\n7", "7", True, False),
+    ("**Answer:** 7", "7", False, False),
+    # Tuples, choices, text.
+    ("Answer: (1, 2)", "(1,2)", True, True),
+    ("Answer: \\left(1, 2\\right)", "(1,2)", False, True),
+    ("Answer: \\text{(B)}", "(B)", True, True),
+    ("Answer: \\text{yes}", "yes", True, True),
+    # Thousands separators.
+    ("Answer: 1,000", "1000", True, True),
+    ("Answer: 1000", "1,000", True, True),
+    ("Answer: 1,000,000", "1000000", True, True),
+    ("Answer: -1,000", "-1000", False, True),
+    ("Answer: 1{,}000", "1000", True, False),
+    ("Answer: 1\\,000", "1000", False, True),
+    # Long responses: DAPO reads the last DAPO_WINDOW_CHARS characters only.
+    ("Answer: 7\n" + PAD, "7", False, True),
+    (PAD + "\nAnswer: 7", "7", True, True),
+    ("Answer: 7\n" + "y" * 290, "7", True, True),  # "A" is the window's first character
+    ("Answer: 7\n" + "y" * 291, "7", False, True),  # "A" is just outside: "nswer: 7"
+    # Malformed and empty.
+    ("", "0", False, False),
+    ("Answer:", "5", False, False),
+    ("Answer: ", "5", False, False),
+    ("I think it is 5", "5", False, False),
+    ("Answer: __import__('os')", "2", False, False),
+]
+
+
+@pytest.mark.parametrize(("response", "ground_truth", "dapo_correct", "equiv_correct"), FORMATS)
+def test_math_dapo_follows_the_reference_and_math_equiv_stays_lenient(
+    response: str, ground_truth: str, dapo_correct: bool, equiv_correct: bool
+) -> None:
+    assert math_dapo(response, ground_truth, {}) == RewardOutput(
+        score=1.0 if dapo_correct else -1.0, correct=dapo_correct
+    )
+    assert math_equiv(response, ground_truth, {}) == RewardOutput(
+        score=1.0 if equiv_correct else -1.0, correct=equiv_correct
+    )
+    assert math_01(response, ground_truth, {}) == RewardOutput(
+        score=1.0 if equiv_correct else 0.0, correct=equiv_correct
+    )
+
+
+def test_format_table_covers_disagreements_both_ways() -> None:
+    assert len(FORMATS) >= 40
+    assert any(dapo and not equiv for _, _, dapo, equiv in FORMATS)
+    assert any(equiv and not dapo for _, _, dapo, equiv in FORMATS)
+
+
+def test_dapo_extraction_reads_the_last_answer_in_the_window() -> None:
+    assert DAPO_WINDOW_CHARS == 300
+    assert dapo_extract_answer("Answer: 1\nAnswer:  2 apples \nmore") == "2 apples "
+    assert dapo_extract_answer("answer :\n\n 3") == "3"
+    assert dapo_extract_answer("\\boxed{4}") is None
+    assert dapo_extract_answer("Answer: 5\n" + "y" * 300) is None
+
+
+def test_dapo_normalize_steps() -> None:
+    assert dapo_normalize("x = 1,000") == "1000"
+    assert dapo_normalize("\\frac12") == "\\frac{1}{2}"
+    assert dapo_normalize("\\sqrt2") == "\\sqrt{2}"
+    assert dapo_normalize("$\\boxed{7}$") == "7"
+    assert dapo_normalize("the answer is $7$ today") == "7"
+    assert dapo_normalize("5\\text{ m}") == "5"
+    assert dapo_normalize("12 centimeters") == "12centi"  # unit words go as substrings
+    assert dapo_normalize("-1,000") == "-1,000"  # commas go only from an all-digit string
+    assert dapo_normalize("0.\\overline{3}") == "0.3"
+
+
+def test_math_dapo_without_an_answer_is_wrong_even_for_the_reference_placeholder() -> None:
+    # The reference compares the placeholder "[INVALID]" when it finds no answer; here no answer is wrong.
+    assert math_dapo("no answer here", "[INVALID]", {}) == RewardOutput(score=-1.0, correct=False)
+    assert math_dapo("Answer: [INVALID]", "[INVALID]", {}).correct
+
+
+def test_dapo_strict_box_mode() -> None:
+    assert dapo_is_correct("so \\boxed{7}", "7", strict_box=True)
+    assert not dapo_is_correct("so \\boxed{ 7}", "7", strict_box=True)  # no normalisation
+    assert not dapo_is_correct("Answer: 7", "7", strict_box=True)
+    assert not dapo_is_correct("\\boxed{7}" + "." * 100, "7", strict_box=True)  # before the last 100 characters
+    assert dapo_is_correct("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", strict_box=True)
+    assert not dapo_is_correct("\\boxed{\\frac{1}{2}", "\\frac{1}{2}", strict_box=True)
+
+
+# The lenient checker (math_equiv, math_01) on boxed answers.
 EQUAL = [
     ("\\boxed{\\frac{1}{2}}", "0.5"),
     ("so the total is \\boxed{1,000}.", "1000"),
@@ -86,6 +243,7 @@ def test_unequal_answers_are_wrong(response: str, ground_truth: str) -> None:
 def test_response_without_a_complete_answer_is_wrong(response: str) -> None:
     assert not is_correct_math_response(response, "5")
     assert math_dapo(response, "5", {}).score == -1.0
+    assert math_equiv(response, "5", {}).score == -1.0
 
 
 def test_extract_boxed_handles_nested_and_escaped_braces() -> None:
@@ -117,14 +275,17 @@ def test_answers_match_compares_numbers_exactly() -> None:
     assert not answers_match("", "")
 
 
-def test_math_dapo_and_math_01_scores() -> None:
-    assert math_dapo("\\boxed{4}", "4", {}).score == 1.0
-    assert math_dapo("\\boxed{5}", "4", {}).score == -1.0
+def test_reward_scores_and_registration() -> None:
+    assert math_dapo("Answer: 4", "4", {}).score == 1.0
+    assert math_dapo("Answer: 5", "4", {}).score == -1.0
+    assert math_equiv("\\boxed{4}", "4", {}).score == 1.0
+    assert math_equiv("\\boxed{5}", "4", {}).score == -1.0
     assert math_01("\\boxed{4}", "4", {}).score == 1.0
     assert math_01("\\boxed{5}", "4", {}).score == 0.0
     assert math_01("\\boxed{4}", "4", {}).correct and not math_01("\\boxed{5}", "4", {}).correct
     assert get_reward("math_dapo") is math_dapo
     assert get_reward("math_01") is math_01
+    assert get_reward("math_equiv") is math_equiv
 
 
 def test_malicious_answers_are_wrong_and_never_evaluated(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -144,6 +305,7 @@ def test_malicious_answers_are_wrong_and_never_evaluated(monkeypatch: pytest.Mon
     ]
     for payload in payloads:
         assert math_dapo(payload, "2", {}).score == -1.0
+        assert math_equiv(payload, "2", {}).score == -1.0
         assert math_01(payload, "1024", {}).score == 0.0
     assert not marker.exists()
 
@@ -151,6 +313,7 @@ def test_malicious_answers_are_wrong_and_never_evaluated(monkeypatch: pytest.Mon
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet=st.sampled_from(list("\\{}boxed frac $1234567890.,-/%Answer:\n")), max_size=60))
 def test_arbitrary_text_never_raises(response: str) -> None:
-    output = math_dapo(response, "1", {})
-    assert output.score in (1.0, -1.0)
-    assert output.correct is (output.score == 1.0)
+    for reward in (math_dapo, math_equiv):
+        output = reward(response, "1", {})
+        assert output.score in (1.0, -1.0)
+        assert output.correct is (output.score == 1.0)

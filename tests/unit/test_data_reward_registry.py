@@ -76,7 +76,7 @@ def custom_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
 
 
 def test_builtin_rewards_are_registered_and_honour_the_contract() -> None:
-    assert {"math_dapo", "math_01", "synthetic_successor", "synthetic_max"} <= set(registered_rewards())
+    assert {"math_dapo", "math_equiv", "math_01", "synthetic_successor", "synthetic_max"} <= set(registered_rewards())
     for name in registered_rewards():
         check_reward_contract(get_reward(name))
         assert pickle.loads(pickle.dumps(get_reward(name))) is get_reward(name)
