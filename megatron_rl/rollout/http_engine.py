@@ -110,7 +110,7 @@ class HttpEngine(RolloutEngine):
         self.routed_experts_shape = routed_experts_shape
         self._slots = threading.BoundedSemaphore(max_concurrent_requests)
         self._lock = threading.Lock()
-        self._samples_in_flight: dict[str, int] = {}
+        self._samples_in_flight: dict[str, list[str]] = {}
         self._connections = threading.local()
 
     def rebind(self, host: str, port: int, remote_process_report: Callable[[float], str] | None = None) -> None:
@@ -258,15 +258,16 @@ class HttpEngine(RolloutEngine):
         )
 
     def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> list[GenerateResult]:
-        if request.rid is not None:
+        key, sample_rids = request.rid if isinstance(request.rid, str) else None, request.sample_rids()
+        if key is not None and sample_rids is not None:
             with self._lock:
-                self._samples_in_flight[request.rid] = request.sampling_params.n
+                self._samples_in_flight[key] = sample_rids
         try:
             with self._slots:
                 answer = self.request("/generate", request.to_json(), timeout_s=timeout_s or self.request_timeout_s)
         finally:
             with self._lock:
-                self._samples_in_flight.pop(request.rid, None)
+                self._samples_in_flight.pop(key, None)
         samples = answer if isinstance(answer, list) else [answer]
         try:
             return [GenerateResult.from_json(s, routed_experts_shape=self.routed_experts_shape) for s in samples]
@@ -278,13 +279,13 @@ class HttpEngine(RolloutEngine):
             ) from error
 
     def abort(self, rid: str | None = None) -> None:
-        """Abort ``rid`` and, for n > 1, each sample's ``{rid}_{i}`` (SGLang expands n into those rids)."""
+        """Abort the request ``rid`` names: each of its samples' ids (``GenerateRequest.sample_rids``)."""
         if rid is None:
             self.request("/abort_request", AbortRequest(abort_all=True).to_json())
             return
         with self._lock:
-            n = self._samples_in_flight.get(rid, 1)
-        for sample_rid in [rid] + ([f"{rid}_{i}" for i in range(n)] if n > 1 else []):
+            sample_rids = self._samples_in_flight.get(rid, [rid])
+        for sample_rid in sample_rids:
             self.request("/abort_request", AbortRequest(rid=sample_rid).to_json())
 
     def pause_generation(self, mode: str = "retract") -> None:

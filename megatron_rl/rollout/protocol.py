@@ -9,7 +9,7 @@ same classes, so the client code that drives production engines is the code
 under test.
 
 ``/generate`` answers one JSON object per sample (a list when the request had
-``n > 1``): ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
+``n > 1`` or was a batch): ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
 "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
 "output_token_logprobs": [[logprob, token_id, text | null], ...],
 "routed_experts": base64 int32}}``. :class:`GenerateResult` parses one.
@@ -73,21 +73,62 @@ class SamplingParams(_Body):
 
 @dataclass(frozen=True)
 class GenerateRequest(_Body):
-    """``POST /generate`` (SGLang ``GenerateReqInput``): one prompt's token ids, ``n`` samples."""
+    """``POST /generate`` (SGLang ``GenerateReqInput``): one prompt's token ids, ``n`` samples.
+
+    ``rid``: the request's id; with n > 1 a string names the group (sample i is ``{rid}_{i}``)
+    and a list names each sample; None lets the engine name them.
+    """
 
     input_ids: list[int]
     sampling_params: SamplingParams
-    rid: str | None = None
+    rid: str | list[str] | None = None
     return_logprob: bool = True
     logprob_start_len: int = -1
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     stream: bool = False
 
+    def sample_rids(self) -> list[str] | None:
+        """Each sample's id on the engine, the ids ``/abort_request`` reaches (None when ``rid`` is None)."""
+        if self.rid is None or isinstance(self.rid, list):
+            return self.rid
+        n = self.sampling_params.n
+        return [self.rid] if n == 1 else [f"{self.rid}_{i}" for i in range(n)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The body. n > 1 goes as a batch of n copies of the prompt, one sample each, ids ``sample_rids()``:
+        SGLang 0.5.23 gives parallel samples (``n`` in the sampling params) fresh uuids and drops the rid,
+        so no abort could reach them."""
+        body = super().to_json()
+        n = self.sampling_params.n
+        if n == 1 and not isinstance(self.rid, list):
+            return body
+        body["sampling_params"] = {**body["sampling_params"], "n": 1}
+        return body | {"input_ids": [list(self.input_ids) for _ in range(n)], "rid": self.sample_rids()}
+
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> GenerateRequest:
+        """Parse SGLang's single form or a batch that repeats one prompt with one sampling-params dict.
+
+        A single prompt with ``n > 1`` is SGLang's parallel sampling: its samples get fresh ids, so the
+        parsed ``rid`` is None. ValueError names what else we do not serve (different prompts in a batch).
+        """
         body = dict(body)
         params = SamplingParams.from_json(body.pop("sampling_params", None) or {})
+        input_ids = body.get("input_ids")
+        if input_ids and all(isinstance(p, list) for p in input_ids):
+            if params.n != 1 or any(p != input_ids[0] for p in input_ids):
+                raise ValueError(
+                    "GenerateRequest: a batched input_ids must repeat one prompt, with n = 1 in sampling_params "
+                    "(one sample per entry); send different prompts as separate requests"
+                )
+            rid = body.get("rid")
+            if rid is not None and (not isinstance(rid, list) or len(rid) != len(input_ids)):
+                raise ValueError(f"GenerateRequest: a batch of {len(input_ids)} needs as many rids, got {rid!r}")
+            params = dataclasses.replace(params, n=len(input_ids))
+            body["input_ids"] = input_ids[0]
+        elif params.n > 1:
+            body["rid"] = None  # SGLang's parallel sampling names the samples itself
         request = super().from_json({**body, "sampling_params": params})
         if not request.input_ids or not all(isinstance(t, int) for t in request.input_ids):
             raise ValueError("GenerateRequest.input_ids must be a non-empty list of token ids (one prompt)")

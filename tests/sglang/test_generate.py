@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
-from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
+from megatron_rl.rollout.protocol import AbortRequest, GenerateRequest, GenerateResult, SamplingParams
 from tests.sglang.transformers_decode import greedy, load_model
 
 PROMPTS = [[5, 17, 42], [3, 9, 27, 81, 43, 29], [64]]
@@ -67,22 +68,45 @@ def test_n_samples_come_back_as_n_results_on_both_engines(sglang, reference):
     request = GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=6, temperature=1.0, n=4), rid="grp")
     for engine in (sglang, reference):
         results = engine.generate(request)
-        assert len(results) == 4 and len({r.rid for r in results}) == 4
+        assert [r.rid for r in results] == ["grp_0", "grp_1", "grp_2", "grp_3"]
         assert all(len(r.output_ids) == len(r.output_logprobs) <= 6 for r in results)
         assert all(r.prompt_tokens == len(PROMPTS[1]) for r in results)
 
 
-def test_sglang_gives_n_samples_fresh_ids_that_a_group_abort_does_not_reach(sglang):
-    """SGLang 0.5.23 (tokenizer_manager, parallel sampling) gives each of n > 1 samples a new uuid and drops
-    the group's rid, so an abort by the group's rid (or ``{rid}_{i}``) finds nothing: the samples run on.
-    The reference engine still names them ``{rid}_{i}`` and aborts them (docs/architecture.md)."""
-    params = SamplingParams(max_new_tokens=300, temperature=1.0, ignore_eos=True, n=3)
-    thread, answers = _generate_in_thread(sglang, GenerateRequest([7, 8], params, rid="group-abort"))
-    time.sleep(RUNNING_S)
-    sglang.abort("group-abort")
-    thread.join(REQUEST_TIMEOUT_S)
-    assert len(answers[0]) == 3 and not any(r.aborted for r in answers[0])
-    assert not any(r.rid.startswith("group-abort") for r in answers[0])
+def test_each_sample_of_a_group_is_reached_by_its_own_abort_on_both_engines(sglang, reference):
+    """A group goes as a batch of one-sample requests ``{rid}_{i}`` (``GenerateRequest.to_json``): aborting one
+    id ends that sample only; ``abort(rid)`` ends them all."""
+    one = SamplingParams(max_new_tokens=800, temperature=1.0, ignore_eos=True, n=3)
+    for engine in (sglang, reference):
+        thread, answers = _generate_in_thread(engine, GenerateRequest([7, 8], one, rid="one"))
+        time.sleep(RUNNING_S)
+        engine.request("/abort_request", AbortRequest(rid="one_1").to_json())
+        thread.join(REQUEST_TIMEOUT_S)
+        assert [r.finish_reason.type for r in answers[0]] == ["length", "abort", "length"], engine.name
+        thread, answers = _generate_in_thread(engine, GenerateRequest([7, 8], replace(LONG, n=3), rid="all"))
+        time.sleep(RUNNING_S)
+        engine.abort("all")
+        thread.join(REQUEST_TIMEOUT_S)
+        assert all(r.aborted and len(r.output_ids) < LONG.max_new_tokens for r in answers[0]), engine.name
+
+
+def test_parallel_sampling_gets_fresh_ids_that_no_abort_reaches_on_both_engines(sglang, reference):
+    """SGLang 0.5.23 (tokenizer_manager, parallel sampling) gives each of n > 1 samples of one prompt a new
+    uuid and drops the rid, so neither it nor ``{rid}_{i}`` reaches them: why our client sends a batch."""
+    body = {"input_ids": [7, 8], "rid": "par", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "n": 2}}
+    for engine in (sglang, reference):
+        answers: list = []
+        thread = threading.Thread(
+            target=lambda e=engine, a=answers: a.append(e.request("/generate", body, timeout_s=600))
+        )
+        thread.start()
+        time.sleep(RUNNING_S)
+        for rid in ("par", "par_0", "par_1"):
+            engine.request("/abort_request", AbortRequest(rid=rid).to_json())
+        thread.join(REQUEST_TIMEOUT_S)
+        samples = answers[0]
+        assert [a["meta_info"]["finish_reason"]["type"] for a in samples] == ["length", "length"], engine.name
+        assert not any(a["meta_info"]["id"].startswith("par") for a in samples), engine.name
 
 
 def test_sampled_logprobs_are_those_of_the_full_softmax(sglang, hf_model):

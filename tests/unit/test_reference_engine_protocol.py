@@ -189,22 +189,54 @@ def test_a_sync_of_many_buckets_reuses_its_connections(served, monkeypatch):
 
 
 def test_abort_follows_sglangs_rid_registry(served):
-    """Unknown rids are ignored (also when the request arrives later); n > 1 registers only ``{rid}_{i}``."""
+    """Unknown rids are ignored (also when the request arrives later); each of n samples is aborted by its own
+    id (``{rid}_{i}``, the group's rid reaches none), and ``HttpEngine.abort(rid)`` aborts them all."""
     engine, backend = served
     engine.request("/abort_request", {"rid": "later", "abort_all": False})
     (early,) = engine.generate(GenerateRequest([5, 17, 42], GREEDY, rid="later"))
     assert early.finish_reason.type == "length"
 
-    two = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, n=2)
-    for target, expected in (("g", "length"), ("g_1", "abort")):
+    three = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, n=3)
+    cases = (
+        (lambda: engine.request("/abort_request", {"rid": "g", "abort_all": False}), ["length"] * 3),
+        (lambda: engine.request("/abort_request", {"rid": "g_1", "abort_all": False}), ["length", "abort", "length"]),
+        (lambda: engine.abort("g"), ["abort"] * 3),
+    )
+    for abort, expected in cases:
         engine.pause_generation("in_place")
         results: list = []
-        thread = _generate_in_thread(engine, results, GenerateRequest([5], two, rid="g"))
+        thread = _generate_in_thread(engine, results, GenerateRequest([5], three, rid="g"))
         _wait_decoding(backend)
-        engine.request("/abort_request", {"rid": target, "abort_all": False})
+        abort()
         engine.continue_generation()
         thread.join(60)
-        assert {r.finish_reason.type for r in results} == {expected}, target
+        assert [r.finish_reason.type for r in results] == expected
+        assert [r.rid for r in results] == ["g_0", "g_1", "g_2"]
+
+
+def test_parallel_sampling_names_its_samples_itself_as_sglang_does(served):
+    """A prompt sent with n > 1 in its sampling params (SGLang's parallel sampling, not what our client sends)
+    gets fresh sample ids: neither the rid nor ``{rid}_{i}`` reaches them."""
+    engine, backend = served
+    body = {"input_ids": [5], "rid": "p", "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "n": 2}}
+    engine.pause_generation("in_place")
+    answer: list = []
+    thread = threading.Thread(target=lambda: answer.extend(engine.request("/generate", body)))
+    thread.start()
+    _wait_decoding(backend)
+    for rid in ("p", "p_0", "p_1"):
+        engine.request("/abort_request", {"rid": rid, "abort_all": False})
+    engine.continue_generation()
+    thread.join(60)
+    assert [a["meta_info"]["finish_reason"]["type"] for a in answer] == ["length", "length"]
+    assert not any(a["meta_info"]["id"].startswith("p") for a in answer)
+
+
+def test_a_batch_must_repeat_one_prompt(served):
+    engine, _ = served
+    body = {"input_ids": [[5], [6]], "rid": ["a", "b"], "sampling_params": {"max_new_tokens": 2}}
+    with pytest.raises(EngineRequestError, match="must repeat one prompt"):
+        engine.request("/generate", body)
 
 
 def test_a_failed_sync_closes_the_session_and_keeps_generation_paused(served):

@@ -28,6 +28,7 @@ body SGLang's app answers behind its own API-key middleware.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import multiprocessing
 import os
@@ -172,12 +173,15 @@ def test_generate_body_passes_sglangs_contract_and_sampling_checks():
     ContractRequest.from_json_value(body)
     request = GenerateReqInput(**body)
     request.normalize_batch_and_arguments()
-    # SGLang expands n samples into n requests named {rid}_{i}: what HttpEngine.abort(rid) aborts
-    assert request.rid == ["g0_0", "g0_1", "g0_2", "g0_3"] and request.return_routed_experts
-    params = SGLangSamplingParams(**body["sampling_params"])
+    # n samples go as a batch of n one-sample requests, so each keeps the id HttpEngine.abort(rid) aborts
+    assert (request.batch_size, request.parallel_sample_num) == (4, 1)
+    assert [request[i].rid for i in range(4)] == ["g0_0", "g0_1", "g0_2", "g0_3"]
+    assert all(request[i].input_ids == [1, 2, 3] and request[i].return_routed_experts for i in range(4))
+    params = SGLangSamplingParams(**request[0].sampling_params)
     params.normalize(None)
     params.verify(100)
-    assert (params.top_k, params.n, params.stop_token_ids) == (20, 4, {2})
+    assert (params.top_k, params.n, params.stop_token_ids) == (20, 1, {2})
+    assert GenerateRequest.from_json(body) == dataclasses.replace(GENERATE, rid=["g0_0", "g0_1", "g0_2", "g0_3"])
 
 
 def _reference_sample_json() -> dict:

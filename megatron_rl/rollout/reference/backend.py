@@ -39,6 +39,7 @@ import logging
 import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,7 @@ class ReferenceBackend:
         self._groups: dict[str, WeightGroup] = {}
         self._shared_buffers = SharedBufferMappings()
         self._writers = 0
-        self._jobs: dict[RequestState, tuple[int, set[str]]] = {}
+        self._jobs: dict[RequestState, tuple[int, list[str]]] = {}
         self._waiting: list[RequestState] = []
         self._running: list[RequestState] = []
         self._free_slots = list(range(max_running_requests))  # a heap: the lowest free slot first
@@ -142,7 +143,7 @@ class ReferenceBackend:
         threading.Thread(target=self._schedule, name="reference-scheduler", daemon=True).start()
 
     def generate(self, request: GenerateRequest) -> dict | list[dict]:
-        """SGLang ``/generate`` answer: one dict per sample (a list when n > 1).
+        """SGLang ``/generate`` answer: one dict per sample (a list when n > 1 or the request was a batch).
 
         The request joins the batch the scheduler thread decodes; it returns when all its samples
         are done (or aborted). Like SGLang, it waits while a weight update waits or runs.
@@ -153,8 +154,7 @@ class ReferenceBackend:
             raise EngineStateError("weights are released; call /resume_memory_occupation and update weights first")
         self._check_lengths(request)
         params = request.sampling_params
-        rid = request.rid or f"ref-{id(request)}"
-        sample_rids = {rid} if params.n == 1 else {f"{rid}_{i}" for i in range(params.n)}  # SGLang's registry
+        sample_rids = request.sample_rids() or [uuid.uuid4().hex for _ in range(params.n)]
         generator = self.generator
         if params.sampling_seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
@@ -168,25 +168,24 @@ class ReferenceBackend:
             self._jobs[state] = (self._abort_epoch, sample_rids)
             self._waiting.append(state)
             self._in_flight += 1
-            self._active_rids |= sample_rids
+            self._active_rids |= set(sample_rids)
             self._state.notify_all()
         try:
             state.done.wait()
         finally:
             with self._state:
                 self._in_flight -= 1
-                self._active_rids -= sample_rids
-                self._aborted_rids -= sample_rids
+                self._active_rids -= set(sample_rids)
+                self._aborted_rids -= set(sample_rids)
                 self._jobs.pop(state, None)
                 self._state.notify_all()
         if state.error is not None:
             raise state.error
-        multiple = params.n > 1
         answers = [
-            self._sample_json(rid, i, s, len(request.input_ids), state.weight_version, multiple)
+            self._sample_json(sample_rids[i], i, s, len(request.input_ids), state.weight_version)
             for i, s in enumerate(state.results())
         ]
-        return answers if multiple else answers[0]
+        return answers if params.n > 1 or isinstance(request.rid, list) else answers[0]
 
     def _check_lengths(self, request: GenerateRequest) -> None:
         """SGLang's context-length checks (``TokenizerManager._validate_input_ids_in_context_length``)."""
@@ -204,9 +203,12 @@ class ReferenceBackend:
                 "or the completion to fit within the limit."
             )
 
-    def _stopped(self, state: RequestState) -> bool:
+    def _stopped(self, state: RequestState) -> list[int]:
+        """The samples of ``state`` an abort reached (every one after an abort-all or an abort pause)."""
         epoch, sample_rids = self._jobs[state]
-        return self._abort_epoch != epoch or not sample_rids.isdisjoint(self._aborted_rids)
+        if self._abort_epoch != epoch:
+            return list(range(state.n))
+        return [i for i, rid in enumerate(sample_rids) if rid in self._aborted_rids]
 
     def _release_finished(self, states: list[RequestState]) -> None:
         """Hand back done requests (called with ``_state`` held)."""
@@ -220,19 +222,21 @@ class ReferenceBackend:
     def _admit_and_abort(self) -> None:
         """Abort stopped requests, admit waiting ones while slots are free (arrival order); ``_state`` held."""
         aborted = FinishReason("abort", message="aborted")
-        for state in [s for s in self._waiting if self._stopped(s)]:
-            state.finish(aborted)
-            self._waiting.remove(state)
-            state.weight_version = self.weight_version
-            state.done.set()
+        for state in list(self._waiting):
+            state.finish(aborted, self._stopped(state))
+            if not state.running():
+                self._waiting.remove(state)
+                state.weight_version = self.weight_version
+                state.done.set()
         for state in self._running:
-            if self._stopped(state):
-                self._free(state.finish(aborted))
-        while self._waiting and (len(self._free_slots) >= self._waiting[0].n or not self._running):
+            self._free(state.finish(aborted, self._stopped(state)))
+        while self._waiting and (len(self._free_slots) >= len(self._waiting[0].running()) or not self._running):
             state = self._waiting.pop(0)
-            if len(self._free_slots) < state.n:  # more samples than max_running_requests: it runs alone
-                self._free(self.slot_model.add_slots(state.n - len(self._free_slots)))
-            state.slots = [heapq.heappop(self._free_slots) for _ in range(state.n)]
+            samples = state.running()
+            if len(self._free_slots) < len(samples):  # more samples than max_running_requests: it runs alone
+                self._free(self.slot_model.add_slots(len(samples) - len(self._free_slots)))
+            for i in samples:
+                state.slots[i] = heapq.heappop(self._free_slots)
             state.cache_epoch = self._cache_epoch
             if state.request.sampling_params.max_new_tokens <= 0:
                 self._free(state.finish(FinishReason("length")))
@@ -284,10 +288,10 @@ class ReferenceBackend:
             return freed
 
     @staticmethod
-    def _sample_json(rid: str, index: int, sample, prompt_tokens: int, version: str, multiple: bool = False) -> dict:
-        """One sample's SGLang JSON; with n > 1 its id is ``{rid}_{index}`` as SGLang names expanded samples."""
+    def _sample_json(rid: str, index: int, sample, prompt_tokens: int, version: str) -> dict:
+        """One sample's SGLang JSON, ``rid`` its id."""
         meta: dict[str, Any] = {
-            "id": f"{rid}_{index}" if index or multiple else rid,
+            "id": rid,
             "finish_reason": sample.finish_reason.to_json(),
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(sample.output_ids),
@@ -305,9 +309,8 @@ class ReferenceBackend:
         """Abort every running request, or the running one ``rid`` names, as SGLang does.
 
         As SGLang's tokenizer manager: a rid no running request registered is ignored (also one
-        that arrives later); a request with n > 1 registers ``{rid}_{i}`` only, so its bare rid is
-        ignored. Unlike SGLang, aborting one sample's rid aborts the whole request (its samples are
-        decoded together); our client aborts all of a request's samples at once anyway.
+        that arrives later). Each sample registers its own id (``GenerateRequest.sample_rids``; fresh
+        ids for parallel sampling), and aborting one ends that sample only.
         """
         with self._state:
             if abort_all:

@@ -126,10 +126,10 @@ class RequestState:
         """The cache was flushed: every running sample prefills all its tokens again at its next step."""
         self.cached = [0] * self.n
 
-    def finish(self, reason: FinishReason) -> list[int]:
-        """End every running sample with ``reason``; returns the slots they held."""
+    def finish(self, reason: FinishReason, samples: list[int] | None = None) -> list[int]:
+        """End the running ones of ``samples`` (default every sample) with ``reason``; returns the slots they held."""
         freed = []
-        for i in self.running():
+        for i in self.running() if samples is None else [i for i in self.running() if i in samples]:
             self.reasons[i] = reason
             freed.append(self.slots[i])
             self.slots[i] = None
