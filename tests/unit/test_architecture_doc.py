@@ -19,7 +19,8 @@ imported: it loads no Megatron):
   the class or one of its bases. A call (``StepData.shard(dp, mini_batches)``) cites its callee.
 - class: a bare CamelCase name is defined at top level in megatron_rl or tests/, or is a Python
   builtin or one of EXTERNAL (other projects' names the doc cites).
-- word: a bare snake_case name (with an underscore: ``count_tokens_and_seqs``, ``train_partial``)
+- word: a bare name with an underscore (``count_tokens_and_seqs``, ``train_partial``,
+  ``PATCHED_ATTRIBUTES``, ``CUDA_VISIBLE_DEVICES``, or called: ``parallel_sizes(cfg.parallel)``)
   occurs as a word in the project's code, recipes or scripts, or is one of EXTERNAL.
 - test: ``test_...`` is a test function of tests/; a trailing ``...`` makes it a prefix.
 
@@ -56,7 +57,7 @@ EXTERNAL = frozenset(
         "TorchFunctionMode", "Fraction", "SimpleNamespace", "rebuild_cuda_tensor",
         # Megatron-core
         "TransformerConfig", "GPTModel", "DotProductAttention", "PackedSeqParams", "RouterReplay",
-        "OptimizerParamScheduler", "allow_shape_mismatch",
+        "OptimizerParamScheduler", "CheckpointFunction", "allow_shape_mismatch",
         # transformers, torch.distributed
         "AutoTokenizer", "PrefixStore",
         # SGLang
@@ -73,7 +74,7 @@ PATH = re.compile(r"^(?P<path>[\w.-]*(?:/[\w.-]*)+|[\w-]+\.(?:py|sh|sbatch|c))(?
 FILE_EXT = re.compile(r"\.(py|md|yaml|yml|sh|sbatch|json|txt|lock|c|toml)$")
 DOTTED = re.compile(r"^(?P<name>_?[A-Za-z]\w*(?:\.\w+)+)(?:$|\(.*\)|(?=[\s:=<>*+]))", re.S)
 CAMEL = re.compile(r"^(?P<name>_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)(?:$|\(.*\)$)", re.S)
-WORD = re.compile(r"^(?P<name>_?[a-z][a-z0-9]*(?:_[a-z0-9]+)+)$")
+WORD = re.compile(r"^(?P<name>_?[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+)(?:$|\(.*\)(?: -> .*)?$)")
 TEST = re.compile(r"^(?P<name>test_\w*?)(?P<prefix>_?\.\.\.)?$")
 METRIC_PREFIXES = {"train", "val", "rollout", "actor", "data", "time", "async", "perf"}
 DATA_EXT = re.compile(r"\.(json|jsonl|pt|safetensors|log|yaml|md|txt|lock|partial)$")
@@ -306,6 +307,8 @@ def classify(span: str) -> tuple[str, bool | None]:
         ("parallel.device", "symbol", True),
         ("NoSuchClass", "class", False),
         ("compute_old_log_probs", "word", False),
+        ("train_on_shard(shard) -> metrics", "word", True),
+        ("NO_SUCH_VARIABLE", "word", False),
         ("test_pause_with_abort_...", "test", True),
         ("test_no_such_test", "test", False),
         ("rollout/groups_kept", "other", None),
