@@ -10,6 +10,11 @@ Slurm), the run resumes from that checkpoint as from any other, bitwise-exact on
 A second signal changes nothing: the step still ends and the checkpoint is still
 written, so nothing on disk is left half done.
 
+``ray.init`` takes SIGTERM for itself (a ``sys.exit`` handler, and abseil's failure handler in the
+driver's core worker, which chains to it): the driver's Ray start runs inside
+:func:`handlers_kept_through_ray_init`, so SIGTERM reaches the request as SIGUSR1 does, whether Ray
+starts locally or joins the cluster at ``RAY_ADDRESS``.
+
 Whether a start stopped early or reached ``train.steps`` (a signal can land in the last
 step) decides whether a requeue has work to do: the driver writes its stop notice to the
 file named by ``MEGATRON_RL_STOPPED_EARLY_FILE`` (set by ``slurm/ray_cluster.sh``) only
@@ -66,6 +71,39 @@ def preemption_requests() -> Iterator[PreemptionRequest]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sys.stdout.flush()
+
+
+@contextmanager
+def handlers_kept_through_ray_init() -> Iterator[None]:
+    """SIGTERM and SIGUSR1 keep, through a ``ray.init`` in the block, the handlers they had before it.
+
+    Ray 2.60's ``ray.init`` (``ray/_private/worker.py``, ``init``) first sets SIGTERM to ``sys.exit``
+    through ``ray._private.utils.set_sigterm_handler``; the driver's core worker it then creates puts
+    abseil's failure handler in front (in C, where Python does not see it), which prints a stack trace
+    and calls the handler before it. Mid-step, that exit aborts the driver (exit 134, no checkpoint).
+    Here Ray's ``sys.exit`` handler is never set (a signal during ``ray.init`` reaches the handler
+    already there), and after the block the kept handlers are set again, ahead of abseil's. Off the
+    main thread, where ``ray.init`` sets no handler either, the block runs as is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from ray._private import utils as ray_utils  # the driver's Ray; the rest of this module needs none
+
+    # A handler set outside Python reads as None and cannot be set again from here.
+    kept = {sig: handler for sig in PREEMPTION_SIGNALS if (handler := signal.getsignal(sig)) is not None}
+    set_sigterm_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = _leave_sigterm_alone
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = set_sigterm_handler
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+
+
+def _leave_sigterm_alone(handler: object) -> None:
+    """Stands in for Ray's ``set_sigterm_handler`` during ``ray.init``: the handler in place stays."""
 
 
 def record_stopped_early(notice: str) -> None:

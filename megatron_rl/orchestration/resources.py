@@ -49,6 +49,7 @@ from megatron_rl.orchestration.engine_recovery import DeferredEngineRecovery, En
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
 from megatron_rl.orchestration.network import LOOPBACK_ADDRESS, RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids
+from megatron_rl.orchestration.preemption import handlers_kept_through_ray_init
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
@@ -235,9 +236,14 @@ def start_ray(cfg: RunConfig, network: RunNetwork | None = None) -> None:
     listening there only), else the address of the recipe's interface; no dashboard. A cluster
     at ``RAY_ADDRESS`` was started by someone else (``slurm/ray_cluster.sh`` starts it on the
     recipe's interface). Ray workers import this package from the same location as the driver
-    (``PYTHONPATH``).
+    (``PYTHONPATH``). The driver's SIGTERM and SIGUSR1 handlers are the same after as before
+    (``ray.init`` would take SIGTERM, :func:`handlers_kept_through_ray_init`).
     """
-    network = network or RunNetwork.of(cfg.cluster)
+    with handlers_kept_through_ray_init():
+        _init_ray(cfg, network or RunNetwork.of(cfg.cluster))
+
+
+def _init_ray(cfg: RunConfig, network: RunNetwork) -> None:
     package_root = str(Path(megatron_rl.__file__).resolve().parents[1])
     python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     runtime_env = {"env_vars": {"PYTHONPATH": python_path}}

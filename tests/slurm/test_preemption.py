@@ -2,9 +2,10 @@
 
 `slurm/train.sbatch` runs the tiny DAPO recipe for 40 steps (about 0.2 s each here: enough that the
 signal lands while steps remain). Once step 2 is in its metrics, the batch script gets SIGUSR1 (`scancel --batch --signal=USR1`, what `--signal=B:USR1@N` sends before a time
-limit). The driver finishes its step, saves a checkpoint and exits 0; the script requeues the job,
+limit), or SIGTERM (`scancel --batch --signal=TERM`; the driver, joined to the script's Ray at `RAY_ADDRESS`,
+must keep it from `ray.init`). The driver finishes its step, saves a checkpoint and exits 0; the script requeues the job,
 which starts again, resumes from `latest` and finishes. Its final weights (the Hugging Face export
-of the last checkpoint) equal, bit for bit, those of the same run trained without interruption.
+of the last checkpoint) equal, bit for bit, those of the same run trained without interruption (run once for both signals).
 A command that finishes its work despite the signal (a signal in the last step) is not requeued.
 """
 
@@ -24,6 +25,7 @@ from safetensors.torch import load_file
 from tests.slurm.local_slurm import local_slurm, missing_requirements
 
 ROOT = Path(__file__).resolve().parents[2]
+RECIPE = "recipes/tiny_moe_cpu_dapo.yaml"
 STEPS = 40
 pytestmark = [
     pytest.mark.slurm,
@@ -67,19 +69,11 @@ def _job_state(env: dict[str, str], job: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    with local_slurm(tmp_path_factory.mktemp("slurm")) as env:
-        yield os.environ | env
-
-
-def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_weights(
-    slurm_env: dict[str, str], tmp_path: Path
-) -> None:
-    recipe = "recipes/tiny_moe_cpu_dapo.yaml"
-    job_dir, reference_dir = tmp_path / "job", tmp_path / "reference"
-    output = tmp_path / "job.out"
+def uninterrupted_weights(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The final weights of the run trained without interruption, outside Slurm."""
+    directory = tmp_path_factory.mktemp("reference")
     reference = subprocess.run(
-        [str(ROOT / ".venv/bin/megatron-rl"), "train", recipe, *_overrides(reference_dir)],
+        [str(ROOT / ".venv/bin/megatron-rl"), "train", RECIPE, *_overrides(directory)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -87,9 +81,22 @@ def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_we
         check=False,
     )
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    return _final_weights(directory)
 
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with local_slurm(tmp_path_factory.mktemp("slurm")) as env:
+        yield os.environ | env
+
+
+@pytest.mark.parametrize("signal_name", ["USR1", "TERM"])
+def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_weights(
+    slurm_env: dict[str, str], uninterrupted_weights: dict, tmp_path: Path, signal_name: str
+) -> None:
+    job_dir, output = tmp_path / "job", tmp_path / "job.out"
     submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--output={output}", "slurm/train.sbatch", recipe, *_overrides(job_dir)],
+        ["sbatch", "--parsable", f"--output={output}", "slurm/train.sbatch", RECIPE, *_overrides(job_dir)],
         cwd=ROOT,
         env=slurm_env,
         capture_output=True,
@@ -102,7 +109,7 @@ def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_we
     while max(_logged_steps(job_dir), default=0) < 2:
         assert time.monotonic() < deadline, f"step 2 never logged; job state {_job_state(slurm_env, job)}"
         time.sleep(1)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
+    subprocess.run(["scancel", "--batch", f"--signal={signal_name}", job], env=slurm_env, check=True)
 
     while (state := _job_state(slurm_env, job))["JobState"] != "COMPLETED":
         assert state["JobState"] in ("RUNNING", "PENDING", "REQUEUED", "COMPLETING"), (
@@ -114,14 +121,16 @@ def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_we
 
     log = output.read_text()
     assert state["Restarts"] == "1", log[-3000:]
-    stopped = re.search(rf"# stopped for SIGUSR1 after step (\d+) of {STEPS}: the checkpoint of step \1 is saved", log)
+    stopped = re.search(
+        rf"# stopped for SIG{signal_name} after step (\d+) of {STEPS}: the checkpoint of step \1 is saved", log
+    )
     assert stopped, log[-3000:]
     assert 2 <= int(stopped.group(1)) < STEPS
-    assert "[ray_cluster] the command stopped after SIGUSR1; requeueing job" in log
+    assert f"[ray_cluster] the command stopped after SIG{signal_name}; requeueing job" in log
     assert f"job {job}, start 2:" in log
     assert _logged_steps(job_dir) == list(range(1, STEPS + 1))
 
-    final, expected = _final_weights(job_dir), _final_weights(reference_dir)
+    final, expected = _final_weights(job_dir), uninterrupted_weights
     assert final.keys() == expected.keys()
     differing = [name for name in expected if not final[name].equal(expected[name])]
     assert not differing, f"weights differ from the uninterrupted run: {differing[:5]}"
