@@ -13,14 +13,19 @@ Baseline, computed for the same step: the padded path this replaced sent every r
 as ``[B, S]`` int64 ids, bool mask, fp32 advantages, rollout and old log-probs and ``[B, S, L, K]``
 int64 routed experts.
 
-    PYTHONPATH=. python benchmarks/step_data_plane.py [--recipe R] [--samples N1,N2,...] [recipe overrides]
+    PYTHONPATH=. .venv/bin/python benchmarks/step_data_plane.py [--recipe R] [--samples N1,N2,...] [recipe overrides]
 
-The step runs at each ``--samples`` count (default: 1, 2 and 4 x the smallest count that splits
-over mini-batches and DP), with routed experts, and the slope per sample gives the full step's
-bytes. When the full step would not fit this machine with its experts (at the DAPO shape about
-19 GB of uint8 experts), it then runs at the full per-step count without them: the balance of
-the shards over DP (the last line, ``per-rank bytes / (step bytes / dp) = X``) is measured there
-through the same path, since a sample's expert bytes are proportional to its tokens.
+The recipe is read as ``megatron-rl plan`` reads it: nothing needs to be downloaded (the architecture
+comes from ``model.config_fallback``, the weights, data and network interface go unchecked), and
+Ray runs on this machine's CPUs whatever nodes the recipe names.
+
+The step runs at each ``--samples`` count (at least two; default: 1, 2 and 4 x the smallest count
+that splits over mini-batches and DP), with routed experts, and the slope per sample between the
+smallest and the largest count gives the full step's bytes. When the full step would not fit this
+machine with its experts (at the DAPO shape about 19 GB of uint8 experts), it then runs at the full
+per-step count without them: the balance of the shards over DP (the last line, ``per-rank bytes /
+(step bytes / dp) = X``) is measured there through the same path, since a sample's expert bytes
+are proportional to its tokens.
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ class Shapes:
 
 
 def recipe_shapes(cfg: RunConfig) -> Shapes:
-    arch = read_architecture(cfg.model.path, cfg.model.random_init)
+    """The step's shapes; the architecture comes from ``model.config_fallback`` when the weights are absent."""
+    arch = read_architecture(cfg.model.path, cfg.model.random_init, cfg.model.config_fallback)
     return Shapes(
         prompts=cfg.train.prompts_per_step,
         group_size=cfg.rollout.n_samples_per_prompt,
@@ -177,6 +183,20 @@ def run_step(trainers: TrainerGroup, shapes: Shapes, num_samples: int, *, expert
     return result
 
 
+def load_shapes_only(recipe: str, overrides: list[str]) -> RunConfig:
+    """The recipe as ``megatron-rl plan`` loads it: weights, data and the network interface may be absent.
+
+    The benchmark reads only shapes, so the files a training run needs are not checked (as in ``plan``).
+    """
+    return load_recipe(recipe, overrides, require_files=False)[0]
+
+
+def start_local_ray(cfg: RunConfig) -> None:
+    """A Ray of this machine's CPUs on loopback: the receivers stand in for every node's ranks here."""
+    cluster = cfg.cluster.model_copy(update={"nodes": 1, "gpus_per_node": 0, "network_interface": None})
+    start_ray(cfg.model_copy(update={"cluster": cluster}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "qwen3_30b_a3b_dapo.yaml"))
@@ -186,14 +206,16 @@ def main() -> None:
         help="samples per step to run, comma-separated (multiples of DP x group)",
     )
     args, overrides = parser.parse_known_args()
-    cfg = load_recipe(args.recipe, overrides)[0]
+    if args.samples is not None and len(set(args.samples)) < 2:
+        parser.error("--samples needs at least two counts: the bytes per sample are the slope between them")
+    cfg = load_shapes_only(args.recipe, overrides)
     shapes = recipe_shapes(cfg)
     full = shapes.prompts * shapes.group_size
     unit = math.lcm(shapes.group_size, shapes.dp * shapes.mini_batches)
     counts = args.samples or [unit * k for k in (1, 2, 4)]
     print(f"# recipe {args.recipe}: {shapes}")
     print(f"# full step: {full} samples; running {counts}")
-    start_ray(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpus_per_node": 0})}))
+    start_local_ray(cfg)
     placement, slots = create_rank_slots(shapes.dp, num_gpus=0, num_cpus=0.01, name="data-plane")
     trainers = TrainerGroup(
         RankWorkerGroup(ReceivingRank, placement, slots, num_gpus=0, num_cpus=0.01, args=(shapes.dp,))
@@ -214,7 +236,7 @@ def main() -> None:
             f"{r['ratio']:>9.3f} {padded} {r['shard_s']:>8.2f} {r['deliver_s']:>9.2f} {r['driver_peak_gib']:>15.2f}"
         )
     with_experts = [r for r in rows if r["experts"]]
-    first, last = with_experts[0], with_experts[-1]
+    first, last = min(with_experts, key=lambda r: r["samples"]), max(with_experts, key=lambda r: r["samples"])
     per_sample = (last["step_bytes"] - first["step_bytes"]) / (last["samples"] - first["samples"])
     per_sample_s = (last["shard_s"] + last["deliver_s"] - first["shard_s"] - first["deliver_s"]) / (
         last["samples"] - first["samples"]
