@@ -70,6 +70,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from megatron_rl.data.preparation import prepare_data
+    from megatron_rl.data.rewards import qualified_name
     from megatron_rl.data.sampler import PromptSampler
 
     try:
@@ -95,7 +96,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
                 f"mean {sum(lengths) / len(lengths):.1f} max {max(lengths)}"
             )
     reward = prepared.reward_fn
-    print(f"# reward: {cfg.data.reward} -> {reward.__module__}.{reward.__qualname__}")
+    print(f"# reward: {cfg.data.reward} -> {qualified_name(reward)}")
     sampler = PromptSampler(
         len(prepared.train), cfg.train.prompts_per_step, seed=cfg.train.seed, shuffle=cfg.data.shuffle
     )

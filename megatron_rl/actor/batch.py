@@ -12,8 +12,9 @@ the loss (response tokens; overlong-filtered responses are simply unmarked).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -87,16 +88,17 @@ class ActorBatch:
 
     def replace(self, **fields: torch.Tensor | None) -> ActorBatch:
         """A copy with ``fields`` replaced (validated again)."""
-        return dataclasses.replace(self, **fields)
+        changes: dict[str, Any] = fields  # Any: a None in a required field fails __post_init__
+        return dataclasses.replace(self, **changes)
 
     def to(self, device: torch.device | str) -> ActorBatch:
         """The batch with every tensor on ``device``."""
-        return ActorBatch(**{name: None if value is None else value.to(device) for name, value in self._fields()})
+        return self._map(lambda _, value: value.to(device))
 
     def select(self, indices: Sequence[int]) -> ActorBatch:
         """The rows ``indices``, in that order."""
         index = torch.as_tensor(list(indices), dtype=torch.long, device=self.input_ids.device)
-        return ActorBatch(**{name: None if value is None else value[index] for name, value in self._fields()})
+        return self._map(lambda _, value: value[index])
 
     def padded(self, num_sequences: int, seq_length: int) -> ActorBatch:
         """Right-pad to ``[num_sequences, seq_length]``.
@@ -112,15 +114,18 @@ class ActorBatch:
             raise ValueError(
                 f"cannot pad a [{self.num_sequences}, {self.seq_length}] batch to [{num_sequences}, {seq_length}]"
             )
-        return ActorBatch(**{name: _pad(name, value, num_sequences, seq_length) for name, value in self._fields()})
+        return self._map(lambda name, value: _pad(name, value, num_sequences, seq_length))
 
-    def _fields(self) -> list[tuple[str, torch.Tensor | None]]:
-        return [(field.name, getattr(self, field.name)) for field in dataclasses.fields(self)]
+    def _map(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> ActorBatch:
+        """The batch with ``fn(name, tensor)`` in place of each tensor field; None fields stay None."""
+        mapped: dict[str, Any] = {}  # Any: the required fields come out tensors, as they are in self
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            mapped[field.name] = None if value is None else fn(field.name, value)
+        return ActorBatch(**mapped)
 
 
-def _pad(name: str, value: torch.Tensor | None, num_sequences: int, seq_length: int) -> torch.Tensor | None:
-    if value is None:
-        return None
+def _pad(name: str, value: torch.Tensor, num_sequences: int, seq_length: int) -> torch.Tensor:
     rows = num_sequences - value.shape[0]
     if name == "lengths" or (name == "advantages" and value.dim() == 1):
         return torch.cat([value, value.new_zeros(rows)])

@@ -100,7 +100,8 @@ def actor_loss(
     if old_log_probs is None or advantages is None:
         raise ValueError("training needs batch.old_log_probs (compute_log_probs) and batch.advantages")
     mask_BS = micro_batch.response_mask
-    weights_BS, means = None, {}
+    weights_BS: torch.Tensor | None = None
+    means: dict[str, torch.Tensor] = {}
     if micro_batch.rollout_log_probs is not None:
         weights_BS, means = importance_correction(
             old_log_probs, micro_batch.rollout_log_probs, mask_BS, algorithm.tis_cap

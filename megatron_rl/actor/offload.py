@@ -24,14 +24,18 @@ restores whatever was offloaded.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.optimizer import MegatronOptimizer
 
 from megatron_rl.parallel.device import on_accelerator
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
 
-def _buffer_tensors(models: Sequence[torch.nn.Module], attribute: str) -> list[torch.Tensor]:
+
+def _buffer_tensors(models: Sequence[DistributedDataParallel], attribute: str) -> list[torch.Tensor]:
     tensors = []
     for model in models:
         for buffer in [*model.buffers, *model.expert_parallel_buffers]:
@@ -57,7 +61,10 @@ class StateOffloader:
     """Offloads and reloads the storages of parameters, gradients and optimizer state."""
 
     def __init__(
-        self, models: Sequence[torch.nn.Module], optimizer: MegatronOptimizer, extra: Sequence[torch.Tensor] = ()
+        self,
+        models: Sequence[DistributedDataParallel],
+        optimizer: MegatronOptimizer,
+        extra: Sequence[torch.Tensor] = (),
     ) -> None:
         self._models = list(models)
         self._optimizer = optimizer

@@ -138,10 +138,9 @@ class PolicyActor:
         keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
         reference_device = select_device() if algorithm.reference_placement == "device" else "cpu"
         self._reference = ReferencePolicyWeights(self.models, device=reference_device) if keep else None
-        on_device = self._reference is not None and algorithm.reference_placement == "device"
-        self._offloader = StateOffloader(
-            self.models, self.optimizer.optimizer, self._reference.tensors if on_device else ()
-        )
+        on_device = algorithm.reference_placement == "device"
+        extra = self._reference.tensors if self._reference is not None and on_device else ()
+        self._offloader = StateOffloader(self.models, self.optimizer.optimizer, extra)
         self._device = select_device()
 
     def compute_log_probs(self, batch: ActorBatch) -> TokenLogProbs:

@@ -83,6 +83,7 @@ class RoutingReplay:
         self.check_batch(batch)
         replays = self._chunk_replays(chunk)
         experts_BSLK = batch.routed_experts
+        assert experts_BSLK is not None, "check_batch raises without routed_experts"
         if layout is not None:
             distinct_K = torch.arange(experts_BSLK.shape[-1], dtype=experts_BSLK.dtype, device=experts_BSLK.device)
             experts_BSLK = pack_tokens(experts_BSLK, layout, fill=distinct_K)

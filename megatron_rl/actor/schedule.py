@@ -25,7 +25,7 @@ Either way ``loss_fn`` sees the same [B, S] tensors.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,8 +103,10 @@ def run_schedule(
     inputs = _model_inputs(micro_batches, packing)
     tp_group = parallel_state.get_tensor_model_parallel_group()
 
-    def forward_step(data_iterator, model):
-        item: _ModelInput = next(data_iterator)
+    def forward_step(
+        data_iterator: Iterator[_ModelInput], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, Callable[..., Any]]:
+        item = next(data_iterator)
         if replay is not None:
             replay.set_micro_batch(item.micro_batch, model, item.layout)
         logits = model(item.input_ids, item.position_ids, None, packed_seq_params=item.packed_seq_params)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,15 @@ from megatron_rl.actor.schedule import run_schedule
 from megatron_rl.actor.token_logprobs import TokenLogProbs
 from megatron_rl.config.schema import AlgorithmConfig, TrainConfig
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+
 
 @dataclass(frozen=True)
 class StepContext:
     """What a training step needs besides the batch (``temperature``, ``packing``: as in ``run_schedule``)."""
 
-    models: Sequence[torch.nn.Module]
+    models: Sequence[DistributedDataParallel]
     optimizer: OptimizerBundle
     train: TrainConfig
     algorithm: AlgorithmConfig
@@ -88,7 +92,7 @@ def update_on_mini_batch(context: StepContext, local: ActorBatch) -> dict[str, f
     counts = count_step(micro_batches, parallel_state.get_data_parallel_group())
     accumulator = MetricsAccumulator()
 
-    def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs):
+    def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs) -> tuple[torch.Tensor, torch.Tensor, dict]:
         loss, shares, means = actor_loss(current, micro_batch, counts, context.algorithm, context.norm_constant)
         scaled_loss, local_tokens = megatron_loss(loss, micro_batch, counts)
         accumulator.add(shares, means, local_tokens)

@@ -48,9 +48,9 @@ def model_weight_dirs(path: str | Path) -> tuple[Path, Path | None]:
     """
     from megatron_rl.checkpoint.commit import latest_checkpoint
 
-    path = Path(path)
-    if (path / LATEST_FILE).is_file():
-        path = latest_checkpoint(path)
-    if (path / MEGATRON_DIR).is_dir():
-        return path / MEGATRON_DIR, path / HF_METADATA_DIR
-    return path, None
+    checkpoint = Path(path)
+    if (latest := latest_checkpoint(checkpoint)) is not None:
+        checkpoint = latest
+    if (checkpoint / MEGATRON_DIR).is_dir():
+        return checkpoint / MEGATRON_DIR, checkpoint / HF_METADATA_DIR
+    return checkpoint, None

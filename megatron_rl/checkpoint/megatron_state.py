@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,9 @@ from megatron_rl.parallel.megatron_compat import (
     unshare_adam_steps,
 )
 
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
+
 _SHARDING_TYPE = "fully_reshardable"
 # Without the prefix flag a ChainedOptimizer prefixes its parts' tensor keys with ``chained_<i>.``.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": _SHARDING_TYPE, "chained_optim_avoid_prefix": True}
@@ -54,7 +58,7 @@ _PART_KEYS = {"optimizer", "param_state", "param_state_sharding_type"}
 _EXPERT_FLAG = "is_expert_parallel"
 
 
-def _model_state(chunks: Sequence[torch.nn.Module]) -> dict:
+def _model_state(chunks: Sequence[MegatronModule]) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 

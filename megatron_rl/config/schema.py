@@ -397,13 +397,18 @@ class ClusterConfig(Section):
         return value
 
 
+MetricSink = Literal["console", "jsonl", "tensorboard", "wandb"]
+
+
+def _default_sinks() -> list[MetricSink]:
+    return ["console", "jsonl", "tensorboard"]
+
+
 class LoggingConfig(Section):
     """Metric sinks."""
 
     dir: str | None = Field(None, description="Log directory; defaults to runs/<name>/logs.")
-    sinks: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["console", "jsonl", "tensorboard"], description="Where metrics go."
-    )
+    sinks: list[MetricSink] = Field(default_factory=_default_sinks, description="Where metrics go.")
     wandb_project: str | None = Field(None, description="W&B project when the wandb sink is on.")
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.layout import trainer_layout
@@ -68,7 +68,18 @@ def _yaml_scalar(value: Any) -> str:
     return str(value)
 
 
-def _shrunk_layout(cfg: RunConfig) -> dict[str, int | None]:
+class _Layout(TypedDict):
+    """The smoke run's parallel sizes and trainer ranks (vpp and etp None when the recipe leaves them unset)."""
+
+    tp: int
+    pp: int
+    vpp: int | None
+    ep: int
+    etp: int | None
+    world: int
+
+
+def _shrunk_layout(cfg: RunConfig) -> _Layout:
     par = cfg.parallel
     tp = 2 if par.tp > 1 else 1
     pp = 2 if par.pp > 1 else 1
@@ -84,7 +95,7 @@ def _shrunk_layout(cfg: RunConfig) -> dict[str, int | None]:
     return {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp, "world": world}
 
 
-def _toy_model(arch: QwenArchitecture, layout: dict[str, int | None]) -> dict[str, Any]:
+def _toy_model(arch: QwenArchitecture, layout: _Layout) -> dict[str, Any]:
     stages = layout["pp"] * (layout["vpp"] or 1)
     has_dense = not all(arch.moe_layer_pattern)
     layers = max(2, stages)

@@ -110,21 +110,21 @@ def refine_by_swaps(workloads: Sequence[float], parts: Sequence[Sequence[int]], 
     is then at most ``max(workloads) - min(workloads)``. Returns the parts in the given order,
     each sorted ascending. O(max_swaps * m log m) for parts of at most m items.
     """
-    parts = [sorted(part) for part in parts]
-    sums = [sum(workloads[index] for index in part) for part in parts]
+    sorted_parts = [sorted(part) for part in parts]
+    sums = [sum(workloads[index] for index in part) for part in sorted_parts]
     for _ in range(max_swaps):
-        heavy = max(range(len(parts)), key=sums.__getitem__)
-        light = min(range(len(parts)), key=sums.__getitem__)
-        pair = _best_swap(workloads, parts[heavy], parts[light], sums[heavy] - sums[light])
+        heavy = max(range(len(sorted_parts)), key=sums.__getitem__)
+        light = min(range(len(sorted_parts)), key=sums.__getitem__)
+        pair = _best_swap(workloads, sorted_parts[heavy], sorted_parts[light], sums[heavy] - sums[light])
         if pair is None:
             break
         a, b = pair
-        parts[heavy] = sorted([index for index in parts[heavy] if index != a] + [b])
-        parts[light] = sorted([index for index in parts[light] if index != b] + [a])
+        sorted_parts[heavy] = sorted([index for index in sorted_parts[heavy] if index != a] + [b])
+        sorted_parts[light] = sorted([index for index in sorted_parts[light] if index != b] + [a])
         difference = workloads[a] - workloads[b]
         sums[heavy] -= difference
         sums[light] += difference
-    return parts
+    return sorted_parts
 
 
 def _best_swap(

@@ -155,16 +155,21 @@ def parse_number(text: str) -> Fraction | None:
         return None
     try:
         if _NUMBER.fullmatch(text):
-            return Fraction(text.replace(",", ""))
+            return _plain_number(text)
         if (match := _LATEX_FRACTION.fullmatch(text)) is not None:
             sign, numerator, denominator, short_num, short_den = match.groups()
-            value = parse_number(numerator or short_num) / parse_number(denominator or short_den)
+            value = _plain_number(numerator or short_num) / _plain_number(denominator or short_den)
             return -value if sign == "-" else value
         if (match := _SLASH_FRACTION.fullmatch(text)) is not None:
-            return parse_number(match.group(1)) / parse_number(match.group(2))
+            return _plain_number(match.group(1)) / _plain_number(match.group(2))
     except ZeroDivisionError:
         return None
     return None
+
+
+def _plain_number(text: str) -> Fraction:
+    """Exact value of ``text``, which matches ``_NUM`` whole (thousands commas allowed)."""
+    return Fraction(text.replace(",", ""))
 
 
 def answers_match(predicted: str, ground_truth: str) -> bool:

@@ -73,6 +73,7 @@ def render_prompt(
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, **dict(chat_template_kwargs or {})
     )
+    assert isinstance(text, str), "apply_chat_template(tokenize=False) returns the text"
     return text, False
 
 

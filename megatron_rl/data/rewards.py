@@ -61,7 +61,8 @@ _F = TypeVar("_F", bound=Callable[..., RewardOutput])
 _REGISTRY: dict[str, Callable[..., RewardOutput]] = {}
 
 
-def _qualified_name(fn: Callable[..., Any]) -> str:
+def qualified_name(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of a reward function, for messages."""
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
@@ -78,14 +79,14 @@ def register_reward(name: str) -> Callable[[_F], _F]:
         qualname = getattr(fn, "__qualname__", "")
         if "." in qualname:
             raise RewardContractError(
-                f"reward {name!r}: {_qualified_name(fn)} is nested or a method; define it at module top level "
+                f"reward {name!r}: {qualified_name(fn)} is nested or a method; define it at module top level "
                 "so worker processes can unpickle it"
             )
         existing = _REGISTRY.get(name)
-        if existing is not None and _qualified_name(existing) != _qualified_name(fn):
+        if existing is not None and qualified_name(existing) != qualified_name(fn):
             raise ValueError(
-                f"reward name {name!r} is already registered to {_qualified_name(existing)}; "
-                f"cannot register {_qualified_name(fn)} under it"
+                f"reward name {name!r} is already registered to {qualified_name(existing)}; "
+                f"cannot register {qualified_name(fn)} under it"
             )
         _REGISTRY[name] = fn
         return fn
@@ -137,7 +138,7 @@ def check_reward_contract(
     called on ``probe``, judged not correct (the probe's response is empty). An exception raised
     by the probe call is re-raised as RewardContractError. Returns None when every check passes.
     """
-    name = _qualified_name(fn)
+    name = qualified_name(fn)
     if not callable(fn):
         raise RewardContractError(f"reward {name} is a {type(fn).__name__}, not callable")
     if "<locals>" in getattr(fn, "__qualname__", "") or getattr(fn, "__name__", "") == "<lambda>":

@@ -14,7 +14,7 @@ the positions before it (padded positions' outputs are garbage, mask them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(
+    data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[..., Any]]:
     batch = next(data_iterator)
     logits = model(batch["input_ids"], batch["position_ids"], None)
     return logits, lambda output, non_loss_data=True: output

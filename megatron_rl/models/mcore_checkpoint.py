@@ -14,14 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
-def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
+
+def _sharded_state_dict(chunks: Sequence[MegatronModule]) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 

@@ -24,7 +24,8 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel
+        # Megatron's finalize_model_grads reads this flag: it all-reduces flagged grads over the TP group.
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()

@@ -24,7 +24,7 @@ class CheckpointTensorError(KeyError):
         return str(self.args[0])
 
 
-def _open(path: Path):
+def _open(path: Path) -> safe_open:
     """``safe_open(path)``; CheckpointTensorError naming the file when it is absent, truncated or not safetensors."""
     try:
         return safe_open(path, framework="pt")
@@ -52,13 +52,13 @@ class SafetensorsCheckpoint:
                 self._file_of = {name: self.model_dir / SINGLE_FILE for name in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
         else:
             raise FileNotFoundError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
 
     def names(self) -> list[str]:
         """All tensor names in the checkpoint."""
         return list(self._file_of)
 
-    def _handle(self, name: str):
+    def _handle(self, name: str) -> safe_open:
         if name not in self._file_of:
             raise CheckpointTensorError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
         path = self._file_of[name]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core import parallel_state
@@ -34,6 +35,9 @@ from megatron_rl.models.weight_layouts import (
     RowParallel,
     VocabParallel,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ def _top_level_mapping(name: str, arch: QwenArchitecture) -> ParamMapping:
 
 
 def iter_param_mappings(
-    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture
+    chunks: Sequence[GPTModel], arch: QwenArchitecture
 ) -> Iterator[tuple[ParamMapping, torch.nn.Parameter]]:
     """Yield (mapping, parameter) for every parameter of this rank's chunks, in model order.
 

@@ -143,5 +143,6 @@ def export_hf_tensors(
         else:
             shards = _all_gather(local, tensor_parallel_group(mapping), size, targets)
         if yields:
-            full = out if targets is not None else layout.unshard(shards, out)
+            # targets (views into out) exist only with out, which the gather has filled then.
+            full = out if out is not None and targets is not None else layout.unshard(shards, out)
             yield from zip(mapping.hf_names, full, strict=True)

@@ -91,7 +91,9 @@ def _is_cuda_device(device: Any) -> bool:
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrite CUDA device arguments of torch calls to CPU."""
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs=None):
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
@@ -189,9 +191,10 @@ def enable() -> None:
     mcore_random._get_cuda_rng_state = _get_cpu_rng_state
     mcore_random._set_cuda_rng_state = _ignore_rng_state
     mcore_random.CheckpointFunction.backward = staticmethod(_recompute_on_cpu)
-    torch.cuda.current_device = _current_device
+    # Stand-ins of other types than the stubs say (items 1 and 4 of the module docstring).
+    torch.cuda.current_device = _current_device  # type: ignore[assignment]
     torch.cuda.synchronize = _synchronize
-    torch.cuda.current_stream = _current_stream
+    torch.cuda.current_stream = _current_stream  # type: ignore[assignment]
     mcore_random._CUDA_RNG_STATE_TRACKER = _make_cpu_rng_tracker()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mode = _CudaToCpuMode()

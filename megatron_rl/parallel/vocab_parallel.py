@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
 from torch.utils.checkpoint import checkpoint
 
 
@@ -44,13 +45,13 @@ class _AllReduceSum(torch.autograd.Function):
     """All-reduce SUM forward, identity backward (the loss is replicated on the group)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         tensor = tensor.clone()
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         return tensor
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -91,12 +92,11 @@ def vocab_parallel_logprobs_entropy(
     checkpointed = torch.is_grad_enabled() and logits.requires_grad
     parts = []
     for start in range(0, tokens, chunk_tokens):
-        args = (logits_NV[start : start + chunk_tokens], targets_N[start : start + chunk_tokens])
-        options = (vocab_size, group, temperature)
+        chunk = (logits_NV[start : start + chunk_tokens], targets_N[start : start + chunk_tokens])
         if checkpointed:
-            parts.append(checkpoint(_logprobs_entropy, *args, *options, use_reentrant=False))
+            parts.append(checkpoint(_logprobs_entropy, *chunk, vocab_size, group, temperature, use_reentrant=False))
         else:
-            parts.append(_logprobs_entropy(*args, *options))
+            parts.append(_logprobs_entropy(*chunk, vocab_size, group, temperature))
     log_probs, entropy = (torch.cat([part[i] for part in parts]).reshape(targets.shape) for i in (0, 1))
     return log_probs, entropy
 

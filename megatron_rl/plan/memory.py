@@ -386,10 +386,15 @@ def plan_memory(cfg: RunConfig, arch: QwenArchitecture, gpu_memory_gib: float) -
     trainer_processes = 2 if colocated else 1
     stages = tuple(stage_plan(arch, cfg, p, trainer_processes) for p in range(cfg.parallel.pp))
     engine = engine_plan(arch, cfg, gpu_bytes) if on_gpu else None
-    sync = _sync_peak(cfg, arch, max(stages, key=lambda s: s.parameter_bytes), engine) if colocated else ()
+    # The engine is planned exactly on GPUs (on_gpu), and colocated implies on_gpu.
+    sync = (
+        _sync_peak(cfg, arch, max(stages, key=lambda s: s.parameter_bytes), engine)
+        if colocated and engine is not None
+        else ()
+    )
     rollout = _rollout_peak(cfg, gpu_bytes, trainer_processes) if engine is not None else ()
     problems: list[Problem] = []
-    if on_gpu:
+    if engine is not None:
         problems += _training_problems(stages, gpu_bytes) + _engine_problems(cfg, engine)
         problems += _colocated_problems(cfg, sync, rollout, gpu_bytes)
     return MemoryPlan(

@@ -26,16 +26,13 @@ def _billions(count: int) -> str:
 
 def _spans(values: Sequence[int]) -> str:
     """``0-3,6`` for [0, 1, 2, 3, 6]."""
-    parts: list[str] = []
-    start = previous = None
-    for value in [*values, None]:
-        if start is not None and value == previous + 1:
-            previous = value
-            continue
-        if start is not None:
-            parts.append(str(start) if start == previous else f"{start}-{previous}")
-        start = previous = value
-    return ",".join(parts) or "-"
+    runs: list[tuple[int, int]] = []  # (first, last) of each run of consecutive values
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], value)
+        else:
+            runs.append((value, value))
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "-"
 
 
 def model_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:

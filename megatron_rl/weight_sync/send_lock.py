@@ -81,5 +81,6 @@ def create_send_lock(address: str, *, timeout_s: float = 1800.0) -> SendLock:
     if listener is not None:
         store = serve_store(listener, world, timeout=timeout)
     else:
+        assert host is not None and port is not None, "rank 0 broadcast its endpoint"
         store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout, wait_for_workers=True)
     return SendLock(store, f"rank{rank}", timeout_s=timeout_s)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -136,7 +137,8 @@ class WeightSyncer:
                 _on_controller(self.engines, _abandon)
             raise
         _on_controller(self.engines, lambda e: _close(e, session))
-        return SyncStats(*counts, time.perf_counter() - start)
+        num_tensors, num_bytes, num_buckets = counts
+        return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
     def sync_megatron(self, chunks: Sequence, arch: QwenArchitecture, version: str) -> SyncStats:
         """Sync this rank's Megatron chunks: each tensor is sent once, by its designated source rank,
@@ -183,7 +185,9 @@ def build_transport(
     return DiskTransport(engines, disk_dir, hf_config_dir)
 
 
-def build_syncer(config: WeightSyncConfig, placement: str, engines: Sequence[RolloutEngine], **kwargs) -> WeightSyncer:
+def build_syncer(
+    config: WeightSyncConfig, placement: str, engines: Sequence[RolloutEngine], **kwargs: Any
+) -> WeightSyncer:
     """A :class:`WeightSyncer` with the transport of :func:`build_transport` and the recipe's bucket size."""
     transport = build_transport(config, placement, engines, **kwargs)
     return WeightSyncer(engines, transport, bucket_bytes=config.bucket_size_mb * MIB)

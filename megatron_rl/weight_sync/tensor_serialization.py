@@ -137,7 +137,7 @@ def _rebuild_cuda_tensor_on_visible_device(*args: Any) -> torch.Tensor:
 class _TensorOnlyUnpickler(pickle.Unpickler):
     allowed = _ALLOWED_GLOBALS
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor_on_visible_device
         if name in self.allowed.get(module, ()):
@@ -213,7 +213,7 @@ def flattened_bucket(
         start = tensor.storage_offset() * tensor.element_size()
         spans.append((start, start + tensor.nbytes))
     first, last = min(start for start, _ in spans), max(end for _, end in spans)
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, first, (last - first,))
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, first, (last - first,), (1,))
     metadata = [
         types.SimpleNamespace(
             name=name,

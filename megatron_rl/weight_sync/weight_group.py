@@ -89,11 +89,12 @@ def create_weight_group(
         [],
         c10d.Backend(backend),
         dist.PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=c10d.GroupName(group_name),
         backend_options=None,
         timeout=timeout,
         device_id=None,
     )
+    assert isinstance(group, dist.ProcessGroup), "every rank is a member (global_ranks_in_group=[])"
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return WeightGroup(group, group_name, rank, world_size)
 
