@@ -20,6 +20,7 @@ from megatron_rl.rollout.protocol import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
+    PauseMode,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -77,7 +78,7 @@ class RolloutEngine(abc.ABC):
         """Abort the request ``rid`` (all requests when None); its samples come back with finish ``abort``."""
 
     @abc.abstractmethod
-    def pause_generation(self, mode: str = "retract") -> None:
+    def pause_generation(self, mode: PauseMode = "retract") -> None:
         """Stop scheduling generation (``abort`` drops in-flight requests, ``retract``/``in_place`` hold them)."""
 
     @abc.abstractmethod

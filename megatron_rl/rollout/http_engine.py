@@ -49,6 +49,7 @@ from megatron_rl.rollout.protocol import (
     InitWeightsUpdateGroupRequest,
     MemoryOccupationRequest,
     PauseGenerationRequest,
+    PauseMode,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -266,8 +267,9 @@ class HttpEngine(RolloutEngine):
             with self._slots:
                 answer = self.request("/generate", request.to_json(), timeout_s=timeout_s or self.request_timeout_s)
         finally:
-            with self._lock:
-                self._samples_in_flight.pop(key, None)
+            if key is not None:
+                with self._lock:
+                    self._samples_in_flight.pop(key, None)
         samples = answer if isinstance(answer, list) else [answer]
         try:
             return [GenerateResult.from_json(s, routed_experts_shape=self.routed_experts_shape) for s in samples]
@@ -288,8 +290,8 @@ class HttpEngine(RolloutEngine):
         for sample_rid in sample_rids:
             self.request("/abort_request", AbortRequest(rid=sample_rid).to_json())
 
-    def pause_generation(self, mode: str = "retract") -> None:
-        self.request("/pause_generation", PauseGenerationRequest(mode=mode).to_json())  # type: ignore[arg-type]
+    def pause_generation(self, mode: PauseMode = "retract") -> None:
+        self.request("/pause_generation", PauseGenerationRequest(mode=mode).to_json())
 
     def continue_generation(self) -> None:
         self.request("/continue_generation", {})

@@ -518,7 +518,7 @@ class RolloutManager:
             if position < selection.cutoff:
                 continue
             for req in submissions[position].requests:
-                if id(req.engine) not in gone and req.request.rid is not None:
+                if id(req.engine) not in gone and isinstance(req.request.rid, str):  # ours are str (rid=uid)
                     with contextlib.suppress(EngineUnavailableError):  # its own request fails the same way
                         req.engine.abort(req.request.rid)
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import numpy as np
 
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+PauseMode = Literal["abort", "retract", "in_place"]
 
 FLUSH_CACHE_OK = (
     "Cache flushed.\nPlease check backend logs for more details. "
@@ -39,14 +40,16 @@ MEMORY_TAGS: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
 class _Body:
     """JSON body helpers shared by the request dataclasses."""
 
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # every subclass is a dataclass
+
     def to_json(self) -> dict[str, Any]:
         """The request body: every field, None values included (SGLang's defaults match ours)."""
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, body: dict[str, Any]):
+    def from_json(cls, body: dict[str, Any]) -> Self:
         """Parse a body; unknown keys raise ValueError naming them (SGLang ignores them, we do not)."""
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(body) - names
         if unknown:
             raise ValueError(
@@ -228,7 +231,7 @@ class MemoryOccupationRequest(_Body):
 class PauseGenerationRequest(_Body):
     """``POST /pause_generation``: abort in-flight requests, or hold them (``retract``/``in_place``)."""
 
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: PauseMode = "abort"
 
 
 @dataclass(frozen=True)

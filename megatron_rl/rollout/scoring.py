@@ -155,7 +155,12 @@ class _GroupScores:
             self._missing -= 1
             complete = self._missing == 0
         if complete:
-            self._resolve(lambda: self.future.set_result(list(self._scores)))
+            self._resolve(lambda: self.future.set_result(self._complete_scores()))
+
+    def _complete_scores(self) -> list[ScoredResponse]:
+        scores = [scored for scored in self._scores if scored is not None]
+        assert len(scores) == len(self._scores), "every response was scored"
+        return scores
 
     def fail(self, exc: BaseException) -> None:
         """The group cannot be scored (a worker does not start): its future raises ``exc``."""
@@ -213,7 +218,7 @@ class RewardPool:
         The responses are queued in at most ``num_workers`` contiguous chunks of near-equal size.
         """
         group = _GroupScores(len(responses))
-        jobs = [(response, ground_truth, dict(extra_info)) for response in responses]
+        jobs: list[Job] = [(response, ground_truth, dict(extra_info)) for response in responses]
         chunks = min(self.num_workers, len(jobs))
         for chunk in range(chunks):
             start, end = chunk * len(jobs) // chunks, (chunk + 1) * len(jobs) // chunks

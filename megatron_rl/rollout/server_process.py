@@ -34,6 +34,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 def kill_when_parent_dies() -> None:
     """In a child (after fork, before exec): ask the kernel for SIGKILL when the parent (thread) ends (Linux)."""
+    assert _LIBC is not None, "prctl is Linux's"
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 

@@ -202,6 +202,7 @@ class SGLangEngine(HttpEngine):
             if not os.path.isdir(self._private_dir):  # started again after shutdown
                 os.mkdir(self._private_dir, 0o700)
             self._remove_private_config()
+            assert self._api_key is not None, "the private folder exists for the API key only"
             write_private_config(self._private_dir, {"api-key": self._api_key})
         super().start()
 

@@ -41,7 +41,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -66,6 +66,11 @@ from megatron_rl.weight_sync.weight_group import (
     create_weight_group,
     destroy_weight_group,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from megatron_rl.rollout.reference.generator import SampleOutput
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +106,7 @@ class ReferenceBackend:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         seed: int = 0,
         dp_size: int = 1,
@@ -288,7 +293,7 @@ class ReferenceBackend:
             return freed
 
     @staticmethod
-    def _sample_json(rid: str, index: int, sample, prompt_tokens: int, version: str) -> dict:
+    def _sample_json(rid: str, index: int, sample: SampleOutput, prompt_tokens: int, version: str) -> dict:
         """One sample's SGLang JSON, ``rid`` its id."""
         meta: dict[str, Any] = {
             "id": rid,

@@ -118,6 +118,12 @@ class RequestState:
         """The samples still decoding, in order."""
         return [i for i in range(self.n) if self.reasons[i] is None]
 
+    def slot(self, sample: int) -> int:
+        """The cache slot of ``sample``, which is running (so it holds one)."""
+        slot = self.slots[sample]
+        assert slot is not None, f"sample {sample} of request {self.request.rid!r} holds no slot"
+        return slot
+
     def tokens(self, sample: int) -> list[int]:
         """Every token of ``sample`` so far: the prompt, then its outputs."""
         return self.request.input_ids + self.outputs[sample]
@@ -144,7 +150,9 @@ class RequestState:
             if self.routing is not None:
                 fed = min(self.cached[i], prompt_len + len(self.outputs[i]) - 1)
                 routed = self.routing[i][start : max(start, fed)].numpy()
-            samples.append(SampleOutput(self.outputs[i], self.logprobs[i], self.reasons[i], routed))
+            reason = self.reasons[i]
+            assert reason is not None, f"sample {i} of request {self.request.rid!r} is still running"
+            samples.append(SampleOutput(self.outputs[i], self.logprobs[i], reason, routed))
         return samples
 
     def advance(self, samples: list[int], tokens: list[int], logprobs: list[float]) -> list[int]:
@@ -161,7 +169,7 @@ class RequestState:
                 self.reasons[i] = FinishReason("length")
             else:
                 continue
-            freed.append(self.slots[i])
+            freed.append(self.slot(i))
             self.slots[i] = None
         return freed
 
@@ -220,7 +228,8 @@ class _Feed:
     tokens: list[int] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
     owners: list[tuple[RequestState, list[int], int]] = field(default_factory=list)
-    routed: list[tuple[RequestState, int, int, int, int]] = field(default_factory=list)
+    # (a sample's routing record, first fed row, first position, count): rows of the forward's routing to copy there
+    routed: list[tuple[torch.Tensor, int, int, int]] = field(default_factory=list)
 
     def add(self, slot: int, tokens: list[int], start: int) -> int:
         """Feed ``tokens`` at positions ``start``.. of ``slot``; returns the index of the last one."""
@@ -233,11 +242,11 @@ class _Feed:
         """Feed every running sample of ``state``; returns its samples when they share one prompt prefill."""
         samples = state.running()
         prompt = state.request.input_ids
-        record = state.routing is not None
+        routing = state.routing
         if not any(state.outputs[i] or state.cached[i] for i in samples):
-            last = self.add(state.slots[samples[0]], prompt, 0)
-            if record:
-                self.routed.append((state, samples[0], last + 1 - len(prompt), 0, len(prompt)))
+            last = self.add(state.slot(samples[0]), prompt, 0)
+            if routing is not None:
+                self.routed.append((routing[samples[0]], last + 1 - len(prompt), 0, len(prompt)))
             self.logit_rows += [last] * len(samples)
             self.owners.append((state, samples, len(samples)))
             return samples
@@ -245,16 +254,16 @@ class _Feed:
             outputs, start = state.outputs[i], state.cached[i]
             total = len(prompt) + len(outputs)
             if start == total - 1:  # the common decode step: the token sampled last
-                self.slots.append(state.slots[i])
+                self.slots.append(state.slot(i))
                 self.positions.append(start)
                 self.tokens.append(outputs[-1])
                 fed_count = 1
             else:
                 fed_count = total - start
-                self.add(state.slots[i], state.tokens(i)[start:], start)
+                self.add(state.slot(i), state.tokens(i)[start:], start)
             last = len(self.tokens) - 1
-            if record:
-                self.routed.append((state, i, last + 1 - fed_count, start, fed_count))
+            if routing is not None:
+                self.routed.append((routing[i], last + 1 - fed_count, start, fed_count))
             self.logit_rows.append(last)
             state.cached[i] = total
         self.owners.append((state, samples, len(samples)))
@@ -275,11 +284,11 @@ def decode_step(slot_model: SlotModel, states: list[RequestState]) -> list[int]:
         as_tensor(feed.tokens), as_tensor(feed.slots), as_tensor(feed.positions), as_tensor(feed.logit_rows)
     )
     if routing is not None:
-        for state, sample, first, start, length in feed.routed:
-            state.routing[sample][start : start + length] = routing[first : first + length]
+        for record, first, start, length in feed.routed:
+            record[start : start + length] = routing[first : first + length]
     for state, samples in shared:
         prompt_len = len(state.request.input_ids)
-        slot_model.copy_slot(state.slots[samples[0]], [state.slots[i] for i in samples[1:]], prompt_len)
+        slot_model.copy_slot(state.slot(samples[0]), [state.slot(i) for i in samples[1:]], prompt_len)
         for i in samples:
             state.cached[i] = prompt_len
             if state.routing is not None:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import torch
@@ -77,6 +77,9 @@ from megatron_rl.rollout.reference.backend import (
     WeightUpdateRefused,
 )
 from megatron_rl.rollout.reference.fault_injection import exit_if_asked
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +285,7 @@ def build_server(backend: ReferenceBackend, host: str, port: int, *, api_key: st
     return _Server((check_listen_host(host), port), handler)
 
 
-def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: str) -> PreTrainedModel:
     """The transformers causal LM of ``model_path`` on ``device`` (``dummy``: random weights from its config.json,
     initialised on ``device`` itself: on a GPU a 3.2B-parameter model started in seconds instead of 115 s)."""
     from transformers import AutoConfig, AutoModelForCausalLM

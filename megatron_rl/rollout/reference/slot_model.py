@@ -20,17 +20,23 @@ construction.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_rl.rollout.reference.invariant_ops import rms_norm, rotary, row_invariant_linear, slot_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint uses a feature this forward does not implement (named in the message)."""
 
 
-def _check_supported(config) -> None:
+def _check_supported(config: PreTrainedConfig) -> None:
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise UnsupportedModelError(f"the reference engine implements the default RoPE only, not {rope['rope_type']!r}")
@@ -40,7 +46,7 @@ def _check_supported(config) -> None:
         raise UnsupportedModelError(f"the reference engine implements SiLU MLPs only, not {config.hidden_act!r}")
 
 
-def _is_sparse(config, layer: int) -> bool:
+def _is_sparse(config: PreTrainedConfig, layer: int) -> bool:
     experts = int(getattr(config, "num_experts", 0) or 0)
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     return experts > 0 and layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
@@ -53,24 +59,25 @@ class SlotModel:
     spans all of them, masked.
     """
 
-    def __init__(self, model: torch.nn.Module, *, slots: int, context_length: int) -> None:
+    def __init__(self, model: PreTrainedModel, *, slots: int, context_length: int) -> None:
         config = model.config
         _check_supported(config)
         self.model = model
         self.slots, self.context_length = slots, context_length
-        self.num_layers = config.num_hidden_layers
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.eps = config.rms_norm_eps
+        self.num_layers: int = config.num_hidden_layers
+        self.heads: int = config.num_attention_heads
+        self.kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps: float = config.rms_norm_eps
         self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
         self.sparse = [_is_sparse(config, layer) for layer in range(self.num_layers)]
         self.routes_experts = self.top_k > 0 and any(self.sparse)
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+        rope: dict[str, Any] = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
         self.scaling = self.head_dim**-0.5
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None  # keys, values
         self.forward_seconds = {"extend": 0.0, "decode": 0.0}
         self.forward_calls = 0
 
@@ -81,7 +88,7 @@ class SlotModel:
 
     def drop_cache(self) -> None:
         """Free the cache (memory release); the next forward allocates it again, zeroed."""
-        self._keys = self._values = None
+        self._kv = None
 
     def add_slots(self, count: int) -> list[int]:
         """``count`` more slots (the cache grows at the next forward, keeping what it holds); their ids."""
@@ -91,23 +98,24 @@ class SlotModel:
 
     def _cache(self, used_slots: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache, grown (doubling, up to :attr:`slots`, contents kept) to hold slots ``0..used_slots-1``."""
-        held = 0 if self._keys is None else self._keys.shape[1]
-        if held < used_slots:
+        held = 0 if self._kv is None else self._kv[0].shape[1]
+        if self._kv is None or held < used_slots:
             capacity = min(self.slots, max(used_slots, 2 * held, 1))
             shape = (self.num_layers, capacity, self.kv_heads, self.context_length, self.head_dim)
             keys = torch.zeros(shape, dtype=dtype, device=device)
             values = torch.zeros(shape, dtype=dtype, device=device)
-            if self._keys is not None:
-                keys[:, :held] = self._keys
-                values[:, :held] = self._values
-            self._keys, self._values = keys, values
-        return self._keys, self._values
+            if self._kv is not None:
+                keys[:, :held], values[:, :held] = self._kv
+            self._kv = keys, values
+        return self._kv
 
     def copy_slot(self, source: int, targets: list[int], length: int) -> None:
         """Copy the first ``length`` cached positions of slot ``source`` (fed already) into each slot of ``targets``."""
         if not targets:
             return
-        keys, values = self._cache(max(targets) + 1, self._keys.device, self._keys.dtype)
+        assert self._kv is not None, f"slot {source} was fed, so the cache exists"
+        held_keys = self._kv[0]
+        keys, values = self._cache(max(targets) + 1, held_keys.device, held_keys.dtype)
         index = torch.tensor(targets, device=keys.device)
         for cache in (keys, values):
             cache[:, index, :, :length] = cache[:, source : source + 1, :, :length]
@@ -137,7 +145,7 @@ class SlotModel:
         self, tokens_T: torch.Tensor, slots_T: torch.Tensor, positions_T: torch.Tensor, logits_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inner = self.model.model
-        hidden = inner.embed_tokens.weight[tokens_T]
+        hidden: torch.Tensor = inner.embed_tokens.weight[tokens_T]
         keys, values = self._cache(int(slots_T.max()) + 1, hidden.device, hidden.dtype)
         freqs = positions_T[:, None].float() * self.inv_freq.to(hidden.device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -174,12 +182,12 @@ class SlotModel:
         return logits.float(), routing
 
     @staticmethod
-    def _dense_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _dense_mlp(mlp: Qwen3MLP | Qwen3MoeMLP, x: torch.Tensor) -> torch.Tensor:
         gate = row_invariant_linear(x, mlp.gate_proj.weight)
         up = row_invariant_linear(x, mlp.up_proj.weight)
         return row_invariant_linear(torch.nn.functional.silu(gate) * up, mlp.down_proj.weight)
 
-    def _moe(self, mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moe(self, mlp: Qwen3MoeSparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routed experts (transformers' Qwen3-MoE maths); output [T, H] and expert ids [T, top_k]."""
         router_logits = row_invariant_linear(x, mlp.gate.weight)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
