@@ -22,7 +22,7 @@ from megatron_rl.models.hf_files import copy_hf_metadata
 class Tokenizer(Protocol):
     """What a save needs of the run's tokenizer."""
 
-    def save_pretrained(self, directory: str | Path) -> object: ...
+    def save_pretrained(self, directory: str | Path, /) -> object: ...
 
 
 def checkpoint_to_resume(cfg: RunConfig) -> Path | None:

@@ -31,6 +31,12 @@ class PreparedData:
     val: PromptDataset | None
     reward_fn: RewardFn
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of one token sequence, special tokens kept."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        assert isinstance(text, str), "one sequence decodes to one text (a list is a batch's)"
+        return text
+
 
 def resolve_reward(data: DataConfig) -> RewardFn:
     """The reward function ``data.reward`` names, checked against the reward contract.

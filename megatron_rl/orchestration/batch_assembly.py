@@ -65,8 +65,9 @@ def assemble_step_data(
         raise ValueError(f"advantages must be [B] = ({len(samples)},); got {tuple(advantages.shape)}")
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     routed = None
-    if all(s.routed_experts is not None for s in samples):
-        routed = _concatenated([s.routed_experts for s in samples], _numpy(expert_dtype))
+    experts = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if len(experts) == len(samples):
+        routed = _concatenated(experts, _numpy(expert_dtype))
     return StepData(
         token_ids=_concatenated([part for s in samples for part in (s.prompt_ids, s.response_ids)], np.int32),
         offsets=torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]),

@@ -30,7 +30,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -216,9 +216,12 @@ class EngineHost:
 
 
 RemoteEngineHost = ray.remote(EngineHost)
+EngineHostHandle = Any
+"""A :class:`RemoteEngineHost` actor handle: its methods resolve at run time (``ray.actor.ActorHandle`` types
+every method ``Never``, so that to a type checker nothing after a call would run)."""
 
 
-def host_process_report(host: ray.actor.ActorHandle, name: str, settle_s: float) -> str:
+def host_process_report(host: EngineHostHandle, name: str, settle_s: float) -> str:
     """``host``'s :meth:`EngineHost.process_report` for engine ``name``, or why the host cannot give it."""
     timeout_s = settle_s + HOST_REPORT_TIMEOUT_S
     try:
@@ -272,7 +275,7 @@ class EngineHosts:
             for (name, host, port), spec, actor in zip(self.addresses, specs, self._hosts, strict=True)
         ]
 
-    def _new_host(self, index: int) -> ray.actor.ActorHandle:
+    def _new_host(self, index: int) -> EngineHostHandle:
         """A host actor for engine ``index`` on the first of its bundles."""
         return RemoteEngineHost.options(
             num_gpus=self._resources.num_gpus,

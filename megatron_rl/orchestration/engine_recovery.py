@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from megatron_rl.orchestration.engine_host import EngineHosts
+from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts
 from megatron_rl.orchestration.errors import AsyncEngineCrashError, EngineRestartLimitError
 from megatron_rl.orchestration.memory_handover import HandOver
 from megatron_rl.orchestration.trainer_group import TrainerGroup
@@ -51,9 +51,9 @@ class EngineRecovery:
         self.hand_over.resync()
         return list(self.hosts.clients)
 
-    def restart(self, crashed: Sequence[tuple[RolloutEngine, EngineError]]) -> dict[int, str]:
-        """Start a new process for each crashed engine, within the budget; ``{engine index: address}``."""
-        restarted = {}
+    def restart(self, crashed: Sequence[tuple[RolloutEngine, EngineError]]) -> dict[int, EngineAddress]:
+        """Start a new process for each crashed engine, within the budget; ``{engine index: (name, host, port)}``."""
+        restarted: dict[int, EngineAddress] = {}
         for engine, error in crashed:
             if self.restarts >= self.max_restarts:
                 raise EngineRestartLimitError(
@@ -79,14 +79,14 @@ class DeferredEngineRecovery:
 
     def __init__(self, recovery: EngineRecovery) -> None:
         self.recovery = recovery
-        self._awaiting_weights: dict[int, str] = {}
+        self._awaiting_weights: dict[int, EngineAddress] = {}
 
     def __call__(self, crashed: Sequence[tuple[RolloutEngine, EngineError]]) -> list[RolloutEngine]:
         """Restart each crashed engine (within the shared budget); returns the engines that still hold the
         weights being generated with. Raises AsyncEngineCrashError when none does."""
         self._awaiting_weights |= self.recovery.restart(crashed)
         clients = self.recovery.hosts.clients
-        running = [client for index, client in enumerate(clients) if index not in self._awaiting_weights]
+        running: list[RolloutEngine] = [c for i, c in enumerate(clients) if i not in self._awaiting_weights]
         if not running:
             names = ", ".join(clients[index].name for index in sorted(self._awaiting_weights))
             raise AsyncEngineCrashError(

@@ -71,14 +71,35 @@ class RunResources:
     placement: PlacementGroup | None = None
     engine_hosts: EngineHosts | None = None
     engines: list[RolloutEngine] = field(default_factory=list)
-    trainers: TrainerGroup | None = None
-    hand_over: HandOver | None = None
     expert_dtype: torch.dtype = torch.uint8
-    rollout: RolloutManager | None = None
     validation: RolloutManager | None = None
     deferred_recovery: DeferredEngineRecovery | None = None
-    logger: MetricLogger | None = None
     trainer_nodes: list[str] = field(default_factory=list)
+    # Set by start_run, one by one (close tears down those set); read through the properties below.
+    _trainers: TrainerGroup | None = None
+    _hand_over: HandOver | None = None
+    _rollout: RolloutManager | None = None
+    _logger: MetricLogger | None = None
+
+    @property
+    def trainers(self) -> TrainerGroup:
+        """The trainer ranks."""
+        return _started(self._trainers, "trainer ranks")
+
+    @property
+    def hand_over(self) -> HandOver:
+        """The moves between generation and training (memory, weight sync)."""
+        return _started(self._hand_over, "hand-over")
+
+    @property
+    def rollout(self) -> RolloutManager:
+        """The training rollout's manager."""
+        return _started(self._rollout, "rollout manager")
+
+    @property
+    def logger(self) -> MetricLogger:
+        """The metric sinks."""
+        return _started(self._logger, "metric logger")
 
     def placement_notice(self) -> str:
         """One line: the network, the trainer ranks' nodes and each engine's address."""
@@ -93,16 +114,21 @@ class RunResources:
         Engines stop before the rollout managers, so requests still in flight (a run that failed while
         generating ahead) fail at once instead of holding the managers' threads.
         """
-        closers = [self.logger.close] if self.logger is not None else []
-        closers += [self.trainers.close] if self.trainers is not None else []
+        closers = [self._logger.close] if self._logger is not None else []
+        closers += [self._trainers.close] if self._trainers is not None else []
         closers += [self.engine_hosts.close] if self.engine_hosts is not None else []
-        closers += [part.close for part in (self.rollout, self.validation) if part is not None]
+        closers += [part.close for part in (self._rollout, self.validation) if part is not None]
         if self.placement is not None:
             closers.append(lambda: ray.util.remove_placement_group(self.placement))
         closers.append(ray.shutdown)
         for close in closers:
             with contextlib.suppress(Exception):  # tear down the rest; the run's own error is what matters
                 close()
+
+
+def _started[T](part: T | None, what: str) -> T:
+    assert part is not None, f"the run's {what} is not started: start_run starts it"
+    return part
 
 
 def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
@@ -148,19 +174,19 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
             release_engine_caches(run.engines)
         trainer_slots = [slots[position] for position in plan.trainer_positions]
         run.trainer_nodes = [slot.node_ip for slot in trainer_slots]
-        run.trainers = start_trainers(
+        run._trainers = start_trainers(
             cfg, run.hf_dir, run.placement, trainer_slots, plan, run.engine_hosts.addresses, network, run.api_key
         )
-        run.hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
+        run._hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
         recovery = EngineRecovery(
             run.engine_hosts, run.trainers, run.hand_over, max_restarts=cfg.rollout.max_engine_restarts
         )
         # With max_staleness > 0 the training rollout runs beside training, which a re-sync cannot join:
         # restarted engines wait for the next sync, the others take their requests.
         run.deferred_recovery = DeferredEngineRecovery(recovery) if cfg.train.max_staleness else None
-        run.rollout = build_rollout_manager(cfg, data, run.engines, run.deferred_recovery or recovery)
+        run._rollout = build_rollout_manager(cfg, data, run.engines, run.deferred_recovery or recovery)
         run.validation = build_validation_manager(cfg, data, run.engines, recovery)
-        run.logger = build_metric_logger(
+        run._logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step
         )
     except BaseException:
@@ -185,6 +211,7 @@ def initial_weights(cfg: RunConfig, tokenizer: transformers.PreTrainedTokenizerB
     The written config takes its bos/eos/pad ids from the tokenizer, so engines stop at its ``<eos>``.
     """
     if cfg.model.random_init is None:
+        assert cfg.model.path is not None, "the schema asks for model.path or model.random_init"
         return Path(cfg.model.path)
     target = Path(cfg.run_dir) / "initial_hf"
     if (target / "config.json").is_file():
@@ -356,7 +383,7 @@ def build_rollout_manager(
         reward=cfg.data.reward,
         reward_num_workers=cfg.data.reward_num_workers,
         reward_timeout_s=cfg.data.reward_timeout_s,
-        decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
+        decode=data.decode,
         routing_replay=cfg.algorithm.routing_replay,
         seed=cfg.train.seed,
         recover=recover,
@@ -397,7 +424,7 @@ def build_validation_manager(
         reward=cfg.data.reward,
         reward_num_workers=1,
         reward_timeout_s=cfg.data.reward_timeout_s,
-        decode=lambda ids: data.tokenizer.decode(ids, skip_special_tokens=False),
+        decode=data.decode,
         uid_prefix="val",
         recover=recover,
     )

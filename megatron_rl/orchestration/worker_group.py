@@ -40,7 +40,6 @@ KILL_GRACE_S = 2.0
 """Seconds :meth:`RankWorkerGroup.shutdown` gives ranks to exit through Ray's kill before SIGKILL."""
 
 
-@ray.remote
 class _RankHost:
     """Holds one rank's worker; ``start`` sets the launcher environment, then builds the worker."""
 
@@ -67,6 +66,9 @@ class _RankHost:
         return getattr(self._worker, method)(*args, **kwargs)
 
 
+_RemoteRankHost = ray.remote(_RankHost)  # not a class decorator: type checkers ignore what those return
+
+
 class RankWorkerGroup:
     """``len(slots)`` ranks of ``worker_cls``, rank ``i`` on ``slots[i]`` of ``placement``.
 
@@ -89,8 +91,9 @@ class RankWorkerGroup:
     ) -> None:
         network = network or RunNetwork()
         self._node_ips = [slot.node_ip for slot in slots]
-        self._hosts = [
-            _RankHost.options(
+        # Any: Ray resolves an actor's methods at run time (ray.actor.ActorHandle types them Never).
+        self._hosts: list[Any] = [
+            _RemoteRankHost.options(
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, slot.bundle_index),
