@@ -17,6 +17,7 @@ import pytest
 from megatron_rl.config.schema import DataConfig, DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
 from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.protocol import GenerateRequest
 from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
 from tests.e2e.tiny_runs import RUN, read_metrics, run_train
 from tests.faults.canned_engine import canned_engine, json_answer, sample
@@ -100,8 +101,9 @@ RESPONSES = {
 
 def _generate(path: str, body: Any) -> tuple[int, str, bytes]:
     assert path == "/generate", path
-    samples = RESPONSES[body["input_ids"][0]]
-    return json_answer([sample(ids, f"{body['rid']}_{i}") for i, ids in enumerate(samples)])
+    request = GenerateRequest.from_json(body)  # a batch of n one-sample entries, as our client sends a group
+    samples = RESPONSES[request.input_ids[0]]
+    return json_answer([sample(ids, rid) for ids, rid in zip(samples, request.sample_rids() or [], strict=True)])
 
 
 def _manager(engine: Any) -> RolloutManager:
