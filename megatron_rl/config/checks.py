@@ -171,7 +171,7 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
             "every Qwen3-MoE layer as MoE (srt/models/qwen3_moe.py, stage_facts) and would serve them with "
             "uninitialised experts; use rollout.engine=reference for this model",
         )
-    if rollout.engine == "sglang" and cluster.gpus_per_node == 0:
+    if cfg.sglang_on_cpu:
         yield from _check_sglang_on_cpu(cfg)
     one_process = "the reference engine" if rollout.engine == "reference" else "SGLang on CPU"
     if (rollout.engine == "reference" or cluster.gpus_per_node == 0) and (rollout.tp, rollout.ep, rollout.dp) != (

@@ -446,3 +446,8 @@ class RunConfig(Section):
     def loss_norm_constant(self) -> int:
         """Dr.GRPO's divisor after defaulting to the maximum response length."""
         return self.algorithm.loss_norm_constant or self.rollout.max_response_length
+
+    @property
+    def sglang_on_cpu(self) -> bool:
+        """SGLang engines on a cluster without GPUs: SGLang's CPU path (``rollout/sglang_cpu.py``)."""
+        return self.rollout.engine == "sglang" and self.cluster.gpus_per_node == 0

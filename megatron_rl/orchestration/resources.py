@@ -201,8 +201,7 @@ def engines_hand_over_memory(cfg: RunConfig) -> bool:
     SGLang 0.5.23's release synchronises a CUDA device and so kills its scheduler on CPU, where
     trainer and engines share host memory and there is nothing to hand over.
     """
-    on_cpu_sglang = cfg.rollout.engine == "sglang" and cfg.cluster.gpus_per_node == 0
-    return cfg.rollout.placement == "colocated" and not on_cpu_sglang
+    return cfg.rollout.placement == "colocated" and not cfg.sglang_on_cpu
 
 
 def initial_weights(cfg: RunConfig, tokenizer: transformers.PreTrainedTokenizerBase) -> Path:

@@ -63,6 +63,7 @@ class TrainerWorker:
             cfg.weight_sync,
             cfg.rollout.placement,
             self._clients,
+            flush_cache=not cfg.sglang_on_cpu,  # SGLang's CPU engines keep no prefix cache (sglang_cpu.CPU_FLAGS)
             engine_world_sizes=[tp_ranks] * len(self._clients),
             master_address=RunNetwork.of(cfg.cluster).address(ray.util.get_node_ip_address()),
             disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),

@@ -23,9 +23,11 @@ import torch
 
 STANDIN_SOURCE = Path(__file__).with_name("native") / "libcuda_standin.c"
 STANDIN_LIBRARY = "libcuda.so.1"
-CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle")
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle", "--disable-radix-cache")
 """Flags of a CPU engine: SGLang's CPU device, its torch-native attention (the CPU backends need AMX
-kernels), and an idle scheduler that waits on its sockets instead of spinning a core the trainer needs."""
+kernels), an idle scheduler that waits on its sockets instead of spinning a core the trainer needs, and no
+prefix cache, so a weight sync has nothing to flush (a CPU flush is a ``gc.collect()`` of about 0.5 s; RL
+reuses no prefix across weight versions, and a group's samples are prefilled together)."""
 
 
 def default_build_root() -> Path:

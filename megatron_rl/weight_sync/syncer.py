@@ -14,8 +14,8 @@ requires it:
 3. controller: ``end_weight_update`` (the engine post-processes the weights,
    e.g. FP8 re-quantisation), ``flush_cache`` (plain-text answer; accepted while
    paused with retract; drops prefixes cached under the old weights), ``continue_generation``.
-   One flush, after the update: nothing is prefilled while paused, and on CPU each
-   SGLang flush is a ``gc.collect()`` of about 0.5 s.
+   One flush, after the update: nothing is prefilled while paused; none for SGLang on CPU,
+   which keeps no prefix cache (its flush is a ``gc.collect()`` of about 0.5 s).
 
 A sync that fails after step 1 closes the session on the controller (so a
 retry can open one) and re-raises; generation stays paused, since the
@@ -84,20 +84,33 @@ def _abandon(engine: RolloutEngine) -> None:
         logger.warning("could not close the weight-update session of %s after a failed sync: %s", engine.name, error)
 
 
-def _close(engine: RolloutEngine, session: bool) -> None:
+def _close(engine: RolloutEngine, session: bool, flush_cache: bool) -> None:
     if session:
         engine.end_weight_update()
-    engine.flush_cache()
+    if flush_cache:
+        engine.flush_cache()
     engine.continue_generation()
 
 
 class WeightSyncer:
-    """Streams named tensors into ``engines`` through ``transport`` in buckets of ``bucket_bytes``."""
+    """Streams named tensors into ``engines`` through ``transport`` in buckets of ``bucket_bytes``.
 
-    def __init__(self, engines: Sequence[RolloutEngine], transport: WeightTransport, *, bucket_bytes: int) -> None:
+    ``flush_cache``: flush each engine's prefix cache after an update; False only for engines that keep
+    none (SGLang on CPU, ``--disable-radix-cache``), where nothing cached could outlive the old weights.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        transport: WeightTransport,
+        *,
+        bucket_bytes: int,
+        flush_cache: bool = True,
+    ) -> None:
         self.engines = list(engines)
         self.transport = transport
         self.bucket_bytes = bucket_bytes
+        self.flush_cache = flush_cache
 
     def sync(self, named_tensors: Iterable[NamedTensor], version: str) -> SyncStats:
         """Deliver this rank's share of the weights; every rank calls it with its own stream."""
@@ -136,7 +149,7 @@ class WeightSyncer:
             if session:
                 _on_controller(self.engines, _abandon)
             raise
-        _on_controller(self.engines, lambda e: _close(e, session))
+        _on_controller(self.engines, lambda e: _close(e, session, self.flush_cache))
         num_tensors, num_bytes, num_buckets = counts
         return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
@@ -186,8 +199,13 @@ def build_transport(
 
 
 def build_syncer(
-    config: WeightSyncConfig, placement: str, engines: Sequence[RolloutEngine], **kwargs: Any
+    config: WeightSyncConfig,
+    placement: str,
+    engines: Sequence[RolloutEngine],
+    *,
+    flush_cache: bool = True,
+    **kwargs: Any,
 ) -> WeightSyncer:
     """A :class:`WeightSyncer` with the transport of :func:`build_transport` and the recipe's bucket size."""
     transport = build_transport(config, placement, engines, **kwargs)
-    return WeightSyncer(engines, transport, bucket_bytes=config.bucket_size_mb * MIB)
+    return WeightSyncer(engines, transport, bucket_bytes=config.bucket_size_mb * MIB, flush_cache=flush_cache)

@@ -119,7 +119,7 @@ def _sync_as_trainer(
         transport = DiskTransport([engine], sync_dir, config_dir)
     else:
         transport = DistributedTransport([engine], timeout_s=SYNC_TIMEOUT_S, flatten=kind == "distributed-flattened")
-    syncer = WeightSyncer([engine], transport, bucket_bytes=1 << 14)  # several buckets
+    syncer = WeightSyncer([engine], transport, bucket_bytes=1 << 14, flush_cache=False)  # as a CPU run: no flush
     syncer.sync(named, version)
     syncer.close()
 
@@ -128,10 +128,13 @@ def _sync_as_trainer(
 def test_our_weight_syncer_over_each_transport_serves_the_new_checkpoint(
     restore_weights, moe_dir_b, moe_weights_b, expected_b, kind, tmp_path
 ):
-    """The production path: pause (retract), flush, session, buckets over the transport (gloo broadcast
-    groups joined through /init_weights_update_group for distributed), end, flush, continue."""
+    """The production path on CPU: pause (retract), session, buckets over the transport (gloo broadcast
+    groups joined through /init_weights_update_group for distributed), end, continue; no flush, since the
+    CPU engine keeps no prefix cache (``--disable-radix-cache``): the prompt served under the old weights
+    just before is computed afresh under the new ones."""
     engine = restore_weights
     port = int(engine.base_url.rsplit(":", 1)[1])
+    engine.generate(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)))
     named = sorted(moe_weights_b.items())
     trainer = multiprocessing.get_context("spawn").Process(
         target=_sync_as_trainer,
