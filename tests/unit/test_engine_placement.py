@@ -116,6 +116,22 @@ def test_sglang_host_command_for_its_bundles() -> None:
     assert disaggregated.process.command[disaggregated.process.command.index("--base-gpu-id") + 1] == "2"
 
 
+def test_sglang_host_without_gpus_runs_sglangs_cpu_path_without_a_prefix_cache() -> None:
+    """No GPU ids: CPU flags, no memory saver, and no radix cache, so the run's syncer needs no flush."""
+    engine = build_engine(
+        _spec("sglang", (), placement="colocated", max_total_tokens=4096),
+        host="h",
+        port=1,
+        nccl_port=2,
+        visible_devices=None,
+    )
+    command = engine.process.command
+    assert command[command.index("--device") + 1] == "cpu" and "--disable-radix-cache" in command
+    assert "--enable-memory-saver" not in command
+    cfg, _ = load_recipe(RECIPES / "tiny_moe_cpu_dapo_sglang.yaml", require_files=False)
+    assert cfg.sglang_on_cpu  # the trainer workers build their syncer with flush_cache=False
+
+
 def test_reference_host_runs_on_cpu_or_its_first_gpu() -> None:
     on_cpu = build_engine(_spec("reference", ()), host="h", port=5, nccl_port=6, visible_devices=None)
     on_gpu = build_engine(_spec("reference", ("5",)), host="h", port=5, nccl_port=6, visible_devices="4,5")
