@@ -46,7 +46,8 @@ from megatron_rl.config import RunConfig, load_recipe, read_architecture, traine
 from megatron_rl.orchestration.batch_assembly import assemble_step_data, group_advantages
 from megatron_rl.orchestration.placement_group import create_rank_slots
 from megatron_rl.orchestration.resources import start_ray
-from megatron_rl.orchestration.trainer_group import ShardReceipt, TrainerGroup
+from megatron_rl.orchestration.trainer_group import TrainerGroup
+from megatron_rl.orchestration.trainer_worker import ShardReceipt
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 

@@ -31,39 +31,49 @@ done
 # This machine's pip configuration may name local package folders that do not exist; drop that noise.
 quiet_pip() { local python="$1"; shift; "$python" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
 
-setup_sglang() {
+install_sglang() {
     local sglang_venv="$root/.venv-sglang" sglang_lock="$root/launch/requirements-sglang.lock"
     local sglang_stamp="$sglang_venv/.installed-$(sha256sum "$sglang_lock" | cut -c1-16)"
-    if [ ! -f "$sglang_stamp" ]; then
-        [ -x "$sglang_venv/bin/python" ] || "$(find_python312)" -m venv "$sglang_venv"
-        echo "[setup] installing SGLang 0.5.23 into $sglang_venv (first time: a few minutes, about 11 GB)"
-        quiet_pip "$sglang_venv/bin/python" install --quiet --upgrade pip
-        quiet_pip "$sglang_venv/bin/python" install --quiet -c "$sglang_lock" sglang==0.5.23
-        rm -f "$sglang_venv"/.installed-*
-        touch "$sglang_stamp"
-    fi
-    if ! "$root/.venv/bin/python" -c 'import torch, sys; sys.exit(torch.cuda.is_available())'; then
+    [ -f "$sglang_stamp" ] && return
+    [ -x "$sglang_venv/bin/python" ] || "$(find_python312)" -m venv "$sglang_venv"
+    echo "[setup] installing SGLang 0.5.23 into $sglang_venv (first time: a few minutes, about 11 GB)"
+    quiet_pip "$sglang_venv/bin/python" install --quiet --upgrade pip
+    quiet_pip "$sglang_venv/bin/python" install --quiet -c "$sglang_lock" sglang==0.5.23
+    rm -f "$sglang_venv"/.installed-*
+    touch "$sglang_stamp"
+}
+
+build_driver_standin() {
+    if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(torch.cuda.is_available())'; then
         return  # a GPU machine: engines load the real driver, never the stand-in
     fi
-    "$root/.venv/bin/python" -c 'from megatron_rl.rollout.sglang_cpu import driver_standin_dir; driver_standin_dir()'
+    "$venv/bin/python" -c 'from megatron_rl.rollout.sglang_cpu import driver_standin_dir; driver_standin_dir()'
 }
+
+sglang_install=""
+if [ "$with_sglang" = 1 ]; then
+    # Beside the project's own install: each pip keeps one core busy, and this machine may have two.
+    install_sglang &
+    sglang_install=$!
+    trap 'kill "$sglang_install" 2>/dev/null || true' EXIT
+fi
 
 stamp_of() { cat "$root/pyproject.toml" "$lock" | sha256sum | cut -c1-16; }
 stamp="$venv/.installed-$(stamp_of)"
-if [ -f "$stamp" ]; then
-    [ "$with_sglang" = 1 ] && setup_sglang
-    exit 0
+if [ ! -f "$stamp" ]; then
+    if [ ! -x "$venv/bin/python" ]; then
+        py="$(find_python312)"
+        echo "[setup] creating $venv with $py"
+        "$py" -m venv "$venv"
+    fi
+    echo "[setup] installing megatron-rl and its pinned dependencies (first time: a few minutes, about 6 GB)"
+    quiet_pip "$venv/bin/python" install --quiet --upgrade pip
+    quiet_pip "$venv/bin/python" install --quiet -c "$lock" -e "$root[test,plots]"
+    rm -f "$venv"/.installed-*
+    touch "$stamp"
+    echo "[setup] megatron-rl installed"
 fi
-
-if [ ! -x "$venv/bin/python" ]; then
-    py="$(find_python312)"
-    echo "[setup] creating $venv with $py"
-    "$py" -m venv "$venv"
+if [ -n "$sglang_install" ]; then
+    wait "$sglang_install"
+    build_driver_standin
 fi
-echo "[setup] installing megatron-rl and its pinned dependencies (first time: a few minutes, about 6 GB)"
-quiet_pip "$venv/bin/python" install --quiet --upgrade pip
-quiet_pip "$venv/bin/python" install --quiet -c "$lock" -e "$root[test,plots]"
-rm -f "$venv"/.installed-*
-touch "$stamp"
-[ "$with_sglang" = 1 ] && setup_sglang
-echo "[setup] done"

@@ -139,8 +139,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     _silence_library_warnings()
     print(_layout_summary(cfg), flush=True)
-    checkpoints = train(cfg)
-    print(f"# done: {cfg.train.steps} steps; metrics {cfg.log_dir}/metrics.jsonl; checkpoints {checkpoints}")
+    end = train(cfg)
+    where = f"metrics {cfg.log_dir}/metrics.jsonl; checkpoints {end.checkpoint_dir}"
+    if end.last_step < cfg.train.steps:
+        print(f"# stopped early: {end.last_step} of {cfg.train.steps} steps; {where}; the same command resumes")
+    else:
+        print(f"# done: {cfg.train.steps} steps; {where}")
     return 0
 
 
@@ -177,9 +181,13 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     _silence_library_warnings()
     print(_layout_summary(smoke), flush=True)
-    train(first)
-    print(f"# smoke: resuming from step 1 to step {SMOKE_STEPS}", flush=True)
-    train(smoke)
+    for run, steps in ((first, 1), (smoke, SMOKE_STEPS)):
+        if run is smoke:
+            print(f"# smoke: resuming from step 1 to step {SMOKE_STEPS}", flush=True)
+        end = train(run)
+        if end.last_step < steps:
+            print(f"error: smoke stopped by a signal after step {end.last_step} of {SMOKE_STEPS}", file=sys.stderr)
+            return 1
     print(f"# smoke passed: {SMOKE_STEPS} steps with a resume; metrics {smoke.log_dir}/metrics.jsonl")
     return 0
 

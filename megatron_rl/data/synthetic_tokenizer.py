@@ -19,9 +19,12 @@ An assistant turn renders as ``" <assistant> {content} <eos>"``; other roles are
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -65,6 +68,8 @@ def build_synthetic_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
     )
+    from transformers import PreTrainedTokenizerFast  # here: reward workers import this module for the vocabulary
+
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS_TOKEN,

@@ -16,7 +16,7 @@ import torch
 
 from megatron_rl.actor.step_data import StepData
 from megatron_rl.algorithms import get_advantage_estimator, length_bias_metrics
-from megatron_rl.orchestration.trainer_group import ShardReceipt
+from megatron_rl.orchestration.trainer_worker import ShardReceipt
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.checkpoint import TrainerState, load_trainer_state
@@ -101,12 +102,20 @@ def finished_run_notice(cfg: RunConfig, checkpoint: Path, step: int) -> str | No
     )
 
 
-def train(cfg: RunConfig) -> Path:
-    """Run (or continue) the recipe's RL job to ``train.steps``; returns the checkpoint directory.
+@dataclass(frozen=True)
+class RunEnd:
+    """Where :func:`train` left the run: its checkpoint directory and the last step trained and saved."""
+
+    checkpoint_dir: Path
+    last_step: int
+
+
+def train(cfg: RunConfig) -> RunEnd:
+    """Run (or continue) the recipe's RL job to ``train.steps``.
 
     A run whose checkpoint already holds ``train.steps`` says so and returns before Ray starts.
     SIGTERM or SIGUSR1 (:mod:`preemption`) ends the run early: the step in progress finishes,
-    its checkpoint is saved, and the function returns as after the last step.
+    its checkpoint is saved, and ``last_step`` says which step that is (below ``train.steps``).
     """
     resume_from = checkpoint_to_resume(cfg)
     state = load_trainer_state(resume_from) if resume_from else TrainerState(step=0, sampler={}, weight_version=0)
@@ -115,7 +124,8 @@ def train(cfg: RunConfig) -> Path:
         notice = finished_run_notice(cfg, resume_from, state.step)
         if notice is not None:
             print(notice, flush=True)
-            return Path(cfg.checkpoint_dir)
+            return RunEnd(Path(cfg.checkpoint_dir), state.step)
+    last_step = cfg.train.steps
     with preemption_requests() as preemption:
         run = start_run(cfg, resume_step=state.step if resume_from else -1)  # a fresh run drops old records
         pipeline = None
@@ -138,6 +148,7 @@ def train(cfg: RunConfig) -> Path:
                     notice = stopped_notice(preemption, step - 1, cfg.train.steps)
                     print(notice, flush=True)
                     record_stopped_early(notice)
+                    last_step = step - 1
                     break
                 metrics = train_one_step(run, step, pipeline)
                 run.logger.log(step, metrics | checkpoint_seconds)
@@ -159,7 +170,7 @@ def train(cfg: RunConfig) -> Path:
             if pipeline is not None:
                 pipeline.close()
             run.close()
-    return Path(cfg.checkpoint_dir)
+    return RunEnd(Path(cfg.checkpoint_dir), last_step)
 
 
 def count_bad_steps(metrics: dict[str, float], previous: int, step: int, limit: int) -> int:

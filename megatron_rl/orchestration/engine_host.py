@@ -233,13 +233,15 @@ def host_process_report(host: EngineHostHandle, name: str, settle_s: float) -> s
 
 
 class EngineHosts:
-    """One :class:`EngineHost` actor per spec, each on the first of its bundles, engines healthy on return.
+    """One :class:`EngineHost` actor per spec, each on the first of its bundles; the engines start on construction.
 
-    ``clients`` are HTTP clients of the engines in spec order, sending the specs' API key; when an
-    engine's process has died, their errors carry its exit code and log tail, read by its host on
-    the engine's node.
+    Construction returns as soon as every host is asked to start its engine, so the caller can build
+    the trainer ranks meanwhile; :meth:`wait_healthy` returns once every engine answers. ``addresses``
+    and ``clients`` exist from then on: HTTP clients of the engines in spec order, sending the specs'
+    API key; when an engine's process has died, their errors carry its exit code and log tail, read by
+    its host on the engine's node.
     Start-up failures raise EngineStartupError naming the engine (after stopping every host);
-    :meth:`close` stops them all.
+    :meth:`close` stops them all, started or not.
     """
 
     def __init__(
@@ -254,14 +256,22 @@ class EngineHosts:
         self._specs = list(specs)
         self._placement, self._bundle_indices, self._resources = placement, list(bundle_indices), resources
         self._hosts = [self._new_host(index) for index in range(len(self._specs))]
+        self._starting = [h.start.remote(s) for h, s in zip(self._hosts, specs, strict=True)]
+        self._addresses: list[EngineAddress] | None = None
+        self._clients: list[HttpEngine] | None = None
+
+    def wait_healthy(self) -> None:
+        """Return once every engine is healthy (at once after the first call); on a failure, stop every host
+        and raise EngineStartupError naming the engine."""
+        if self._clients is not None:
+            return
         try:
-            self.addresses: list[EngineAddress] = self._gather(
-                [h.start.remote(s) for h, s in zip(self._hosts, specs, strict=True)]
-            )
+            addresses = self._gather(self._starting)
         except BaseException:
             self.close()
             raise
-        self.clients = [
+        self._addresses = addresses
+        self._clients = [
             HttpEngine(
                 name,
                 host,
@@ -272,8 +282,22 @@ class EngineHosts:
                 routed_experts_shape=spec.routed_experts_shape,
                 api_key=spec.api_key,
             )
-            for (name, host, port), spec, actor in zip(self.addresses, specs, self._hosts, strict=True)
+            for (name, host, port), spec, actor in zip(addresses, self._specs, self._hosts, strict=True)
         ]
+
+    @property
+    def addresses(self) -> list[EngineAddress]:
+        """Each engine's (name, host, port), in spec order; RuntimeError before :meth:`wait_healthy`."""
+        if self._addresses is None:
+            raise RuntimeError("engine addresses are known once EngineHosts.wait_healthy has returned")
+        return self._addresses
+
+    @property
+    def clients(self) -> list[HttpEngine]:
+        """An HTTP client per engine, in spec order; RuntimeError before :meth:`wait_healthy`."""
+        if self._clients is None:
+            raise RuntimeError("engine clients exist once EngineHosts.wait_healthy has returned")
+        return self._clients
 
     def _new_host(self, index: int) -> EngineHostHandle:
         """A host actor for engine ``index`` on the first of its bundles."""

@@ -44,7 +44,7 @@ from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
-from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts, EngineSpec
+from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.engine_recovery import DeferredEngineRecovery, EngineRecovery
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
 from megatron_rl.orchestration.network import LOOPBACK_ADDRESS, RunNetwork
@@ -168,15 +168,20 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
             on_this_node=network.is_loopback,
         )
         run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan, network, run.api_key)
-        run.engines = list(run.engine_hosts.clients)
         colocated = engines_hand_over_memory(cfg)
-        if colocated:
-            release_engine_caches(run.engines)
+        if colocated and cfg.cluster.gpus_per_node:
+            # Engines size their KV cache from the free GPU memory: they start and release it before any
+            # trainer rank allocates. Elsewhere the trainer ranks are built while the engines start.
+            run.engine_hosts.wait_healthy()
+            release_engine_caches(run.engine_hosts.clients)
         trainer_slots = [slots[position] for position in plan.trainer_positions]
         run.trainer_nodes = [slot.node_ip for slot in trainer_slots]
-        run._trainers = start_trainers(
-            cfg, run.hf_dir, run.placement, trainer_slots, plan, run.engine_hosts.addresses, network, run.api_key
-        )
+        run._trainers = start_trainers(cfg, run.hf_dir, run.placement, trainer_slots, plan, network, run.api_key)
+        run.engine_hosts.wait_healthy()
+        run.engines = list(run.engine_hosts.clients)
+        if colocated and not cfg.cluster.gpus_per_node:
+            release_engine_caches(run.engines)
+        run.trainers.connect_engines(run.engine_hosts.addresses)
         run._hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
         recovery = EngineRecovery(
             run.engine_hosts, run.trainers, run.hand_over, max_restarts=cfg.rollout.max_engine_restarts
@@ -308,7 +313,8 @@ def start_engines(
     network: RunNetwork | None = None,
     api_key: str | None = None,
 ) -> EngineHosts:
-    """One engine per ``plan.engine_positions`` entry, on the GPUs of its bundles, loading ``hf_dir``; healthy on return.
+    """One engine per ``plan.engine_positions`` entry, on the GPUs of its bundles, loading ``hf_dir``; starting on
+    return (:meth:`~megatron_rl.orchestration.engine_host.EngineHosts.wait_healthy` waits for them).
 
     Each listens on its node's address in ``network`` and requires ``api_key``.
     """
@@ -342,13 +348,13 @@ def start_trainers(
     placement: PlacementGroup,
     slots: list[RankSlot],
     plan: RunPlacementPlan,
-    engines: list[EngineAddress],
     network: RunNetwork | None = None,
     api_key: str | None = None,
 ) -> TrainerGroup:
     """One Ray actor per trainer rank on ``slots`` (with the plan's share of each bundle), actors built.
 
-    The ranks' stores and gloo/NCCL sockets stay on ``network``; they send ``api_key`` to the engines.
+    The ranks' stores and gloo/NCCL sockets stay on ``network``; they send ``api_key`` to the engines, which
+    :meth:`~megatron_rl.orchestration.trainer_group.TrainerGroup.connect_engines` names.
     """
     on_cpu = cfg.cluster.gpus_per_node == 0
     ranks = RankWorkerGroup(
@@ -357,7 +363,7 @@ def start_trainers(
         slots,
         num_gpus=plan.trainer.num_gpus,
         num_cpus=plan.trainer.num_cpus,
-        args=(cfg, str(hf_dir), engines, api_key),
+        args=(cfg, str(hf_dir), api_key),
         env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
         network=network or RunNetwork.of(cfg.cluster),
     )

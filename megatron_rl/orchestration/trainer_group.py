@@ -8,30 +8,21 @@ method here and on to :class:`~megatron_rl.orchestration.trainer_worker.TrainerW
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 
 from megatron_rl.actor.step_data import StepData
+from megatron_rl.orchestration.trainer_worker import ShardReceipt, TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
-
-
-@dataclass(frozen=True)
-class ShardReceipt:
-    """What one trainer rank received for a step: its global rank, the step positions of its samples, bytes."""
-
-    rank: int
-    sample_ids: tuple[int, ...]
-    nbytes: int
 
 
 class TrainerGroup:
     """The ranks of ``ranks`` (a RankWorkerGroup of TrainerWorkers)."""
 
-    def __init__(self, ranks: RankWorkerGroup) -> None:
+    def __init__(self, ranks: RankWorkerGroup[TrainerWorker]) -> None:
         self._ranks = ranks
-        self._dp_ranks: list[int] = ranks.call("data_parallel_rank")
+        self._dp_ranks: list[int] = ranks.call(TrainerWorker.data_parallel_rank)
 
     @property
     def world_size(self) -> int:
@@ -56,7 +47,7 @@ class TrainerGroup:
         if len(shards) != self.data_parallel_size:
             raise ValueError(f"got {len(shards)} shards for {self.data_parallel_size} data-parallel ranks")
         refs = [ray.put(shard) for shard in shards]
-        results = self._ranks.call_per_rank("train_step", [(refs[d],) for d in self._dp_ranks])
+        results = self._ranks.call_per_rank(TrainerWorker.train_step, [(refs[d],) for d in self._dp_ranks])
         receipts = [receipt for _, receipt in results]
         for receipt, dp_rank in zip(receipts, self._dp_ranks, strict=True):
             if receipt.sample_ids != tuple(shards[dp_rank].sample_ids.tolist()):
@@ -65,35 +56,39 @@ class TrainerGroup:
 
     def offload(self, *, keep_params: bool = False) -> None:
         """Every rank moves its actor state to host memory (``keep_params``: parameters stay)."""
-        self._ranks.call("offload", keep_params=keep_params)
+        self._ranks.call(TrainerWorker.offload, keep_params=keep_params)
 
     def reload(self) -> None:
         """Every rank brings back what :meth:`offload` moved, bit for bit."""
-        self._ranks.call("reload")
+        self._ranks.call(TrainerWorker.reload)
+
+    def connect_engines(self, addresses: Sequence[tuple[str, str, int]]) -> None:
+        """Every rank's weight sync delivers to the engines at ``addresses`` (name, host, port), in engine order."""
+        self._ranks.call(TrainerWorker.connect_engines, list(addresses))
 
     def sync_weights(self, version: int) -> float:
         """Deliver the current weights to every engine as ``version``; the slowest rank's seconds."""
-        return max(self._ranks.call("sync_weights", version))
+        return max(self._ranks.call(TrainerWorker.sync_weights, version))
 
     def engines_restarted(self, addresses: dict[int, tuple[str, str, int]]) -> None:
         """Every rank's weight sync now delivers each engine index of ``addresses`` at its (name, host, port)."""
-        self._ranks.call("engines_restarted", addresses)
+        self._ranks.call(TrainerWorker.engines_restarted, addresses)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Every rank writes its shards and generator states into ``directory``."""
-        self._ranks.call("save_checkpoint", str(directory))
+        self._ranks.call(TrainerWorker.save_checkpoint, str(directory))
 
     def export_hf(self, directory: Path) -> None:
         """The ranks write the current weights as a Hugging Face model directory ``directory`` together."""
-        self._ranks.call("export_hf", str(directory))
+        self._ranks.call(TrainerWorker.export_hf, str(directory))
 
     def load_checkpoint(self, directory: Path, *, reseed: int | None = None) -> None:
         """Every rank restores its part of ``directory`` (``reseed``: another layout, see TrainerWorker)."""
-        self._ranks.call("load_checkpoint", str(directory), reseed=reseed)
+        self._ranks.call(TrainerWorker.load_checkpoint, str(directory), reseed=reseed)
 
     def close(self) -> None:
         """Release the ranks' transports and process groups, then end their actors."""
         try:
-            self._ranks.call("close")
+            self._ranks.call(TrainerWorker.close)
         finally:
             self._ranks.shutdown()

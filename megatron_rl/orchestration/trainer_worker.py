@@ -10,6 +10,7 @@ A rank receives only its data-parallel shard of a step and returns scalars.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -24,10 +25,18 @@ from megatron_rl.config.schema import RunConfig
 from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.orchestration.engine_host import EngineAddress
 from megatron_rl.orchestration.network import RunNetwork
-from megatron_rl.orchestration.trainer_group import ShardReceipt
 from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
 from megatron_rl.rollout import HttpEngine
 from megatron_rl.weight_sync.syncer import WeightSyncer, build_syncer
+
+
+@dataclass(frozen=True)
+class ShardReceipt:
+    """What one trainer rank received for a step: its global rank, the step positions of its samples, bytes."""
+
+    rank: int
+    sample_ids: tuple[int, ...]
+    nbytes: int
 
 
 class TrainerWorker:
@@ -36,17 +45,16 @@ class TrainerWorker:
     Args:
         cfg: the run's recipe.
         hf_dir: Hugging Face checkpoint the actor starts from (config.json + safetensors).
-        engines: addresses of the rollout engines weight sync delivers to.
-        api_key: the run's engine key, sent with every request to them.
+        api_key: the run's engine key, sent with every request to the engines.
 
-    Weight sync over broadcast groups hosts each sending rank's group on that rank's address in
-    the run's network (:class:`~megatron_rl.orchestration.network.RunNetwork`: 127.0.0.1 on one
-    node, the recipe's interface on this node otherwise), where engines on other nodes join it.
+    The rank learns where the rollout engines are from :meth:`connect_engines`, so it can be built
+    while they start; weight sync needs that call first. Weight sync over broadcast groups hosts each
+    sending rank's group on that rank's address in the run's network
+    (:class:`~megatron_rl.orchestration.network.RunNetwork`: 127.0.0.1 on one node, the recipe's
+    interface on this node otherwise), where engines on other nodes join it.
     """
 
-    def __init__(
-        self, cfg: RunConfig, hf_dir: str, engines: Sequence[EngineAddress], api_key: str | None = None
-    ) -> None:
+    def __init__(self, cfg: RunConfig, hf_dir: str, api_key: str | None = None) -> None:
         initialize_parallel(parallel_sizes(cfg.parallel), seed=cfg.train.seed)
         self.actor = PolicyActor(
             load_hf_config(hf_dir),
@@ -57,9 +65,17 @@ class TrainerWorker:
             temperature=cfg.rollout.temperature,
             hf_weights=hf_dir,
         )
-        self._clients = [HttpEngine(name, host, port, api_key=api_key) for name, host, port in engines]
+        self._cfg, self._hf_dir, self._api_key = cfg, hf_dir, api_key
+        self._clients: list[HttpEngine] = []
+        self._weight_syncer: WeightSyncer | None = None
+        self._rank = dist.get_rank()
+
+    def connect_engines(self, engines: Sequence[EngineAddress]) -> None:
+        """Weight sync delivers to the engines at ``engines`` (name, host, port), in engine order."""
+        cfg = self._cfg
+        self._clients = [HttpEngine(name, host, port, api_key=self._api_key) for name, host, port in engines]
         tp_ranks = cfg.rollout.tp if cfg.rollout.engine == "sglang" else 1  # the reference engine is one process
-        self._syncer: WeightSyncer = build_syncer(
+        self._weight_syncer = build_syncer(
             cfg.weight_sync,
             cfg.rollout.placement,
             self._clients,
@@ -67,10 +83,14 @@ class TrainerWorker:
             engine_world_sizes=[tp_ranks] * len(self._clients),
             master_address=RunNetwork.of(cfg.cluster).address(ray.util.get_node_ip_address()),
             disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
-            hf_config_dir=hf_dir,
+            hf_config_dir=self._hf_dir,
         )
-        self._rank = dist.get_rank()
-        self._hf_dir = hf_dir
+
+    @property
+    def _syncer(self) -> WeightSyncer:
+        if self._weight_syncer is None:
+            raise RuntimeError("weight sync needs TrainerWorker.connect_engines first")
+        return self._weight_syncer
 
     def data_parallel_rank(self) -> int:
         """This rank's data-parallel rank: which shard of a step it trains on."""
@@ -129,6 +149,7 @@ class TrainerWorker:
         load_rank_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory, reseed=reseed)
 
     def close(self) -> None:
-        """Release the weight-sync transport and tear down the process groups."""
-        self._syncer.close()
+        """Release the weight-sync transport (when engines were connected) and tear down the process groups."""
+        if self._weight_syncer is not None:
+            self._weight_syncer.close()
         destroy_parallel()

@@ -23,9 +23,9 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -69,8 +69,11 @@ class _RankHost:
 _RemoteRankHost = ray.remote(_RankHost)  # not a class decorator: type checkers ignore what those return
 
 
-class RankWorkerGroup:
+class RankWorkerGroup[W]:
     """``len(slots)`` ranks of ``worker_cls``, rank ``i`` on ``slots[i]`` of ``placement``.
+
+    Calls name the worker's method itself (``group.call(Worker.method, *args)``), so an editor and the type
+    checker follow them to the method and check its arguments and result.
 
     ``network``: where the ranks' rendezvous store listens and which interface gloo/NCCL use
     (default: this node's loopback, for ranks on one node).
@@ -78,7 +81,7 @@ class RankWorkerGroup:
 
     def __init__(
         self,
-        worker_cls: type,
+        worker_cls: type[W],
         placement: PlacementGroup,
         slots: Sequence[RankSlot],
         *,
@@ -90,6 +93,7 @@ class RankWorkerGroup:
         network: RunNetwork | None = None,
     ) -> None:
         network = network or RunNetwork()
+        self._worker_cls = worker_cls
         self._node_ips = [slot.node_ip for slot in slots]
         # Any: Ray resolves an actor's methods at run time (ray.actor.ActorHandle types them Never).
         self._hosts: list[Any] = [
@@ -131,21 +135,32 @@ class RankWorkerGroup:
         """Ray's address of each rank's node, in rank order."""
         return list(self._node_ips)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call[**P, R](self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Call ``method`` on every rank's worker concurrently; results in rank order (a rank's error re-raises)."""
-        return self._gather([host.call.remote(method, *args, **kwargs) for host in self._hosts], method)
+        name = self._method_name(method)
+        return self._gather([host.call.remote(name, *args, **kwargs) for host in self._hosts], name)
 
-    def call_per_rank(self, method: str, per_rank_args: Sequence[Sequence[Any]]) -> list[Any]:
+    def call_per_rank[R](
+        self, method: Callable[Concatenate[W, ...], R], per_rank_args: Sequence[Sequence[Any]]
+    ) -> list[R]:
         """Call ``method`` on rank ``i`` with ``per_rank_args[i]``, all concurrently.
 
         An argument that is a Ray ``ObjectRef`` reaches the worker as its value, fetched by the
         rank's own process from the object store: ``ray.put`` a large argument once and pass its
         reference to every rank that needs it, so the driver serialises it once.
         """
+        name = self._method_name(method)
         if len(per_rank_args) != len(self._hosts):
             raise ValueError(f"got arguments for {len(per_rank_args)} ranks, the group has {len(self._hosts)}")
-        refs = [host.call.remote(method, *args) for host, args in zip(self._hosts, per_rank_args, strict=True)]
-        return self._gather(refs, method)
+        refs = [host.call.remote(name, *args) for host, args in zip(self._hosts, per_rank_args, strict=True)]
+        return self._gather(refs, name)
+
+    def _method_name(self, method: Callable[..., Any]) -> str:
+        """The name the ranks dispatch on; TypeError when the worker class has no method of that name."""
+        name = getattr(method, "__name__", "")
+        if not callable(getattr(self._worker_cls, name, None)):
+            raise TypeError(f"{self._worker_cls.__name__}, the ranks' worker class, has no method {name or method!r}")
+        return name
 
     def _gather(self, refs: list[ray.ObjectRef], method: str) -> list[Any]:
         """The results in rank order; at the first rank that fails (in completion order), its error."""

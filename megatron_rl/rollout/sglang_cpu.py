@@ -19,8 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 STANDIN_SOURCE = Path(__file__).with_name("native") / "libcuda_standin.c"
 STANDIN_LIBRARY = "libcuda.so.1"
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle", "--disable-radix-cache")
@@ -73,6 +71,8 @@ def cpu_engine_environment() -> dict[str, str]:
     ``SGLANG_USE_CPU_ENGINE=1`` and ``LD_LIBRARY_PATH`` led by the stand-in's directory. Raises
     RuntimeError when torch sees a GPU here: a GPU machine runs SGLang on its GPUs, with the real driver.
     """
+    import torch  # here, not at the top: the CLI and every spawned reward worker import this module
+
     if torch.cuda.is_available():
         raise RuntimeError(
             "a CPU SGLang engine was asked for on a machine with a GPU; set cluster.gpus_per_node to the GPUs "

@@ -103,6 +103,9 @@ def test_hosted_engine_generates_and_dies_with_its_actor(bundles: PlacementGroup
     model = save_tiny_moe(tmp_path / "moe")
     hosts = EngineHosts([_spec("ref0", model, tmp_path)], bundles, [0], HOST)
     try:
+        with pytest.raises(RuntimeError, match="wait_healthy"):
+            hosts.clients  # noqa: B018  (the engine is starting: no client yet)
+        hosts.wait_healthy()
         (client,) = hosts.clients
         assert hosts.addresses[0][:2] == ("ref0", "127.0.0.1")  # the spec's network: loopback (one node)
         client.request("/health")
@@ -166,6 +169,7 @@ def test_engine_that_dies_is_reported_to_the_driver_with_its_log_tail(bundles: P
     model = save_tiny_moe(tmp_path / "moe")
     hosts = EngineHosts([_spec("ref1", model, tmp_path)], bundles, [0], HOST)
     try:
+        hosts.wait_healthy()
         (client,) = hosts.clients
         (pid,) = hosts.pids()
         os.kill(pid, signal.SIGKILL)
@@ -179,5 +183,7 @@ def test_engine_that_dies_is_reported_to_the_driver_with_its_log_tail(bundles: P
 def test_engine_that_cannot_start_is_a_clear_error(bundles: PlacementGroup, tmp_path: Path) -> None:
     started = time.monotonic()
     with pytest.raises(EngineStartupError, match="(?s)engine bad0 failed to start.*log tail:.*no config.json"):
-        EngineHosts([_spec("bad0", tmp_path / "no-such-model", tmp_path, startup_timeout_s=60)], bundles, [1], HOST)
+        EngineHosts(
+            [_spec("bad0", tmp_path / "no-such-model", tmp_path, startup_timeout_s=60)], bundles, [1], HOST
+        ).wait_healthy()
     assert time.monotonic() - started < 60

@@ -44,9 +44,11 @@ def test_ranks_get_launcher_env_and_all_reduce(local_ray: None) -> None:
     group_pg, slots = create_rank_slots(2, num_gpus=0, num_cpus=1)
     group = RankWorkerGroup(_AllReduceWorker, group_pg, slots, num_gpus=0, num_cpus=1, args=(1,))
     try:
-        assert group.call("environment") == [(0, 2, 0), (1, 2, 1)]
-        assert group.call("all_reduce_rank") == [3.0, 3.0]
-        assert group.call_per_rank("echo", [(1,), (2,)]) == [10, 21]
+        assert group.call(_AllReduceWorker.environment) == [(0, 2, 0), (1, 2, 1)]
+        assert group.call(_AllReduceWorker.all_reduce_rank) == [3.0, 3.0]
+        assert group.call_per_rank(_AllReduceWorker.echo, [(1,), (2,)]) == [10, 21]
+        with pytest.raises(TypeError, match="_AllReduceWorker, the ranks' worker class, has no method 'upper'"):
+            group.call(str.upper)  # type: ignore[arg-type]
     finally:
         group.shutdown()
         ray.util.remove_placement_group(group_pg)

@@ -38,7 +38,7 @@ from tests.e2e.tiny_runs import (
     train_command,
     without_wall_clock,
 )
-from tests.faults.test_two_nodes import RAY, _free_ports, _kill_tree, _node_ports, _wait_for_nodes
+from tests.ray_processes import RAY, free_ports, kill_tree, node_ports, wait_for_nodes
 
 STEPS = 6
 OVERRIDES = [
@@ -81,7 +81,7 @@ with preemption_requests() as request:
 def ray_head() -> Iterator[dict[str, str]]:
     """A Ray head of its own on 127.0.0.1 (as ``slurm/ray_cluster.sh`` starts one); yields the environment joining it."""
     temp_dir = tempfile.mkdtemp(prefix="mrlterm-")  # short: Ray's socket paths live under it
-    gcs_port, client_port = _free_ports(2)
+    gcs_port, client_port = free_ports(2)
     env = run_env() | {
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": secrets.token_hex(32),
@@ -89,7 +89,7 @@ def ray_head() -> Iterator[dict[str, str]]:
     }
     head = subprocess.Popen(
         [RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--include-dashboard=false"]
-        + [f"--ray-client-server-port={client_port}", *_node_ports(), "--num-cpus=1", "--num-gpus=0"]
+        + [f"--ray-client-server-port={client_port}", *node_ports(), "--num-cpus=1", "--num-gpus=0"]
         + ["--temp-dir", temp_dir, "--disable-usage-stats", "--block"],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -97,10 +97,10 @@ def ray_head() -> Iterator[dict[str, str]]:
     )
     try:
         joining = env | {"RAY_ADDRESS": f"127.0.0.1:{gcs_port}"}
-        _wait_for_nodes(joining, 1)
+        wait_for_nodes(joining, 1)
         yield joining
     finally:
-        _kill_tree(head)
+        kill_tree(head)
 
 
 @pytest.mark.parametrize("ray_start", ["local", "RAY_ADDRESS"])
@@ -174,13 +174,14 @@ def test_sigterm_to_the_driver_saves_its_step_exits_0_and_resumes_as_the_uninter
     step = int(stopped.group(1))
     assert 2 <= step < STEPS
     assert log.count("# SIGTERM received") == 1 and "SIGUSR1 received" not in log, log[-3000:]
+    assert f"# stopped early: {step} of {STEPS} steps;" in log and "# done:" not in log, log[-3000:]
     assert ABSEIL_REPORT not in errors, errors[-3000:]
     checkpoints = signalled / RUN / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", f"step_{step:06d}"]
     assert (checkpoints / "latest").read_text().strip() == f"step_{step:06d}"
     assert _session_left(driver.pid) == ""
 
-    run_train(signalled, OVERRIDES)
+    assert f"# done: {STEPS} steps;" in run_train(signalled, OVERRIDES)
     expected, resumed = (
         without_wall_clock(read_metrics(straight / RUN)),
         without_wall_clock(read_metrics(signalled / RUN)),

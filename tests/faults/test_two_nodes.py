@@ -22,31 +22,23 @@ machine.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.e2e.tiny_runs import RUN, TWO_STEPS, read_metrics, run_env, train_command, without_wall_clock
+from tests.ray_processes import RAY, free_ports, kill_tree, node_ports, ray_probe, wait_for_nodes
 
-RAY = str(Path(sys.executable).with_name("ray"))
 HEAD_IP, SECOND_IP = "127.0.0.2", "127.0.0.3"
 STAND_IN_CPUS = 0.6
-JOIN_TIMEOUT_S = 120
 OVERRIDES = [
     *TWO_STEPS,
     "logging.sinks=[jsonl]",
@@ -57,48 +49,11 @@ OVERRIDES = [
 pytestmark = pytest.mark.slow
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-    try:
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _node_ports() -> list[str]:
-    """Every port a raylet would otherwise take at a default (shared with any other Ray on the machine)."""
-    manager, objects, agent, agent_grpc, runtime_env, metrics = _free_ports(6)
-    low = 20000 + secrets.randbelow(400) * 100  # a worker port range of 100
-    return [
-        f"--node-manager-port={manager}",
-        f"--object-manager-port={objects}",
-        f"--dashboard-agent-listen-port={agent}",
-        f"--dashboard-agent-grpc-port={agent_grpc}",
-        f"--runtime-env-agent-port={runtime_env}",
-        f"--metrics-export-port={metrics}",
-        f"--min-worker-port={low}",
-        f"--max-worker-port={low + 99}",
-    ]
-
-
-def _kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL ``process`` and every process below it (by pid: only what this test started)."""
-    try:
-        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for member in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            member.send_signal(signal.SIGKILL)
-    process.wait(30)
-
-
 @contextmanager
 def _two_node_cluster() -> Iterator[dict[str, str]]:
     """A head on 127.0.0.2 and a raylet on 127.0.0.3; yields the environment that reaches it."""
     temp_dir = tempfile.mkdtemp(prefix="mrl2n-")  # short: Ray's socket paths live under it
-    gcs_port, client_port = _free_ports(2)
+    gcs_port, client_port = free_ports(2)
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
     common = ["--num-cpus=1", "--num-gpus=0", "--object-store-memory=300000000", "--temp-dir", temp_dir]
@@ -107,41 +62,25 @@ def _two_node_cluster() -> Iterator[dict[str, str]]:
         stack.callback(shutil.rmtree, temp_dir, ignore_errors=True)  # runs last, once every process is gone
         head = subprocess.Popen(
             [RAY, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={gcs_port}", "--include-dashboard=false"]
-            + [f"--ray-client-server-port={client_port}", *_node_ports(), *common],
+            + [f"--ray-client-server-port={client_port}", *node_ports(), *common],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        stack.callback(_kill_tree, head)
+        stack.callback(kill_tree, head)
         address = f"{HEAD_IP}:{gcs_port}"
-        _wait_for_nodes(env | {"RAY_ADDRESS": address}, 1)
+        wait_for_nodes(env | {"RAY_ADDRESS": address}, 1)
         second = subprocess.Popen(
-            [RAY, "start", f"--address={address}", f"--node-ip-address={SECOND_IP}", *_node_ports(), *common]
+            [RAY, "start", f"--address={address}", f"--node-ip-address={SECOND_IP}", *node_ports(), *common]
             + ['--resources={"second_node": 1}'],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        stack.callback(_kill_tree, second)
-        _wait_for_nodes(env | {"RAY_ADDRESS": address}, 2)
+        stack.callback(kill_tree, second)
+        wait_for_nodes(env | {"RAY_ADDRESS": address}, 2)
         _hold_second_node_cpus(env | {"RAY_ADDRESS": address})
         yield env | {"RAY_ADDRESS": address}
-
-
-def _ray_probe(env: dict[str, str], code: str) -> subprocess.CompletedProcess[str]:
-    script = "import ray; ray.init(logging_level='ERROR', log_to_driver=False)\n" + code
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-
-
-def _wait_for_nodes(env: dict[str, str], count: int) -> None:
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    probe = "import json; print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))"
-    while True:
-        result = _ray_probe(env, probe)
-        if result.returncode == 0 and len(json.loads(result.stdout.strip().splitlines()[-1])) == count:
-            return
-        assert time.monotonic() < deadline, f"{count} Ray node(s) not up: {result.stdout} {result.stderr[-2000:]}"
-        time.sleep(1)
 
 
 def _hold_second_node_cpus(env: dict[str, str]) -> None:
@@ -154,7 +93,7 @@ class StandIn:
 actor = StandIn.options(name="stand_in", lifetime="detached").remote()
 print(ray.get(actor.node.remote()))
 """
-    result = _ray_probe(env, code)
+    result = ray_probe(env, code)
     assert result.returncode == 0 and result.stdout.strip().endswith(SECOND_IP), result.stderr[-2000:]
 
 

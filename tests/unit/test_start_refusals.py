@@ -266,6 +266,7 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("orchestration/placement_group.py", "PlacementError"): "the Ray cluster's free resources, not the recipe",
     ("orchestration/worker_group.py", ""): "internal call contract",
     ("orchestration/engine_host.py", ""): "GPU visibility of the process and engine start-up failures",
+    ("orchestration/trainer_worker.py", "connect_engines"): "start_run connects every rank before any weight sync",
     ("parallel/device.py", ""): "process environment (LOCAL_RANK, CUDA_VISIBLE_DEVICES)",
     ("parallel/local_launch.py", ""): "re-raises a rank's failure",
     ("parallel/cpu_compat.py", ""): "internal to the CPU compatibility layer",
