@@ -53,6 +53,8 @@ def _write_config(directory: Path, host: str) -> Path:
     for sub in ("state", "spool", "log"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     config = directory / "slurm.conf"
+    # cred_expire: a requeued job may start again only after it (default 120 s). MinJobAge: `sbatch --wait`
+    # polls after 2, 8, then 32 s each time, unless the poll interval reaches MinJobAge / 2 first (then 8 s).
     config.write_text(
         f"""ClusterName=local
 SlurmctldHost={host}
@@ -60,6 +62,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=cred_expire=5
+MinJobAge=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 StateSaveLocation={directory}/state
