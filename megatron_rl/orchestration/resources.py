@@ -169,9 +169,10 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         )
         run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan, network, run.api_key)
         colocated = engines_hand_over_memory(cfg)
-        if colocated and cfg.cluster.gpus_per_node:
-            # Engines size their KV cache from the free GPU memory: they start and release it before any
-            # trainer rank allocates. Elsewhere the trainer ranks are built while the engines start.
+        # Engines size their KV cache from the free GPU memory: colocated on GPUs they start and release it
+        # before any trainer rank allocates. Elsewhere the trainer ranks are built while the engines start.
+        engines_first = colocated and cfg.cluster.gpus_per_node > 0
+        if engines_first:
             run.engine_hosts.wait_healthy()
             release_engine_caches(run.engine_hosts.clients)
         trainer_slots = [slots[position] for position in plan.trainer_positions]
@@ -179,7 +180,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         run._trainers = start_trainers(cfg, run.hf_dir, run.placement, trainer_slots, plan, network, run.api_key)
         run.engine_hosts.wait_healthy()
         run.engines = list(run.engine_hosts.clients)
-        if colocated and not cfg.cluster.gpus_per_node:
+        if colocated and not engines_first:
             release_engine_caches(run.engines)
         run.trainers.connect_engines(run.engine_hosts.addresses)
         run._hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
