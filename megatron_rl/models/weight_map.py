@@ -46,7 +46,7 @@ class ParamMapping:
 
     ``expert``: sharded over the expert-TP group (else the dense TP group).
     ``exported``: False for a tied output layer, whose tensor is exported as
-    the embedding.
+    the embedding. ``local_expert``: an expert's index among this EP rank's experts (None for the rest).
     """
 
     megatron_name: str
@@ -54,6 +54,7 @@ class ParamMapping:
     layout: Layout
     expert: bool = False
     exported: bool = True
+    local_expert: int | None = None
 
 
 _LayoutFactory = Callable[[QwenArchitecture], Layout]
@@ -110,7 +111,22 @@ def _expert_mapping(name: str, prefix: str, suffix: str, arch: QwenArchitecture)
     expert = parallel_state.get_expert_model_parallel_rank() * num_local + local_expert
     hf_suffixes, layout = _EXPERT_RULES[linear]
     names = tuple(f"{prefix}.mlp.experts.{expert}.{s}" for s in hf_suffixes)
-    return ParamMapping(name, names, layout, expert=True)
+    return ParamMapping(name, names, layout, expert=True, local_expert=local_expert)
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def peer_expert_names(mapping: ParamMapping, num_experts: int, ep_rank: int, ep_size: int) -> tuple[str, ...]:
+    """The Hugging Face names of the expert that EP rank ``ep_rank`` holds where this rank holds ``mapping``'s.
+
+    ``mapping`` is an expert's (``local_expert`` set); the peer's global index is
+    ``ep_rank * num_experts // ep_size + local_expert``.
+    """
+    if mapping.local_expert is None:
+        raise ValueError(f"{mapping.megatron_name} is not an expert parameter")
+    expert = ep_rank * (num_experts // ep_size) + mapping.local_expert
+    return tuple(_EXPERT_INDEX.sub(f".experts.{expert}.", name, count=1) for name in mapping.hf_names)
 
 
 def _layer_mapping(name: str, layer: int, suffix: str, arch: QwenArchitecture) -> ParamMapping:

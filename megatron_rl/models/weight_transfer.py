@@ -13,6 +13,9 @@
   generator together (it issues collectives). Given an :data:`Allocate`, the
   full tensors are written into tensors it hands out (a transport's
   shared-memory bucket) instead of new ones.
+- :func:`export_full_model` yields the whole model on every rank, the same
+  sequence everywhere (experts all-gathered over EP, stages broadcast over the
+  pipeline group): what a colocated rank feeds the engine rank on its device.
 """
 
 from __future__ import annotations
@@ -22,14 +25,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
 from megatron_rl.models.weight_layouts import Shape
 from megatron_rl.models.weight_map import (
+    ParamMapping,
     group_holds_designated_source,
     is_designated_source,
     iter_param_mappings,
+    peer_expert_names,
     tensor_parallel_group,
     tensor_parallel_rank_size,
 )
@@ -128,21 +134,101 @@ def export_hf_tensors(
     for mapping, param in iter_param_mappings(chunks, arch):
         if not mapping.exported or (designated_only and not group_holds_designated_source(mapping)):
             continue
-        rank, size = tensor_parallel_rank_size(mapping)
-        gathered = mapping.layout.tensor_parallel and size > 1
-        local, layout = select(param), mapping.layout
-        yields = not designated_only or is_designated_source(mapping)
-        out = targets = None
-        if yields and allocate is not None and local.device.type == "cpu":
-            out = allocate(layout.hf_shapes(tuple(local.shape), size if gathered else 1), local.dtype)
-            targets = layout.gather_targets(out, tuple(local.shape), size) if gathered else None
-        if not gathered:
-            shards = [local]
-        elif designated_only:
-            shards = _gather_to_first(local, tensor_parallel_group(mapping), size, rank, targets)
-        else:
-            shards = _all_gather(local, tensor_parallel_group(mapping), size, targets)
-        if yields:
-            # targets (views into out) exist only with out, which the gather has filled then.
-            full = out if out is not None and targets is not None else layout.unshard(shards, out)
+        full = _full_tensors(mapping, select(param), designated_only=designated_only, allocate=allocate)
+        if full is not None:
             yield from zip(mapping.hf_names, full, strict=True)
+
+
+def _full_tensors(
+    mapping: ParamMapping, local: torch.Tensor, *, designated_only: bool, allocate: Allocate | None
+) -> list[torch.Tensor] | None:
+    """The parameter's full Hugging Face tensors on this rank (after its TP gather), or None where
+    ``designated_only`` makes this rank no source; ``allocate`` as in :func:`export_hf_tensors`."""
+    rank, size = tensor_parallel_rank_size(mapping)
+    gathered = mapping.layout.tensor_parallel and size > 1
+    layout = mapping.layout
+    yields = not designated_only or is_designated_source(mapping)
+    out = targets = None
+    if yields and allocate is not None and local.device.type == "cpu":
+        out = allocate(layout.hf_shapes(tuple(local.shape), size if gathered else 1), local.dtype)
+        targets = layout.gather_targets(out, tuple(local.shape), size) if gathered else None
+    if not gathered:
+        shards = [local]
+    elif designated_only:
+        shards = _gather_to_first(local, tensor_parallel_group(mapping), size, rank, targets)
+    else:
+        shards = _all_gather(local, tensor_parallel_group(mapping), size, targets)
+    if not yields:
+        return None
+    # targets (views into out) exist only with out, which the gather has filled then.
+    return list(out if out is not None and targets is not None else layout.unshard(shards, out))
+
+
+@torch.no_grad()
+def export_full_model(
+    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, *, allocate: Allocate | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every (Hugging Face name, full weight) of the model on every rank: the same sequence everywhere.
+
+    Pipeline stages take turns in stage order. The stage's ranks assemble each parameter's full
+    tensors (all-gathered over TP or expert TP) and, for an expert, every EP rank's copy of it
+    (all-gathered over EP: each rank ends up with every expert); with pipeline stages they then
+    broadcast each tensor (after its name, shape and dtype) over the pipeline group, and the
+    other stages receive it. So every rank holds the whole model, one parameter at a time, on
+    its own device. All ranks of the job iterate together (collectives over the TP, EP and
+    pipeline groups). ``allocate`` as in :func:`export_hf_tensors`; a received tensor is written
+    into one ``allocate`` hands out (CPU) or a new tensor on this rank's device. A tied output
+    layer is not yielded.
+    """
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stages, this_stage = dist.get_world_size(group), parallel_state.get_pipeline_model_parallel_rank()
+    device = next(iter(chunks[0].parameters())).device
+    for stage in range(stages):
+        source = dist.get_global_rank(group, stage)
+        if stage == this_stage:
+            for name, tensor in _stage_tensors(chunks, arch, allocate):
+                if stages > 1:
+                    dist.broadcast_object_list([(name, tuple(tensor.shape), tensor.dtype)], src=source, group=group)
+                    dist.broadcast(tensor.contiguous(), src=source, group=group)
+                yield name, tensor
+            if stages > 1:
+                dist.broadcast_object_list([None], src=source, group=group)
+            continue
+        while True:
+            header: list[tuple[str, Shape, torch.dtype] | None] = [None]
+            dist.broadcast_object_list(header, src=source, group=group)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            if allocate is not None and device.type == "cpu":
+                tensor = allocate([shape], dtype)[0]
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=source, group=group)
+            yield name, tensor
+
+
+def _stage_tensors(
+    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, allocate: Allocate | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's full tensors with every EP rank's experts (see :func:`export_full_model`)."""
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep_size = dist.get_world_size(ep_group)
+    for mapping, param in iter_param_mappings(chunks, arch):
+        if not mapping.exported:
+            continue
+        if not mapping.expert or ep_size == 1:
+            full = _full_tensors(mapping, param.detach(), designated_only=False, allocate=allocate)
+            yield from zip(mapping.hf_names, full or [], strict=True)
+            continue
+        own = _full_tensors(mapping, param.detach(), designated_only=False, allocate=None) or []
+        shapes = [tuple(tensor.shape) for tensor in own] * ep_size
+        if allocate is not None and param.device.type == "cpu":
+            peers = allocate(shapes, param.dtype)
+        else:
+            peers = [torch.empty(shape, dtype=param.dtype, device=param.device) for shape in shapes]
+        for index, tensor in enumerate(own):
+            dist.all_gather(peers[index :: len(own)], tensor.contiguous(), group=ep_group)
+        for ep_rank in range(ep_size):
+            names = peer_expert_names(mapping, arch.num_experts, ep_rank, ep_size)
+            yield from zip(names, peers[ep_rank * len(own) : (ep_rank + 1) * len(own)], strict=True)
