@@ -4,25 +4,41 @@ Nothing here is measured. Every figure is a range ``low-high`` that comes from t
 exact byte and FLOP counts divided by an assumed rate; the assumptions are the constants below,
 each with its range and basis, and ``megatron-rl plan`` prints them next to the figures.
 
-Weight sync (:func:`estimate_sync`): the bytes to move are every parameter of the Hugging Face
-model once, in bf16 (2 B; with ``rollout.quantization=fp8`` the engine still receives bf16 and
-quantises it itself). The transport is the one :func:`~megatron_rl.weight_sync.syncer.build_transport`
-picks (``auto``: tensor when colocated, distributed otherwise), and its slowest link:
+Weight sync (:func:`estimate_sync`): the model is every parameter of the Hugging Face model once, in
+bf16 (2 B; with ``rollout.quantization=fp8`` the engine still receives bf16 and quantises it itself).
+The transport is the one :func:`~megatron_rl.weight_sync.syncer.build_transport` picks (``auto``:
+tensor when colocated, distributed otherwise); its seconds are the sum of its terms
+(:class:`SyncTerm`):
 
-- ``tensor`` (CUDA IPC, same node): each engine GPU copies its own share of the weights
-  (:func:`~megatron_rl.plan.param_count.engine_gpu_weights`, bf16) from the trainer's GPUs, all
-  engine GPUs at once: that share / :data:`NVLINK_GBPS`; plus :data:`MICROSECONDS_PER_TENSOR` times
-  the tensors (:func:`~megatron_rl.plan.param_count.hf_tensor_counts`), which on one H200
-  dominated a sync: at least one sending rank's share (the dense tensors of a pipeline stage and
-  its EP rank's experts, the senders in parallel), at most every tensor (an engine serves one
-  weight request at a time, so if the cost is the engine's, the senders' buckets queue);
+- ``tensor`` (CUDA IPC, colocated, per GPU): engine ``e``'s TP rank ``t`` sits on the GPU of trainer
+  rank ``e * k + t`` (``k`` GPUs per engine) and loads from that rank alone, so every trainer rank
+  assembles the whole model bucket by bucket on its own GPU and every GPU of every node syncs at once
+  (nothing crosses nodes; PP must be 1). Per GPU, one after the other:
+
+  1. the all-gathers: the bytes the GPU receives, dense ``x (tp - 1) / tp`` over its TP group and
+     expert ``x (ep etp - 1) / (ep etp)`` over its expert group
+     (:func:`gathered_bytes_per_gpu`), over NVLink at :data:`NVLINK_GBPS`;
+  2. the engine rank's copy out of the bucket: SGLang's ``weight_loader`` narrows each tensor to the
+     rank's shard and copies only that, so the bytes are one engine GPU's weights
+     (:func:`~megatron_rl.plan.param_count.engine_gpu_weights`, bf16), also at :data:`NVLINK_GBPS`:
+     a same-GPU copy is faster (2.1 TB/s measured on an H200), so this term is an upper bound;
+  3. the cost per tensor: every engine rank loads every tensor of the checkpoint
+     (:func:`~megatron_rl.plan.param_count.hf_tensor_counts`; the loader takes each by name before it
+     narrows) and every trainer rank exports each, at :data:`MICROSECONDS_PER_TENSOR`: measured on this
+     path's one-GPU form (a TP 1 rank exporting the whole model into the reference engine on its GPU,
+     flattened buckets), where it dominated; SGLang's own loaders were not measured.
+
 - ``distributed`` (NCCL broadcast): the send lock lets one sending rank broadcast at a time, so
   the whole model crosses one sender's network link: model bytes / :data:`NETWORK_GBPS`;
 - ``disk``: every byte is written to the shared filesystem, then (after a barrier, no overlap)
   every node reads all of it: model bytes / :data:`FS_WRITE_GBPS` + model bytes / :data:`FS_READ_GBPS`.
 
-Not modelled: the trainer's TP all-gathers, per-bucket request round trips and the engines'
-post-processing; distributed and disk are data movement alone.
+Not modelled: the all-gathers' launch latency (for Qwen3-30B-A3B at TP 4 x EP 8, 98 TP gathers and
+one EP gather per local expert tensor, 2,304, per rank) and their lower bandwidth at small
+messages, per-bucket request round trips and the engines' post-processing. The three tensor terms
+are summed, not overlapped (two bucket buffers let a rank gather bucket k+1 while its engine loads
+bucket k, and the measured cost per tensor already holds a copy), so the sum leans high.
+Distributed and disk are data movement alone.
 
 Tokens/s/GPU (:func:`estimate_throughput`), defined as NeMo-RL publishes it: all tokens of a step
 (prompt + response, every sample) / (step seconds x GPUs). Per token, a forward pass costs
@@ -44,7 +60,7 @@ from dataclasses import dataclass
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.layout import trainer_world_size
-from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.schema import ParallelConfig, RunConfig
 from megatron_rl.plan.param_count import engine_gpu_weights, hf_tensor_counts, model_params
 
 BF16_BYTES = 2
@@ -92,14 +108,19 @@ class Assumption:
 
 
 NVLINK_GBPS = Assumption(
-    "NVLink copy per GPU", Range(200, 350), "GB/s", "H100 NVLink 4: 450 GB/s per direction nominal"
+    "NVLink copy per GPU",
+    Range(200, 350),
+    "GB/s",
+    "H100 NVLink 4: 450 GB/s per direction nominal; also taken for the engine's same-GPU copy, "
+    "which is faster (2.1 TB/s on an H200, docs/gpu-checks.md)",
 )
 MICROSECONDS_PER_TENSOR = Assumption(
     "tensor transport time per tensor",
     Range(62, 72),
     "us",
-    "measured on one H200: a TP1 Megatron export through CUDA IPC into the reference engine, 6.38 GB "
-    "in 1,611 and in 3,147 tensors, docs/gpu-checks.md",
+    "measured on one H200, flattened buckets: a TP1 Megatron export of the whole model through CUDA IPC "
+    "into an engine on its GPU, 6.38 GB in 1,611 tensors in 0.099-0.105 s and in 3,147 in 0.201-0.225 s, "
+    "docs/gpu-checks.md",
 )
 NETWORK_GBPS = Assumption(
     "network per sending GPU", Range(20, 45), "GB/s", "NCCL broadcast over one 400 Gb/s (50 GB/s) NIC"
@@ -127,40 +148,97 @@ def resolved_transport(cfg: RunConfig) -> str:
 
 
 @dataclass(frozen=True)
+class SyncTerm:
+    """One part of a sync's modelled seconds: what it moves or counts (``label``), and its seconds."""
+
+    label: str
+    seconds: Range
+
+
+@dataclass(frozen=True)
 class SyncEstimate:
-    """Modelled seconds of one weight sync: bytes over the transport's slowest link(s)."""
+    """Modelled seconds of one weight sync: the sum of its terms (see the module docstring).
+
+    ``link_bytes`` go the way ``link`` says (a phrase for the report): tensor, what each GPU moves at
+    the NVLink rate (all-gathers received plus the engine rank's copy); otherwise the whole model.
+    """
 
     transport: str
     model_bytes: int
+    link: str
     link_bytes: int
-    seconds: Range
+    terms: tuple[SyncTerm, ...]
     assumptions: tuple[Assumption, ...]
+
+    @property
+    def seconds(self) -> Range:
+        """The terms' sum."""
+        return sum((term.seconds for term in self.terms), start=Range(0.0, 0.0))
+
+
+def gathered_bytes_per_gpu(arch: QwenArchitecture, parallel: ParallelConfig) -> int:
+    """bf16 bytes one trainer GPU receives through the all-gathers that assemble the whole model on it:
+    dense ``x (tp - 1) / tp`` (its TP group; replicated norms and router counted too, under 1% of the
+    dense bytes) plus expert ``x (ep etp - 1) / (ep etp)`` (its expert group)."""
+    params = model_params(arch)
+    expert_group = parallel.ep * parallel.expert_tp
+    dense = params.dense * BF16_BYTES * (parallel.tp - 1) // parallel.tp
+    return dense + params.expert * BF16_BYTES * (expert_group - 1) // expert_group
+
+
+def _exactly(nbytes: int) -> Range:
+    return Range(nbytes, nbytes)
+
+
+def sync_refusal(cfg: RunConfig, transport: str) -> str | None:
+    """Why ``transport`` cannot sync ``cfg``'s layout, or None: tensor needs ``parallel.pp`` 1."""
+    if transport == "tensor" and cfg.parallel.pp > 1:
+        return (
+            f"the tensor transport assembles the whole model on every trainer rank, so it needs parallel.pp 1, "
+            f"not {cfg.parallel.pp}"
+        )
+    return None
+
+
+def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int) -> SyncEstimate:
+    """The per-GPU colocated path (module docstring); ValueError where :func:`sync_refusal` refuses it."""
+    refusal = sync_refusal(cfg, "tensor")
+    if refusal is not None:
+        raise ValueError(refusal)
+    nvlink = NVLINK_GBPS.value.scaled(1e9)
+    gathered = gathered_bytes_per_gpu(arch, cfg.parallel)
+    weights = engine_gpu_weights(arch, cfg.rollout)
+    share = (weights.gemm + weights.other) * BF16_BYTES
+    tensors = sum(hf_tensor_counts(arch))
+    terms = (
+        SyncTerm(f"all-gathers ({gathered / 1e9:.2f} GB)", _exactly(gathered).per(nvlink)),
+        SyncTerm(f"engine copy ({share / 1e9:.2f} GB)", _exactly(share).per(nvlink)),
+        SyncTerm(f"{tensors:,} tensors", MICROSECONDS_PER_TENSOR.value.scaled(tensors * 1e-6)),
+    )
+    link = "per GPU at the NVLink rate, all GPUs at once"
+    return SyncEstimate("tensor", model_bytes, link, gathered + share, terms, (NVLINK_GBPS, MICROSECONDS_PER_TENSOR))
 
 
 def estimate_sync(cfg: RunConfig, arch: QwenArchitecture, transport: str | None = None) -> SyncEstimate:
     """Seconds of one sync with ``transport`` (default: the recipe's, resolved); see the module docstring.
 
-    ``link_bytes``: what crosses the limiting link (tensor: one engine GPU's share; otherwise the model).
-    Raises ValueError for an unknown transport.
+    Raises ValueError for an unknown transport, and for tensor at ``parallel.pp`` > 1.
     """
     kind = transport or resolved_transport(cfg)
     model_bytes = model_params(arch).total * BF16_BYTES
     if kind == "tensor":
-        weights = engine_gpu_weights(arch, cfg.rollout)
-        share = (weights.gemm + weights.other) * BF16_BYTES
-        copies = Range(share, share).per(NVLINK_GBPS.value.scaled(1e9))
-        dense, expert = hf_tensor_counts(arch)
-        parallel = cfg.parallel
-        one_sender = dense / parallel.pp + expert / (parallel.ep * parallel.pp)
-        per_tensor = MICROSECONDS_PER_TENSOR.value.scaled(1e-6)
-        tensors = Range(one_sender * per_tensor.low, (dense + expert) * per_tensor.high)
-        return SyncEstimate(kind, model_bytes, share, copies + tensors, (NVLINK_GBPS, MICROSECONDS_PER_TENSOR))
-    exact = Range(model_bytes, model_bytes)
+        return _tensor_sync(cfg, arch, model_bytes)
+    model = _exactly(model_bytes)
     if kind == "distributed":
-        return SyncEstimate(kind, model_bytes, model_bytes, exact.per(NETWORK_GBPS.value.scaled(1e9)), (NETWORK_GBPS,))
+        broadcast = (SyncTerm("broadcast", model.per(NETWORK_GBPS.value.scaled(1e9))),)
+        return SyncEstimate(kind, model_bytes, "through one sender's NIC", model_bytes, broadcast, (NETWORK_GBPS,))
     if kind == "disk":
-        seconds = exact.per(FS_WRITE_GBPS.value.scaled(1e9)) + exact.per(FS_READ_GBPS.value.scaled(1e9))
-        return SyncEstimate(kind, model_bytes, model_bytes, seconds, (FS_WRITE_GBPS, FS_READ_GBPS))
+        terms = (
+            SyncTerm("write", model.per(FS_WRITE_GBPS.value.scaled(1e9))),
+            SyncTerm("read", model.per(FS_READ_GBPS.value.scaled(1e9))),
+        )
+        link = "through the shared filesystem (written, then read)"
+        return SyncEstimate(kind, model_bytes, link, model_bytes, terms, (FS_WRITE_GBPS, FS_READ_GBPS))
     raise ValueError(f"unknown weight-sync transport {kind!r}: expected tensor, distributed or disk")
 
 

@@ -48,10 +48,12 @@ Engines (SGLang): weights per GPU from :func:`~megatron_rl.plan.param_count.engi
 SGLang sizes its KV pool at start (on an empty GPU: the engines start before the trainer) as
 ``mem_fraction x GPU - weights``; KV bytes per token per GPU ``2 x layers x kv_heads_per_gpu x
 head_dim x 2`` (bf16 cache). Colocated peaks (``orchestration/memory_handover.py``): training
-(engines released), weight sync (trainer parameters, engine weights, the largest gathered tensor
-and a bucket; with the tensor transport its two device bucket buffers, each up to twice the
-larger of a bucket and that tensor), rollout (the engine's ``mem_fraction`` share plus both
-processes' reserves; the trainer is fully offloaded to pinned host memory).
+(engines released), weight sync (trainer parameters, engine weights and :func:`sync_staging`: the
+largest gathered tensor and a bucket; with the tensor transport, on every GPU since every trainer
+rank assembles the whole model, its two device bucket buffers, each up to twice the larger of a
+bucket and that tensor, the bucket being filled, and the largest tensor with its all-gather
+shards), rollout (the engine's ``mem_fraction`` share plus both processes' reserves; the trainer
+is fully offloaded to pinned host memory).
 """
 
 from __future__ import annotations
@@ -277,20 +279,37 @@ class MemoryPlan:
     notes: tuple[str, ...]
 
 
-def _sync_peak(cfg: RunConfig, arch: QwenArchitecture, stage: StagePlan, engine: EnginePlan) -> tuple[Amount, ...]:
-    gathered = padded_vocab_size(arch.vocab_size, cfg.parallel.tp) * arch.hidden_size * 2
+def largest_gathered_bytes(arch: QwenArchitecture, parallel: ParallelConfig) -> int:
+    """bf16 bytes of the largest tensor a sync gathers whole: the vocabulary table, padded at ``parallel.tp``."""
+    return padded_vocab_size(arch.vocab_size, parallel.tp) * arch.hidden_size * 2
+
+
+def sync_staging(cfg: RunConfig, arch: QwenArchitecture) -> tuple[Amount, ...]:
+    """What a weight sync holds on a GPU beyond the trainer parameters and the engine weights (module docstring).
+
+    Tensor transport (every trainer rank assembles the whole model, so every GPU holds this): the two
+    device bucket buffers, each up to ``2 x max(bucket, largest tensor)``; the gathered full tensors of
+    the bucket being filled, fresh CUDA tensors until the bucket is copied into a buffer (up to a
+    bucket); the largest tensor assembled and its all-gather shards, both alive when the tensor that
+    does not fit sends that bucket. Other transports: one bucket and the largest gathered tensor.
+    """
+    largest = largest_gathered_bytes(arch, cfg.parallel)
     bucket = cfg.weight_sync.bucket_size_mb * 2**20
-    if resolved_transport(cfg) == "tensor":  # two reused device buffers, each at most 2 x the largest bucket
-        staging = Amount(
-            "2 bucket buffers + largest gathered tensor (bf16)",
-            gathered + 4 * max(bucket, gathered),
-        )
-    else:
-        staging = Amount("bucket + largest gathered tensor (bf16)", bucket + gathered)
+    if resolved_transport(cfg) != "tensor":
+        return (Amount("bucket + largest gathered tensor (bf16)", bucket + largest),)
+    return (
+        # a tensor larger than a bucket is a bucket of its own
+        Amount("2 device bucket buffers (each <= 2 x largest bucket)", 4 * max(bucket, largest)),
+        Amount("gathered tensors of the bucket being filled (bf16)", bucket),
+        Amount("largest tensor + its all-gather shards (bf16)", 2 * largest),
+    )
+
+
+def _sync_peak(cfg: RunConfig, arch: QwenArchitecture, stage: StagePlan, engine: EnginePlan) -> tuple[Amount, ...]:
     return (
         Amount(f"trainer {stage.state[0].label}", stage.parameter_bytes),
         Amount("engine weights", engine.weight_bytes),
-        staging,
+        *sync_staging(cfg, arch),
         _reserve(2),
     )
 

@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.plan.estimates import estimate_sync, estimate_throughput
+from megatron_rl.plan.estimates import (
+    SyncEstimate,
+    estimate_sync,
+    estimate_throughput,
+    resolved_transport,
+    sync_refusal,
+)
 from megatron_rl.plan.memory import GIB, Amount, EnginePlan, MemoryPlan, StagePlan, stage_layers
 from megatron_rl.plan.param_count import model_params
 
@@ -179,19 +185,35 @@ def _range(values: tuple[float, float], digits: int) -> str:
     return f"{values[0]:,.{digits}f}-{values[1]:,.{digits}f}"
 
 
+def _sync_lines(sync: SyncEstimate) -> list[str]:
+    """The recipe's sync: bytes over its limiting link, seconds, and the terms they add up from."""
+    lines = [
+        f"  ~ weight sync ({sync.transport}): {sync.link_bytes / 1e9:.2f} GB {sync.link} -> "
+        f"{_range((sync.seconds.low, sync.seconds.high), 2)} s"
+    ]
+    if len(sync.terms) > 1:
+        terms = " + ".join(f"{t.label} {_range((t.seconds.low, t.seconds.high), 2)} s" for t in sync.terms)
+        lines.append(f"      = {terms}")
+    return lines
+
+
 def estimates_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:
-    """Modelled weight-sync seconds and tokens/s/GPU (:mod:`megatron_rl.plan.estimates`), with their assumptions."""
+    """Modelled weight-sync seconds and tokens/s/GPU (:mod:`megatron_rl.plan.estimates`), with their assumptions;
+    a transport :func:`~megatron_rl.plan.estimates.sync_refusal` refuses is named instead of modelled."""
+    refusal = sync_refusal(cfg, resolved_transport(cfg))
+    if refusal is not None:
+        return ["", f"estimated GPU figures: none ({refusal})"]
     step = estimate_throughput(cfg, arch)
     sync = step.sync
-    others = [estimate_sync(cfg, arch, kind) for kind in ("tensor", "distributed", "disk") if kind != sync.transport]
+    kinds = [k for k in ("tensor", "distributed", "disk") if k != sync.transport and sync_refusal(cfg, k) is None]
+    others = [estimate_sync(cfg, arch, kind) for kind in kinds]
     lines = [
         "",
         "estimated GPU figures (~ modelled from exact counts and the assumed rates below, not measured)",
-        f"  ~ weight sync ({sync.transport}): {sync.link_bytes / 1e9:.2f} GB over its slowest link -> "
-        f"{_range((sync.seconds.low, sync.seconds.high), 2)} s",
+        *_sync_lines(sync),
         "  ~ other transports: "
         + ", ".join(f"{o.transport} {_range((o.seconds.low, o.seconds.high), 2)} s" for o in others)
-        + " (tensor: engines on the sending rank's node only)",
+        + (" (tensor: colocated engines, per GPU, every node at once)" if "tensor" in kinds else ""),
         f"  ~ step: {step.tokens_per_step:,.0f} tokens ({cfg.train.prompts_per_step} prompts x "
         f"{cfg.rollout.n_samples_per_prompt} samples x {step.mean_sequence:,.0f} mean tokens) -> "
         f"{_range((step.step_seconds.low, step.step_seconds.high), 0)} s"

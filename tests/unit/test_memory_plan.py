@@ -13,11 +13,13 @@ from megatron_rl.config.schema import ParallelConfig, RolloutConfig, TrainConfig
 from megatron_rl.plan.memory import (
     GIB,
     engine_plan,
+    largest_gathered_bytes,
     layer_activation_elements,
     micro_batches_in_flight,
     optimizer_state_bytes,
     plan_memory,
     state_amounts,
+    sync_staging,
 )
 from megatron_rl.plan.param_count import ParamCount, engine_gpu_weights, model_params, stage_params
 from tests.hf_configs import QWEN3_30B_A3B
@@ -160,3 +162,28 @@ def test_reference_weights_are_counted_where_they_live(qwen3_30b_overrides: list
     assert device.stages[0].total - host.stages[0].total == parameters
     # Colocated: the trainer state is offloaded to the host either way; the host copy of the reference is extra.
     assert host.host_bytes_per_node == device.host_bytes_per_node
+
+
+def test_the_tensor_sync_holds_two_buffers_a_bucket_and_the_largest_tensor_twice_on_every_gpu(
+    qwen3_30b_overrides: list[str],
+) -> None:
+    disk_cfg = load_recipe(RECIPE, qwen3_30b_overrides, require_files=False)[0]
+    tensor_cfg = disk_cfg.model_copy(
+        update={"weight_sync": disk_cfg.weight_sync.model_copy(update={"transport": "tensor"})}
+    )
+    largest = 152_064 * 2048 * 2  # the vocabulary table padded to 128 x TP 4, bf16: 0.58 GiB > a bucket
+    bucket = 512 * 2**20
+    assert largest_gathered_bytes(ARCH_30B, tensor_cfg.parallel) == largest
+    assert [a.nbytes for a in sync_staging(tensor_cfg, ARCH_30B)] == [4 * largest, bucket, 2 * largest]
+    assert [a.nbytes for a in sync_staging(disk_cfg, ARCH_30B)] == [bucket + largest]
+    tensor, disk = plan_memory(tensor_cfg, ARCH_30B, 80.0), plan_memory(disk_cfg, ARCH_30B, 80.0)
+    peak = sum(a.nbytes for a in tensor.sync_peak)
+    assert peak - sum(a.nbytes for a in disk.sync_peak) == 5 * largest  # buffers and one more largest tensor
+    assert tensor.engine is not None
+    parameters, engine = tensor.stages[0].parameter_bytes, tensor.engine.weight_bytes
+    assert peak == parameters + engine + 4 * largest + bucket + 2 * largest + 2 * 3 * GIB  # + 2 process reserves
+    assert not tensor.problems
+    large = tensor_cfg.model_copy(
+        update={"weight_sync": tensor_cfg.weight_sync.model_copy(update={"bucket_size_mb": 1024})}
+    )
+    assert sync_staging(large, ARCH_30B)[0].nbytes == 4 * 1024 * 2**20  # buffers follow the bucket when larger

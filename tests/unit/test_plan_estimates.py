@@ -6,6 +6,7 @@ import pytest
 
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
+from megatron_rl.config.schema import ParallelConfig
 from megatron_rl.plan.estimates import (
     FS_READ_GBPS,
     FS_WRITE_GBPS,
@@ -20,9 +21,12 @@ from megatron_rl.plan.estimates import (
     estimate_sync,
     estimate_throughput,
     forward_flops_per_token,
+    gathered_bytes_per_gpu,
     resolved_transport,
+    sync_refusal,
 )
 from megatron_rl.plan.param_count import engine_gpu_weights, hf_tensor_counts, model_params
+from megatron_rl.plan.report import estimates_section
 from tests.unit.test_memory_plan import ARCH_30B, RECIPE, TINY_MOE
 
 
@@ -53,29 +57,81 @@ def _recipe(*overrides: str):
     return load_recipe(RECIPE, list(overrides), require_files=False)[0]
 
 
+def _with_transport(cfg, transport: str):
+    """``cfg`` with ``weight_sync.transport`` set past validation (multi-node tensor was refused before issue 25)."""
+    return cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(update={"transport": transport})})
+
+
 def test_sync_seconds_are_bytes_over_the_assumed_link():
     model_bytes = model_params(ARCH_30B).total * 2
     cfg = _recipe()
     disk = estimate_sync(cfg, ARCH_30B)
-    assert disk.transport == "disk" and disk.model_bytes == model_bytes
+    assert disk.transport == "disk" and disk.model_bytes == disk.link_bytes == model_bytes
     write, read = FS_WRITE_GBPS.value, FS_READ_GBPS.value
     assert disk.seconds.low == pytest.approx(model_bytes / (write.high * 1e9) + model_bytes / (read.high * 1e9))
     assert disk.seconds.high == pytest.approx(model_bytes / (write.low * 1e9) + model_bytes / (read.low * 1e9))
     distributed = estimate_sync(cfg, ARCH_30B, "distributed")
     assert distributed.seconds.low == pytest.approx(model_bytes / (NETWORK_GBPS.value.high * 1e9))
-    tensor = estimate_sync(cfg, ARCH_30B, "tensor")
-    weights = engine_gpu_weights(ARCH_30B, cfg.rollout)
-    assert tensor.link_bytes == (weights.gemm + weights.other) * 2 < model_bytes
-    # plus the time per tensor: one EP rank's share (435 dense + 18,432 / 8 experts) up to all 18,867 tensors
-    per_tensor = MICROSECONDS_PER_TENSOR.value
-    assert tensor.seconds.low == pytest.approx(
-        tensor.link_bytes / (NVLINK_GBPS.value.high * 1e9) + (435 + 18_432 / 8) * per_tensor.low * 1e-6
-    )
-    assert tensor.seconds.high == pytest.approx(
-        tensor.link_bytes / (NVLINK_GBPS.value.low * 1e9) + 18_867 * per_tensor.high * 1e-6
-    )
     with pytest.raises(ValueError, match="unknown weight-sync transport"):
         estimate_sync(cfg, ARCH_30B, "carrier-pigeon")
+
+
+def test_gathered_bytes_are_the_shards_a_gpu_lacks():
+    """At TP 4 x EP 8 ETP 1 a GPU holds a quarter of the dense and an eighth of the expert parameters."""
+    params = model_params(ARCH_30B)
+    assert params.expert == 48 * 128 * 3 * 768 * 2048
+    gathered = gathered_bytes_per_gpu(ARCH_30B, _recipe().parallel)
+    assert gathered == params.dense * 2 * 3 // 4 + params.expert * 2 * 7 // 8
+    assert round(gathered / 1e9, 2) == 53.05
+    assert gathered_bytes_per_gpu(ARCH_30B, ParallelConfig(tp=1, ep=1)) == 0  # one GPU holds it all already
+    assert gathered_bytes_per_gpu(ARCH_30B, ParallelConfig(tp=2, ep=2, etp=2)) == (
+        params.dense * 2 // 2 + params.expert * 2 * 3 // 4
+    )
+
+
+def test_tensor_sync_is_per_gpu_gathers_the_engines_share_and_every_tensor():
+    cfg = _with_transport(_recipe(), "tensor")
+    tensor = estimate_sync(cfg, ARCH_30B)
+    gathered = gathered_bytes_per_gpu(ARCH_30B, cfg.parallel)
+    weights = engine_gpu_weights(ARCH_30B, cfg.rollout)
+    share = (weights.gemm + weights.other) * 2
+    assert tensor.link_bytes == gathered + share
+    nvlink, per_tensor = NVLINK_GBPS.value, MICROSECONDS_PER_TENSOR.value
+    gathers, copy, tensors = (term.seconds for term in tensor.terms)
+    assert gathers.low == pytest.approx(gathered / (nvlink.high * 1e9))
+    assert copy.high == pytest.approx(share / (nvlink.low * 1e9))
+    # every engine rank loads all 435 dense + 18,432 expert tensors, at both ends of the range
+    assert tensors.low == pytest.approx(18_867 * per_tensor.low * 1e-6)
+    assert tensors.high == pytest.approx(18_867 * per_tensor.high * 1e-6)
+    assert tensor.seconds.low == pytest.approx(gathers.low + copy.low + tensors.low)
+    assert tensor.seconds.high == pytest.approx(
+        gathered / (nvlink.low * 1e9) + share / (nvlink.low * 1e9) + 18_867 * per_tensor.high * 1e-6
+    )
+    # every node syncs its own engines at once: one node is no faster than four
+    one_node = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"nodes": 1})})
+    assert estimate_sync(one_node, ARCH_30B).seconds == tensor.seconds
+
+
+def test_tensor_sync_needs_pipeline_parallel_one():
+    cfg = _with_transport(_recipe("parallel.pp=2"), "tensor")
+    assert sync_refusal(_recipe(), "tensor") is None and sync_refusal(cfg, "disk") is None
+    assert "parallel.pp 1, not 2" in (sync_refusal(cfg, "tensor") or "")
+    with pytest.raises(ValueError, match="parallel.pp 1"):
+        estimate_sync(cfg, ARCH_30B)
+    assert estimates_section(cfg, ARCH_30B) == ["", f"estimated GPU figures: none ({sync_refusal(cfg, 'tensor')})"]
+    disk = "\n".join(estimates_section(_recipe("parallel.pp=2"), ARCH_30B))
+    assert "other transports: distributed" in disk and "tensor" not in disk
+
+
+def test_the_report_shows_the_tensor_terms():
+    out = "\n".join(estimates_section(_with_transport(_recipe(), "tensor"), ARCH_30B))
+    tensor = estimate_sync(_with_transport(_recipe(), "tensor"), ARCH_30B)
+    low, high = tensor.seconds.low, tensor.seconds.high
+    assert f"~ weight sync (tensor): {tensor.link_bytes / 1e9:.2f} GB per GPU at the NVLink rate" in out
+    assert f"-> {low:,.2f}-{high:,.2f} s" in out
+    assert "= all-gathers (53.05 GB) " in out and " + 18,867 tensors " in out
+    disk = "\n".join(estimates_section(_recipe(), ARCH_30B))
+    assert "(tensor: colocated engines, per GPU, every node at once)" in disk
 
 
 def test_auto_transport_follows_the_placement():
@@ -109,6 +165,9 @@ def test_plan_prints_the_estimates_with_their_assumptions(capsys):
     out = capsys.readouterr().out
     assert "estimated GPU figures (~ modelled" in out
     assert "~ weight sync (disk): 61.06 GB" in out and "~ tokens/s/GPU: " in out
+    # the lines docs/performance.md quotes
+    assert "  ~ other transports: tensor 1.36-1.70 s, distributed 1.36-3.05 s (tensor: colocated engines, " in out
+    assert "      = write 6.11-30.53 s + read 6.11-30.53 s\n" in out
     for assumption in (GENERATION_MFU, TRAINING_MFU, FS_WRITE_GBPS, FS_READ_GBPS, NVLINK_GBPS, NETWORK_GBPS):
         assert assumption.line() in out
 
