@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.schema import WeightSyncConfig
-from megatron_rl.models.weight_transfer import Allocate, export_hf_weights
+from megatron_rl.models.weight_transfer import Allocate, export_full_model, export_hf_weights
 from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.weight_sync.buckets import MIB, BucketFiller, NamedTensor, tensor_bytes
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
@@ -139,9 +139,13 @@ class WeightSyncer:
             filler = BucketFiller(self.bucket_bytes, send, self.transport.allocate)
             _barrier()
             self.transport.begin(version)
-            for name, tensor in export(filler.allocate):
-                filler.add(name, tensor)
-            filler.flush()
+            if self.transport.feeds:
+                for name, tensor in export(filler.allocate):
+                    filler.add(name, tensor)
+                filler.flush()
+            else:
+                for _ in export(None):  # its collectives, with the ranks that send
+                    pass
             self.transport.finish(version)
             _barrier()
         except BaseException:
@@ -154,8 +158,12 @@ class WeightSyncer:
         return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
     def sync_megatron(self, chunks: Sequence, arch: QwenArchitecture, version: str) -> SyncStats:
-        """Sync this rank's Megatron chunks: each tensor is sent once, by its designated source rank,
-        written by the export straight into the transport's bucket memory where it has some."""
+        """Sync this rank's Megatron chunks, written by the export straight into the transport's bucket memory
+        where it has some: the whole model from every rank when the transport feeds each engine rank from one
+        trainer rank (:attr:`~megatron_rl.weight_sync.transports.WeightTransport.exports_full_model`), else each
+        tensor once, by its designated source rank."""
+        if self.transport.exports_full_model:
+            return self.sync_export(lambda allocate: export_full_model(chunks, arch, allocate=allocate), version)
         return self.sync_export(
             lambda allocate: export_hf_weights(chunks, arch, designated_only=True, allocate=allocate), version
         )

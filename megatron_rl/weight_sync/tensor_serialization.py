@@ -45,6 +45,7 @@ import io
 import math
 import os
 import pickle
+import re
 import types
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -289,6 +290,22 @@ def deserialize_flattened_bucket(payload: str) -> NamedTensors:
             )
         named.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)))
     return named
+
+
+_SHARED_MEMORY_FILE = re.compile(rb"/torch_(\d+)_")
+
+
+def shared_memory_owners(named_tensors: NamedTensors) -> set[int]:
+    """The process ids that put the received CPU tensors' storages in shared memory (torch names each file
+    ``/torch_<pid>_...`` after the process that created it); CUDA and private tensors add none."""
+    owners = set()
+    for _, tensor in named_tensors:
+        storage = tensor.untyped_storage()
+        if tensor.device.type == "cpu" and storage.is_shared():
+            match = _SHARED_MEMORY_FILE.match(storage._share_filename_cpu_()[1])
+            if match is not None:
+                owners.add(int(match.group(1)))
+    return owners
 
 
 def deserialize_payload(payload: str, load_format: str | None) -> NamedTensors:

@@ -10,18 +10,15 @@ weight-update session (SGLang 0.5.23: tensor and distributed updates), which
 the syncer's controller opens and closes.
 
 - :class:`TensorTransport` (colocated): ``/update_weights_from_tensor`` with
-  IPC handles (a CUDA device named by UUID). It hands out bucket memory
-  (:attr:`WeightTransport.allocate`): two reused shared-memory buffers per rank,
-  filled in turn, which the exporter writes its full tensors into (the TP gather's
-  concatenation, the layout conversion), so a CPU trainer's bucket goes as views with
-  no pack; other CPU tensors in private memory are copied into the same buffers (one
-  copy, the model's storage untouched), CUDA tensors into two such buffers on their
-  device. A bucket in one buffer goes as SGLang's ``flattened_bucket`` (one handle
-  and per-tensor metadata); CPU tensors already in shared memory go as they are, one
-  handle each (the engine's copy into its weights is then the only copy). One bucket
-  is in flight while the next is exported. CUDA IPC handles open only on
-  the sender's node: the recipe check refuses colocated engines on nodes without the
-  sending rank.
+  IPC handles (a CUDA device named by UUID), each engine rank fed by the trainer
+  rank on its own device with the whole model (every node syncs its own engines).
+  It hands out bucket memory (:attr:`WeightTransport.allocate`): two reused
+  shared-memory buffers per rank, filled in turn, which the exporter writes its full
+  tensors into, so a CPU trainer's bucket goes as views with no pack; other CPU
+  tensors in private memory are copied into the same buffers, CUDA tensors into two
+  such buffers on their device. A bucket in one buffer goes as SGLang's
+  ``flattened_bucket`` (one handle and per-tensor metadata). One bucket is in flight
+  while the next is exported.
 - :class:`DistributedTransport` (disaggregated): this rank is rank 0 of its own
   broadcast group with every engine rank (engine ``i`` at rank offset
   1 + sum of the previous engines' sizes); per bucket it posts
@@ -56,7 +53,7 @@ from safetensors.torch import save_file
 from megatron_rl.models.weight_transfer import Allocate
 from megatron_rl.parallel.device import collective_backend
 from megatron_rl.parallel.stores import listen_socket
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.rollout.protocol import (
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDiskRequest,
@@ -66,6 +63,7 @@ from megatron_rl.rollout.protocol import (
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
 from megatron_rl.weight_sync.buckets import NamedTensor
 from megatron_rl.weight_sync.dense_buckets import aligned_runs, pack
+from megatron_rl.weight_sync.engine_feeds import colocated_feeds
 from megatron_rl.weight_sync.send_lock import SendLock, create_send_lock
 from megatron_rl.weight_sync.tensor_serialization import (
     FLATTENED_BUCKET,
@@ -118,6 +116,14 @@ class WeightTransport(abc.ABC):
 
     needs_session: bool = True
     """Whether updates must run between the engines' ``begin_weight_update`` and ``end_weight_update``."""
+    exports_full_model: bool = False
+    """Whether every rank streams the whole model (:func:`~megatron_rl.models.weight_transfer.export_full_model`)
+    instead of the tensors it is the designated source of."""
+
+    @property
+    def feeds(self) -> bool:
+        """Whether this rank delivers buckets; a rank that does not still iterates the export (its collectives)."""
+        return True
 
     @property
     def allocate(self) -> Allocate | None:
@@ -145,31 +151,36 @@ class WeightTransport(abc.ABC):
 
 
 class TensorTransport(WeightTransport):
-    """Colocated engines: IPC handles through ``/update_weights_from_tensor``, one bucket in flight.
+    """Colocated engines: each engine rank is fed IPC handles by the trainer rank on its own device.
 
-    ``engine_tp_sizes[i]`` payloads go to engine ``i``, one serialization per TP rank
-    (the same memory; each rank opens its own payload, so each releases the reference
-    its serialization took, as SGLang's own client does). CUDA tensors name their
-    device by UUID, so an engine numbering the node's GPUs differently opens the right one.
+    Every trainer rank exports the whole model (:attr:`exports_full_model`:
+    :func:`~megatron_rl.models.weight_transfer.export_full_model`, the same buckets on every rank).
+    The rank that shares a device with TP rank ``t`` of engine ``e``
+    (:func:`~megatron_rl.weight_sync.engine_feeds.colocated_feeds`) serializes each bucket once, for
+    that engine rank alone; the engine's feeders gather their payloads (gloo, within the node) to
+    the feeder of TP rank 0, which posts one ``/update_weights_from_tensor`` per bucket to its
+    engine with the payloads in TP-rank order (SGLang hands ``serialized_named_tensors[tp_rank]`` to
+    each rank). So no engine process opens a handle of another GPU (which would cost it a CUDA
+    context there), nothing crosses nodes, and every node syncs its engines at once. Ranks that
+    feed no engine (CPU runs with fewer engines than ranks) take part in the export only. CUDA
+    tensors name their device by UUID, so an engine numbering the node's GPUs differently opens
+    the right one.
 
-    Pipelined: :meth:`send_bucket` posts its bucket from a background thread and returns;
-    the caller prepares (gathers, converts) bucket k+1 while the engines load bucket k. The
-    next :meth:`send_bucket` and :meth:`finish` wait for the bucket in flight (re-raising its
-    failure), so the engines receive buckets in order, one at a time, and every bucket is
-    loaded when :meth:`finish` returns. Bucket memory (:attr:`allocate`) comes from two reused
-    shared-memory buffers filled in turn (:class:`~megatron_rl.weight_sync.bucket_buffers.BucketBuffers`,
-    each at most 2 x the largest bucket): bucket k+1 is written into the buffer bucket k-1 was
-    sent from, which :meth:`send_bucket` of bucket k waited for, so writing bucket k+1 never
-    touches memory the engines are reading; a bucket that lacks a tensor allocated for it is
-    refused (RuntimeError), since that tensor's buffer is reused next. CPU tensors in private
-    memory are copied into that memory when sent, and CUDA tensors into two such buffers on their
-    device (a device copy, released when the sync finishes, so a colocated trainer's offload frees
-    them). CPU tensors already in shared memory (``storage.is_shared()``, e.g. weights moved there
-    once with ``share_memory_()``) are sent as they are, views of the sender's storage, kept alive
-    until loaded: the engines read the sender's memory directly, so the caller must not write such
-    a tensor before :meth:`finish` returns (a trainer does not: the sync runs between optimizer
-    steps). A CPU storage shared by file descriptor is moved to a named shared-memory file on its
-    first send (by torch, once).
+    Pipelined: a posting rank posts its bucket from a background thread and returns; the caller
+    prepares bucket k+1 while the engine loads bucket k. Before the payloads of bucket k+1 are
+    gathered, the poster waits for bucket k and hands its outcome to the other feeders with the
+    gather, so every feeder returns from :meth:`send_bucket` of bucket k+1 only once bucket k is
+    loaded, and all of them raise its failure. Bucket memory (:attr:`allocate`) comes from two
+    reused shared-memory buffers filled in turn
+    (:class:`~megatron_rl.weight_sync.bucket_buffers.BucketBuffers`, each at most 2 x the largest
+    bucket): bucket k+1 is written into the buffer bucket k-1 was sent from, which is loaded by
+    then, so writing never touches memory an engine reads; a bucket that lacks a tensor allocated
+    for it is refused (RuntimeError), since that tensor's buffer is reused next. CPU tensors in
+    private memory are copied into that memory when sent, and CUDA tensors into two such buffers
+    on their device (a device copy, released when the sync finishes, so a colocated trainer's
+    offload frees them). CPU tensors already in shared memory (``storage.is_shared()``) are sent as
+    they are, views of the sender's storage: the caller must not write such a tensor before
+    :meth:`finish` returns (a trainer does not: the sync runs between optimizer steps).
 
     A bucket whose tensors all lie in one buffer goes as SGLang's ``flattened_bucket``: one IPC
     handle and per-tensor metadata, instead of one handle per tensor, which cost about 72 us a
@@ -178,19 +189,28 @@ class TensorTransport(WeightTransport):
     """
 
     NUM_BUFFERS = 2
+    exports_full_model = True
 
     def __init__(self, engines: Sequence[RolloutEngine], engine_tp_sizes: Sequence[int] | None = None) -> None:
         self.engines = list(engines)
         self.engine_tp_sizes = list(engine_tp_sizes or [1] * len(self.engines))
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._feeds = colocated_feeds(world_size, self.engine_tp_sizes)
+        self.feed = self._feeds[_rank()]
+        self._feeder_group: dist.ProcessGroup | None = None
+        self._groups_made = False
         self._buffers = BucketBuffers(self.NUM_BUFFERS)
         self._device_buffers: dict[torch.device, BucketBuffers] = {}
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-tensor")
-        self._engine_calls = _engine_threads(self.engines, "weight-sync-engine")
         self._in_flight: Future[None] | None = None
 
     @property
-    def allocate(self) -> Allocate:
-        return self._buffers.allocate
+    def feeds(self) -> bool:
+        return self.feed is not None
+
+    @property
+    def allocate(self) -> Allocate | None:
+        return self._buffers.allocate if self.feeds else None
 
     def _buffers_for(self, tensor: torch.Tensor) -> BucketBuffers:
         if not tensor.is_cuda:
@@ -200,45 +220,84 @@ class TensorTransport(WeightTransport):
         return self._device_buffers[tensor.device]
 
     def _shareable(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as the engines can open it: as it is in shared memory, else copied into a buffer."""
+        """``tensor`` as the engine can open it: as it is in shared memory, else copied into a buffer."""
         if _in_shared_memory(tensor):
             return tensor
         return self._buffers_for(tensor).copy_in(tensor)
 
-    def _post(self, shared: list[NamedTensor], version: str) -> None:
-        flat = flattened_bucket(shared)
-        load_format = None if flat is None else FLATTENED_BUCKET
+    def _make_feeder_groups(self) -> None:
+        """One gloo group per engine fed by several ranks (collective over the default group: every rank
+        creates every group, in engine order)."""
+        self._groups_made = True
+        for feeders in dict.fromkeys(feed.feeders for feed in self._feeds if feed is not None):
+            if len(feeders) > 1:
+                group = dist.new_group(list(feeders), backend="gloo")
+                if isinstance(group, dist.ProcessGroup) and self.feed is not None and self.feed.feeders == feeders:
+                    self._feeder_group = group
 
-        def serialize() -> str:
-            return serialize_named_tensors(shared) if flat is None else serialize_flattened_bucket(*flat)
+    def _post(self, payloads: list[str], load_format: str | None, version: str) -> None:
+        assert self.feed is not None
+        request = UpdateWeightsFromTensorRequest(
+            payloads, load_format=load_format, flush_cache=False, weight_version=version
+        )
+        self.engines[self.feed.engine].update_weights_from_tensor(request)
 
-        def update(index: int, engine: RolloutEngine) -> None:
-            payloads = [serialize() for _ in range(self.engine_tp_sizes[index])]
-            request = UpdateWeightsFromTensorRequest(
-                payloads, load_format=load_format, flush_cache=False, weight_version=version
-            )
-            engine.update_weights_from_tensor(request)
-
-        _on_every_engine(self.engines, update, self._engine_calls)
-
-    def _wait(self) -> None:
+    def _outcome_of_in_flight(self) -> Exception | None:
+        """Wait for the bucket in flight (posting rank); its failure, None when it loaded or there is none."""
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
+        if in_flight is None:
+            return None
+        try:
             in_flight.result()
+        except Exception as error:  # raised by _exchange, on every feeder of the engine
+            return error
+        return None
+
+    def _exchange(self, mine: tuple[str, str | None] | None) -> list[tuple[str, str | None]]:
+        """Share this feeder's (payload, load_format) with its engine's other feeders and learn how the bucket
+        before it ended; the payloads in TP-rank order. Raises that bucket's failure (on the other feeders of a
+        multi-rank engine as EngineError naming it)."""
+        assert self.feed is not None
+        failure = self._outcome_of_in_flight() if self.feed.posts else None
+        if self._feeder_group is None:
+            if failure is not None:
+                raise failure
+            return [] if mine is None else [mine]
+        gathered: list[tuple[tuple[str, str | None] | None, str | None]] = [(None, None)] * len(self.feed.feeders)
+        text = None if failure is None else f"{type(failure).__name__}: {failure}"
+        dist.all_gather_object(gathered, (mine, text), group=self._feeder_group)
+        if failure is not None:
+            raise failure
+        if gathered[0][1] is not None:
+            raise EngineError(f"a weight bucket for engine {self.feed.engine} failed to load: {gathered[0][1]}")
+        return [entry for entry, _ in gathered if entry is not None]
 
     def begin(self, version: str) -> None:
-        """Nothing is in flight between syncs: the next bucket fills its buffer from the start."""
+        """First sync: the feeder groups are made (collective). Nothing is in flight between syncs: the next
+        bucket fills its buffer from the start."""
+        if not self._groups_made and dist.is_initialized():
+            self._make_feeder_groups()
         self._buffers.restart()
 
     def send_bucket(self, bucket: list[NamedTensor], version: str) -> None:
+        if self.feed is None:
+            raise RuntimeError(f"trainer rank {_rank()} feeds no engine; the syncer must not send it buckets")
         shared = [(name, self._shareable(tensor)) for name, tensor in bucket]
         for buffers in (self._buffers, *self._device_buffers.values()):
             buffers.seal(shared)
-        self._wait()
-        self._in_flight = self._sender.submit(self._post, shared, version)
+        flat = flattened_bucket(shared)
+        payload = serialize_named_tensors(shared) if flat is None else serialize_flattened_bucket(*flat)
+        entries = self._exchange((payload, None if flat is None else FLATTENED_BUCKET))
+        if self.feed.posts:
+            formats = {load_format for _, load_format in entries}
+            if len(formats) != 1:
+                raise RuntimeError(f"the feeders of engine {self.feed.engine} sent one bucket in formats {formats}")
+            self._in_flight = self._sender.submit(self._post, [p for p, _ in entries], formats.pop(), version)
 
     def finish(self, version: str) -> None:
-        self._wait()
+        """Every fed engine has loaded every bucket (collective over each engine's feeders)."""
+        if self.feed is not None:
+            self._exchange(None)
         self._release_device_buffers()
 
     def _release_device_buffers(self) -> None:
@@ -246,18 +305,18 @@ class TensorTransport(WeightTransport):
             buffers.release()
 
     def settle(self) -> None:
-        try:
-            self._wait()
-        except Exception as error:  # the sync's own failure is what the caller raises
-            logger.warning("a weight bucket in flight also failed: %s", error)
+        failure = self._outcome_of_in_flight()
+        if failure is not None:  # the sync's own failure is what the caller raises
+            logger.warning("a weight bucket in flight also failed: %s", failure)
         self._release_device_buffers()
 
     def close(self) -> None:
         try:
-            self._wait()
+            failure = self._outcome_of_in_flight()
+            if failure is not None:
+                raise failure
         finally:
             self._sender.shutdown(wait=True)
-            self._engine_calls.shutdown(wait=True)
             self._buffers.release()
             self._device_buffers = {}
 

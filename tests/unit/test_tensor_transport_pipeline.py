@@ -274,3 +274,46 @@ def test_the_reference_engine_refuses_a_load_format_sglang_does_not_know(backend
     payload = serialize_named_tensors([("model.norm.weight", torch.ones(4))])
     with pytest.raises(ValueError, match="^Unknown load_format=safetensors$"):
         backend.update_from_tensor([payload], "v", load_format="safetensors")
+
+
+def test_the_reference_engine_refuses_a_session_fed_by_two_processes(backend, tmp_path):
+    """Within a weight-update session all of an engine rank's tensors come from one process (the trainer
+    rank on its device); the next session may come from another, and the engine logs who feeds it."""
+    import multiprocessing
+    import os
+
+    from megatron_rl.rollout.reference.backend import WeightUpdateRefused
+    from megatron_rl.weight_sync.tensor_serialization import shared_memory_owners
+
+    name, tensor = next(iter(backend.params.items()))
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        foreign, foreign_pid = pool.apply(_shared_payloads_elsewhere, (name, tuple(tensor.shape), 3))
+        assert shared_memory_owners(deserialize_payload(foreign[0], None)) == {foreign_pid}
+        own = tensor.detach().clone().share_memory_()
+        own_payload = serialize_named_tensors([(name, own)])
+        assert shared_memory_owners(deserialize_payload(own_payload, None)) == {os.getpid()}
+        backend.begin_weight_update()
+        backend.update_from_tensor([serialize_named_tensors([(name, own)])], "v1")
+        with pytest.raises(WeightUpdateRefused, match="fed by the one trainer rank placed on its device"):
+            backend.update_from_tensor([foreign[1]], "v1")
+        backend.end_weight_update()
+        backend.begin_weight_update()
+        backend.update_from_tensor([foreign[2]], "v2")
+        backend.end_weight_update()
+    assert backend.weight_version == "v2"
+
+
+_KEEP_ALIVE: list[torch.Tensor] = []
+
+
+def _shared_payloads_elsewhere(name: str, shape: tuple[int, ...], count: int) -> tuple[list[str], int]:
+    """``count`` payloads (each opens once) of one shared-memory tensor of this spawned process, and its pid."""
+    import os
+
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # a named file from the start, kept by _KEEP_ALIVE
+    tensor = torch.zeros(shape).share_memory_()
+    _KEEP_ALIVE.append(tensor)
+    return [serialize_named_tensors([(name, tensor)]) for _ in range(count)], os.getpid()

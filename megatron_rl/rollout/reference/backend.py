@@ -59,7 +59,7 @@ from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.rollout.reference.slot_model import SlotModel
 from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
 from megatron_rl.weight_sync.dense_buckets import empty_bucket
-from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload
+from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, shared_memory_owners
 from megatron_rl.weight_sync.weight_group import (
     WeightGroup,
     broadcast_from_trainer,
@@ -131,6 +131,8 @@ class ReferenceBackend:
         self._decoding = 0
         self._control = threading.Lock()
         self._session = False
+        self._sender: int | None = None  # the process TP rank 0's tensors came from in this session
+        self._last_sender: int | None = None
         self._aborted_rids: set[str] = set()
         self._active_rids: set[str] = set()
         self._in_flight = 0
@@ -423,6 +425,7 @@ class ReferenceBackend:
             if self._session:
                 raise WeightUpdateRefused("a weight-update session is already open; call end_weight_update() first")
             self._session = True
+            self._sender = None
 
     def end_weight_update(self) -> None:
         """Close the session (plain PyTorch weights need no post-processing); refused when none is open."""
@@ -449,8 +452,24 @@ class ReferenceBackend:
             if len(payloads) != 1:
                 raise ValueError(f"the reference engine has 1 TP rank; got {len(payloads)} serialized_named_tensors")
             named_tensors = deserialize_payload(payloads[0], load_format)
+            self._check_sender(shared_memory_owners(named_tensors))
             self._shared_buffers.hold(named_tensors)
             self._load(named_tensors, version, flush)
+
+    def _check_sender(self, owners: set[int]) -> None:
+        """Within a session, all of TP rank 0's tensors come from one process: the trainer rank on its device
+        (a CPU stand-in for SGLang's rank opening handles of its own GPU only). Logged when it changes."""
+        if len(owners) > 1 or (owners and self._sender not in (None, *owners)):
+            previous = "" if self._sender is None else f" (this session's earlier buckets: process {self._sender})"
+            raise WeightUpdateRefused(
+                f"TP rank 0's payload holds memory of processes {sorted(owners)}{previous}: each engine rank is "
+                "fed by the one trainer rank placed on its device"
+            )
+        if owners and self._sender is None:
+            self._sender = owners.pop()
+            if self._sender != self._last_sender:
+                logger.info("weights for TP rank 0 come from process %d", self._sender)
+                self._last_sender = self._sender
 
     def init_group(self, request: InitWeightsUpdateGroupRequest) -> None:
         """Join the trainer's broadcast group as rank ``rank_offset``; blocks other weight requests until it forms."""

@@ -1,0 +1,54 @@
+"""Which trainer rank feeds which engine rank in a colocated weight sync.
+
+Colocated on GPUs, engine ``e`` uses the GPUs of trainer ranks ``e*k .. e*k+k-1`` (``k`` GPUs per
+engine; :mod:`megatron_rl.plan.placement`), so its TP rank ``t`` shares a GPU with trainer rank
+``e*k+t`` and is fed by that rank alone: it opens handles of its own GPU only, and every node
+serves its own engines. The same rule with a stride of ``world_size // engines`` places CPU engines
+(which share no device) beside the trainer ranks that feed them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineFeed:
+    """The engine rank one trainer rank feeds: ``engine``'s TP rank ``tp_rank``.
+
+    ``feeders``: the trainer ranks feeding that engine, in its TP-rank order; the first one
+    gathers their payloads and posts the engine's requests.
+    """
+
+    engine: int
+    tp_rank: int
+    feeders: tuple[int, ...]
+
+    @property
+    def posts(self) -> bool:
+        """Whether this rank posts the engine's requests (it feeds the engine's TP rank 0)."""
+        return self.tp_rank == 0
+
+
+def colocated_feeds(world_size: int, engine_sizes: Sequence[int]) -> list[EngineFeed | None]:
+    """For each trainer rank ``0 .. world_size-1``, the engine rank it feeds, or None (it feeds none).
+
+    Engine ``e`` (``engine_sizes[e]`` TP ranks) is fed by ranks ``e*s .. e*s+engine_sizes[e]-1`` with
+    stride ``s = world_size // len(engine_sizes)``. Raises ValueError when there are more engines
+    than trainer ranks or an engine has more TP ranks than the stride (two engines would share a feeder).
+    """
+    if not engine_sizes:
+        return [None] * world_size
+    stride = world_size // len(engine_sizes)
+    if stride == 0 or max(engine_sizes) > stride:
+        raise ValueError(
+            f"{len(engine_sizes)} colocated engines of {list(engine_sizes)} TP ranks cannot each be fed by their own "
+            f"trainer ranks out of {world_size}: every engine rank needs a trainer rank of its own"
+        )
+    feeds: list[EngineFeed | None] = [None] * world_size
+    for engine, size in enumerate(engine_sizes):
+        feeders = tuple(range(engine * stride, engine * stride + size))
+        for tp_rank, rank in enumerate(feeders):
+            feeds[rank] = EngineFeed(engine, tp_rank, feeders)
+    return feeds
