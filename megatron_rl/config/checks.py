@@ -358,24 +358,71 @@ def _check_weight_sync(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
             "srt/managers/tokenizer_control_mixin.py), so an engine with data-parallel replicas cannot receive the "
             "trainer's weights; set rollout.dp=1 (the rollout GPUs then hold more engines of rollout.tp GPUs each)",
         )
-    if rollout.placement != "colocated" or cluster.gpus_per_node == 0:
+    if rollout.placement != "colocated":
         return
     transport = cfg.weight_sync.transport
-    if cluster.nodes > 1 and transport in ("auto", "tensor"):
-        yield _error(
-            "weight_sync.transport",
-            f"{transport!r} with colocated engines on {cluster.nodes} nodes: the tensor transport sends CUDA IPC "
-            "handles, which open only on the sending rank's node, and each tensor is sent once, by the trainer rank "
-            "that owns it, so engines on the other nodes would get handles of a foreign GPU (SGLang rejects its "
-            "device UUID); use weight_sync.transport=disk (a directory every node shares), "
-            "rollout.placement=disaggregated, or cluster.nodes=1",
-        )
+    if transport in ("auto", "tensor"):
+        yield from _check_colocated_feeds(cfg, arch)
+    if cluster.gpus_per_node == 0:
+        return
     if transport == "distributed":
         yield _error(
             "weight_sync.transport",
             "'distributed' with colocated engines: each broadcast group would hold a trainer rank and an engine rank "
             "on the same GPU, which NCCL refuses (duplicate GPU in one communicator); use weight_sync.transport=auto "
             "(tensor) on one node, disk across nodes, or rollout.placement=disaggregated",
+        )
+
+
+def _check_colocated_feeds(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    """The tensor transport feeds each engine rank from the trainer rank on its device with the whole model,
+    which that rank assembles from its node alone: its TP, expert (EP x expert-TP) and pipeline groups
+    must lie within the node (Megatron's rank order tp-cp-ep-dp-pp: TP and expert groups are consecutive
+    ranks, pipeline stages the outermost)."""
+    parallel, cluster = cfg.parallel, cfg.cluster
+    world = trainer_layout(parallel, cluster, cfg.rollout).world_size
+    if cluster.gpus_per_node == 0:
+        engine_ranks = cfg.rollout.tp if cfg.rollout.engine == "sglang" else 1
+        if cluster.cpu_engines * engine_ranks > world:
+            yield _error(
+                "cluster.cpu_engines",
+                f"{cluster.cpu_engines} colocated engines of {engine_ranks} rank(s) for {world} trainer ranks: with "
+                "weight_sync.transport=tensor every engine rank is fed by a trainer rank of its own; lower "
+                "cluster.cpu_engines or raise cluster.cpu_trainer_ranks",
+            )
+            return
+        if cluster.nodes == 1:
+            return
+        if world % cluster.nodes or cluster.cpu_engines % cluster.nodes:
+            yield _error(
+                "cluster.cpu_engines",
+                f"{cluster.cpu_engines} engines and {world} trainer ranks on {cluster.nodes} nodes: colocated CPU "
+                "engines sit beside the trainer ranks that feed them, the same number on every node; make "
+                "cluster.cpu_trainer_ranks and cluster.cpu_engines multiples of cluster.nodes",
+            )
+            return
+    per_node = cluster.gpus_per_node or world // cluster.nodes
+    fix = "or use weight_sync.transport=disk"
+    if per_node % parallel.tp:
+        yield _error(
+            "parallel.tp",
+            f"{parallel.tp} does not divide the {per_node} ranks of a node: with weight_sync.transport=tensor each "
+            f"rank gathers its TP group's shards within its node; use a divisor of {per_node} {fix}",
+        )
+    experts = parallel.ep * parallel.expert_tp
+    if arch.is_moe and per_node % experts:
+        yield _error(
+            "parallel.ep",
+            f"parallel.ep x parallel.etp = {experts} does not divide the {per_node} ranks of a node: with "
+            "weight_sync.transport=tensor each rank gathers every expert from its expert group (consecutive ranks) "
+            f"within its node; use ep x etp dividing {per_node} {fix}",
+        )
+    if parallel.pp > 1 and cluster.nodes > 1:
+        yield _error(
+            "parallel.pp",
+            f"{parallel.pp} pipeline stages on {cluster.nodes} nodes: with weight_sync.transport=tensor each rank "
+            "receives the other stages' layers from its pipeline group, whose ranks lie on different nodes (stages "
+            f"are Megatron's outermost rank dimension); set parallel.pp=1 {fix}",
         )
 
 

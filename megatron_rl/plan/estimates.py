@@ -191,11 +191,12 @@ def _exactly(nbytes: int) -> Range:
 
 
 def sync_refusal(cfg: RunConfig, transport: str) -> str | None:
-    """Why ``transport`` cannot sync ``cfg``'s layout, or None: tensor needs ``parallel.pp`` 1."""
-    if transport == "tensor" and cfg.parallel.pp > 1:
+    """Why ``transport`` cannot sync ``cfg``'s layout, or None: tensor needs ``parallel.pp`` 1 on several nodes
+    (validate's rule: the pipeline group would cross nodes)."""
+    if transport == "tensor" and cfg.parallel.pp > 1 and cfg.cluster.nodes > 1:
         return (
-            f"the tensor transport assembles the whole model on every trainer rank, so it needs parallel.pp 1, "
-            f"not {cfg.parallel.pp}"
+            f"the tensor transport assembles the whole model on every trainer rank within its node, so across "
+            f"{cfg.cluster.nodes} nodes it needs parallel.pp 1, not {cfg.parallel.pp}"
         )
     return None
 
@@ -210,13 +211,17 @@ def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int) -> Sy
     weights = engine_gpu_weights(arch, cfg.rollout)
     share = (weights.gemm + weights.other) * BF16_BYTES
     tensors = sum(hf_tensor_counts(arch))
+    stages = cfg.parallel.pp
+    broadcast = model_bytes * (stages - 1) // stages  # the other stages' layers, over the node's pipeline group
     terms = (
         SyncTerm(f"all-gathers ({gathered / 1e9:.2f} GB)", _exactly(gathered).per(nvlink)),
+        *([SyncTerm(f"pipeline broadcast ({broadcast / 1e9:.2f} GB)", _exactly(broadcast).per(nvlink))] * (stages > 1)),
         SyncTerm(f"engine copy ({share / 1e9:.2f} GB)", _exactly(share).per(nvlink)),
         SyncTerm(f"{tensors:,} tensors", MICROSECONDS_PER_TENSOR.value.scaled(tensors * 1e-6)),
     )
     link = "per GPU at the NVLink rate, all GPUs at once"
-    return SyncEstimate("tensor", model_bytes, link, gathered + share, terms, (NVLINK_GBPS, MICROSECONDS_PER_TENSOR))
+    link_bytes = gathered + broadcast + share
+    return SyncEstimate("tensor", model_bytes, link, link_bytes, terms, (NVLINK_GBPS, MICROSECONDS_PER_TENSOR))
 
 
 def estimate_sync(cfg: RunConfig, arch: QwenArchitecture, transport: str | None = None) -> SyncEstimate:

@@ -317,11 +317,23 @@ def test_engine_data_parallelism_is_refused_because_sglang_asserts_dp_1_for_weig
 
 
 @pytest.mark.parametrize("transport", ["auto", "tensor"])
-def test_colocated_ipc_across_nodes_is_refused_naming_the_alternatives(qwen3_30b_overrides, transport):
+def test_colocated_tensor_sync_across_nodes_validates_at_the_30b_layout(qwen3_30b_overrides, transport):
     problems = _problems(QWEN3_30B, *qwen3_30b_overrides, f"weight_sync.transport={transport}")
-    (problem,) = [p for p in problems if p.startswith("weight_sync.transport:")]
-    assert "colocated engines on 4 nodes" in problem and "CUDA IPC" in problem
-    assert "weight_sync.transport=disk" in problem and "rollout.placement=disaggregated" in problem
+    assert not [p for p in problems if p.startswith(("weight_sync.transport:", "parallel."))]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "quoted"),
+    [
+        (["parallel.pp=2", "parallel.ep=4"], "parallel.pp", "2 pipeline stages on 4 nodes"),
+        (["parallel.ep=16", "parallel.tp=2", "rollout.ep=2"], "parallel.ep", "= 16 does not divide the 8 ranks"),
+        (["parallel.tp=16"], "parallel.tp", "16 does not divide the 8 ranks of a node"),
+    ],
+)
+def test_colocated_tensor_sync_refuses_groups_that_leave_a_node(qwen3_30b_overrides, overrides, field, quoted):
+    problems = _problems(QWEN3_30B, *qwen3_30b_overrides, "weight_sync.transport=tensor", *overrides)
+    (problem,) = [p for p in problems if p.startswith(f"{field}:") and "weight_sync.transport=tensor" in p]
+    assert quoted in problem and "weight_sync.transport=disk" in problem
 
 
 def test_colocated_ipc_on_one_node_and_disaggregated_broadcast_across_nodes_validate(qwen3_30b_overrides):

@@ -167,9 +167,10 @@ def test_reference_weights_are_counted_where_they_live(qwen3_30b_overrides: list
 def test_the_tensor_sync_holds_two_buffers_a_bucket_and_the_largest_tensor_twice_on_every_gpu(
     qwen3_30b_overrides: list[str],
 ) -> None:
-    disk_cfg = load_recipe(RECIPE, qwen3_30b_overrides, require_files=False)[0]
-    tensor_cfg = disk_cfg.model_copy(
-        update={"weight_sync": disk_cfg.weight_sync.model_copy(update={"transport": "tensor"})}
+    tensor_cfg = load_recipe(RECIPE, qwen3_30b_overrides, require_files=False)[0]
+    assert tensor_cfg.weight_sync.transport == "tensor"  # the recipe's own
+    disk_cfg = tensor_cfg.model_copy(
+        update={"weight_sync": tensor_cfg.weight_sync.model_copy(update={"transport": "disk"})}
     )
     largest = 152_064 * 2048 * 2  # the vocabulary table padded to 128 x TP 4, bf16: 0.58 GiB > a bucket
     bucket = 512 * 2**20

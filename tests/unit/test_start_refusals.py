@@ -122,6 +122,12 @@ START_REFUSALS = (
     Refusal("parallel/distributed.py", "not divisible by etp*ep*pp", ("cluster.cpu_trainer_ranks=3",), "parallel.ep"),
     Refusal("rollout/manager.py", "needs at least one engine", ("cluster.cpu_engines=0",), "cluster.cpu_engines"),
     Refusal(
+        "weight_sync/engine_feeds.py",
+        "needs a trainer rank of its own",
+        ("cluster.cpu_engines=3", "weight_sync.transport=tensor"),
+        "cluster.cpu_engines",
+    ),
+    Refusal(
         "rollout/reference/server.py", "no config.json", ("model.random_init=null", "model.path={empty}"), "model.path"
     ),
     Refusal("rollout/reference/backend.py", "the reference engine has 1 TP rank", ("rollout.tp=2",), "rollout.tp"),
@@ -231,6 +237,9 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
     ("weight_sync/transports.py", "before begin()"): "call order inside the syncer",
+    ("weight_sync/transports.py", "feeds no engine"): "call order inside the syncer (it sends no rank that feeds none)",
+    ("weight_sync/transports.py", "in formats"): "internal: an engine's feeders export the same buckets",
+    ("weight_sync/transports.py", "failed to load"): "an engine failing a weight update at run time",
     ("weight_sync/dense_buckets.py", ""): "wire-format contract of a flattened distributed update (the sender "
     "packs aligned runs of tensors it holds)",
     ("weight_sync/bucket_buffers.py", "not in the bucket being sent"): "internal: the exporter sends every "
