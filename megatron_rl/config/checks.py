@@ -393,12 +393,13 @@ def _check_colocated_feeds(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[F
             return
         if cluster.nodes == 1:
             return
-        if world % cluster.nodes or cluster.cpu_engines % cluster.nodes:
+        engines = cluster.cpu_engines
+        if world % cluster.nodes or engines % cluster.nodes or (world // cluster.nodes) % (engines // cluster.nodes):
             yield _error(
                 "cluster.cpu_engines",
-                f"{cluster.cpu_engines} engines and {world} trainer ranks on {cluster.nodes} nodes: colocated CPU "
-                "engines sit beside the trainer ranks that feed them, the same number on every node; make "
-                "cluster.cpu_trainer_ranks and cluster.cpu_engines multiples of cluster.nodes",
+                f"{engines} engines and {world} trainer ranks on {cluster.nodes} nodes: colocated CPU engines sit "
+                "beside the trainer ranks that feed them, the same number on every node; make cluster.cpu_engines a "
+                "multiple of cluster.nodes and the trainer ranks per node a multiple of the engines per node",
             )
             return
     per_node = cluster.gpus_per_node or world // cluster.nodes

@@ -448,6 +448,12 @@ class RunConfig(Section):
         return self.algorithm.loss_norm_constant or self.rollout.max_response_length
 
     @property
+    def engine_tp_ranks(self) -> int:
+        """The TP ranks a weight transport addresses in one engine: ``rollout.tp`` for SGLang, 1 for the
+        reference engine (one process whatever ``rollout.tp``)."""
+        return self.rollout.tp if self.rollout.engine == "sglang" else 1
+
+    @property
     def sglang_on_cpu(self) -> bool:
         """SGLang engines on a cluster without GPUs: SGLang's CPU path (``rollout/sglang_cpu.py``)."""
         return self.rollout.engine == "sglang" and self.cluster.gpus_per_node == 0

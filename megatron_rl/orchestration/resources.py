@@ -53,10 +53,12 @@ from megatron_rl.orchestration.preemption import handlers_kept_through_ray_init
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
-from megatron_rl.plan.placement import RunPlacementPlan, plan_run_placement
+from megatron_rl.plan.estimates import resolved_transport
+from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
 from megatron_rl.rollout.manager import Recovery, RolloutManager
+from megatron_rl.weight_sync.engine_feeds import colocated_feeds
 
 
 @dataclass
@@ -75,6 +77,8 @@ class RunResources:
     validation: RolloutManager | None = None
     deferred_recovery: DeferredEngineRecovery | None = None
     trainer_nodes: list[str] = field(default_factory=list)
+    engine_feeders: list[tuple[int, ...]] | None = None
+    """Each engine's feeding trainer ranks when weights go by device (colocated tensor sync), else None."""
     # Set by start_run, one by one (close tears down those set); read through the properties below.
     _trainers: TrainerGroup | None = None
     _hand_over: HandOver | None = None
@@ -106,7 +110,15 @@ class RunResources:
         engines = self.engine_hosts.addresses if self.engine_hosts is not None else []
         ranks = ", ".join(f"{node} x{self.trainer_nodes.count(node)}" for node in dict.fromkeys(self.trainer_nodes))
         where = ", ".join(f"{name} at {host}:{port}" for name, host, port in engines)
-        return f"# network: {self.network.describe()}; trainer ranks on {ranks}; engines: {where}"
+        notice = f"# network: {self.network.describe()}; trainer ranks on {ranks}; engines: {where}"
+        if self.engine_feeders is None or self._trainers is None:
+            return notice
+        pids = self._trainers.pids
+        feeds = [
+            f"{name} <- " + ", ".join(f"rank {rank} (pid {pids[rank]}, {self.trainer_nodes[rank]})" for rank in feeders)
+            for (name, _, _), feeders in zip(engines, self.engine_feeders, strict=True)
+        ]
+        return f"{notice}; weights by device: {'; '.join(feeds)}"
 
     def close(self) -> None:
         """Stop sinks, trainer ranks, engines, managers and Ray (local Ray stops; a cluster is left).
@@ -167,6 +179,9 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
             name=cfg.name,
             on_this_node=network.is_loopback,
         )
+        run.engine_feeders = engine_feeders(cfg, plan)
+        if run.engine_feeders is not None:
+            check_engines_beside_feeders(slots, plan, run.engine_feeders)
         run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan, network, run.api_key)
         colocated = engines_hand_over_memory(cfg)
         # Engines size their KV cache from the free GPU memory: colocated on GPUs they start and release it
@@ -296,6 +311,30 @@ def _init_ray(cfg: RunConfig, network: RunNetwork) -> None:
             start(_node_ip_address=LOOPBACK_ADDRESS)
     else:
         start(_node_ip_address=network.address())
+
+
+def engine_feeders(cfg: RunConfig, plan: RunPlacementPlan) -> list[tuple[int, ...]] | None:
+    """Each engine's feeding trainer ranks in TP-rank order when weights go by device (colocated, tensor
+    transport: :func:`~megatron_rl.weight_sync.engine_feeds.colocated_feeds`), else None."""
+    if cfg.rollout.placement != "colocated" or resolved_transport(cfg) != "tensor":
+        return None
+    feeds = colocated_feeds(len(plan.trainer_positions), [cfg.engine_tp_ranks] * len(plan.engine_positions))
+    by_engine = {feed.engine: feed.feeders for feed in feeds if feed is not None}
+    return [by_engine[engine] for engine in range(len(plan.engine_positions))]
+
+
+def check_engines_beside_feeders(slots: list[RankSlot], plan: RunPlacementPlan, feeders: list[tuple[int, ...]]) -> None:
+    """Raise PlacementError when Ray put an engine on another node than a trainer rank that feeds it."""
+    for engine, (positions, ranks) in enumerate(zip(plan.engine_positions, feeders, strict=True)):
+        node = slots[positions[0]].node_ip
+        elsewhere = {rank: slots[plan.trainer_positions[rank]].node_ip for rank in ranks}
+        elsewhere = {rank: ip for rank, ip in elsewhere.items() if ip != node}
+        if elsewhere:
+            raise PlacementError(
+                f"Ray placed engine {engine} on {node} and trainer ranks {elsewhere} that feed it its weights on "
+                "other nodes; the tensor transport needs them on one node: give every node the same free CPUs "
+                "(or GPUs), or use weight_sync.transport=disk"
+            )
 
 
 def _routed_experts_shape(cfg: RunConfig, hf_dir: Path) -> tuple[int, int] | None:

@@ -30,6 +30,11 @@ class TrainerGroup:
         return self._ranks.world_size
 
     @property
+    def pids(self) -> list[int]:
+        """Each trainer rank's process id, in rank order."""
+        return self._ranks.pids
+
+    @property
     def data_parallel_size(self) -> int:
         """Number of data-parallel ranks, hence of shards per step."""
         return max(self._dp_ranks) + 1

@@ -131,6 +131,11 @@ class RankWorkerGroup[W]:
         return len(self._hosts)
 
     @property
+    def pids(self) -> list[int]:
+        """Each rank's worker process id, in rank order."""
+        return list(self._pids)
+
+    @property
     def node_ips(self) -> list[str]:
         """Ray's address of each rank's node, in rank order."""
         return list(self._node_ips)

@@ -16,7 +16,10 @@ positions in that order, so what shares a node is contiguous:
   ``world_size`` whole, the engines group the rest ``k`` at a time.
 - CPU: one ``{CPU: 0.4}`` bundle per trainer rank, then one per engine (there is
   no device to share; ``colocated`` still selects the memory hand-over and the
-  tensor transport): 4 trainer ranks and an engine fit a 2-core machine.
+  tensor transport): 4 trainer ranks and an engine fit a 2-core machine. Colocated
+  on several nodes, each node's trainer ranks are followed by its engines, so an
+  engine sits on the node of the trainer ranks that feed it
+  (:func:`~megatron_rl.weight_sync.engine_feeds.colocated_feeds`).
 
 Validation (:mod:`megatron_rl.config.checks`) guarantees that ``k`` divides the GPUs
 per node and the engines' GPU count (hence the trainer's too), so no engine's bundles
@@ -78,11 +81,13 @@ def plan_run_placement(cfg: RunConfig) -> RunPlacementPlan:
         )
     if cfg.cluster.gpus_per_node == 0:
         cpu = ActorResources(num_gpus=0.0, num_cpus=CPU_BUNDLE_CPUS)
+        nodes = cfg.cluster.nodes if cfg.rollout.placement == "colocated" else 1
+        ranks, count = world // nodes, engines.num_engines // nodes  # per node (validate: they divide)
         return RunPlacementPlan(
             num_bundles=world + engines.num_engines,
             bundle=cpu,
-            trainer_positions=tuple(range(world)),
-            engine_positions=tuple((world + e,) for e in range(engines.num_engines)),
+            trainer_positions=tuple(n * (ranks + count) + r for n in range(nodes) for r in range(ranks)),
+            engine_positions=tuple((n * (ranks + count) + ranks + e,) for n in range(nodes) for e in range(count)),
             trainer=cpu,
             engine_host=cpu,
         )

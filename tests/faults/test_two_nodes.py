@@ -1,4 +1,5 @@
-"""Two Ray nodes on one host: trainer ranks on one, the engine on the other, weights by broadcast between them.
+"""Two Ray nodes on one host: trainer ranks on one, the engine on the other, weights by broadcast between them;
+and colocated engines on both, each fed by its own node's trainer rank (the tensor transport).
 
 The test starts a Ray cluster of its own: a head on 127.0.0.2 and a second raylet on 127.0.0.3
 (Linux routes all of 127/8 to the loopback interface), each with one CPU, on free ports (not
@@ -28,7 +29,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -50,8 +51,9 @@ pytestmark = pytest.mark.slow
 
 
 @contextmanager
-def _two_node_cluster() -> Iterator[dict[str, str]]:
-    """A head on 127.0.0.2 and a raylet on 127.0.0.3; yields the environment that reaches it."""
+def _two_node_cluster(*, hold_second_node: bool = True) -> Iterator[dict[str, str]]:
+    """A head on 127.0.0.2 and a raylet on 127.0.0.3 (with the stand-in holding 0.6 of its CPU, unless
+    ``hold_second_node`` is False); yields the environment that reaches it."""
     temp_dir = tempfile.mkdtemp(prefix="mrl2n-")  # short: Ray's socket paths live under it
     gcs_port, client_port = free_ports(2)
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -79,7 +81,8 @@ def _two_node_cluster() -> Iterator[dict[str, str]]:
         )
         stack.callback(kill_tree, second)
         wait_for_nodes(env | {"RAY_ADDRESS": address}, 2)
-        _hold_second_node_cpus(env | {"RAY_ADDRESS": address})
+        if hold_second_node:
+            _hold_second_node_cpus(env | {"RAY_ADDRESS": address})
         yield env | {"RAY_ADDRESS": address}
 
 
@@ -97,10 +100,10 @@ print(ray.get(actor.node.remote()))
     assert result.returncode == 0 and result.stdout.strip().endswith(SECOND_IP), result.stderr[-2000:]
 
 
-def _start_run(cwd: Path, env: dict[str, str], *overrides: str) -> subprocess.Popen:
+def _start_run(cwd: Path, env: dict[str, str], *overrides: str, base: Sequence[str] = OVERRIDES) -> subprocess.Popen:
     cwd.mkdir()
     return subprocess.Popen(
-        train_command([*OVERRIDES, *overrides]),
+        train_command([*base, *overrides]),
         cwd=cwd,
         env=env | {"PYTHONPATH": run_env()["PYTHONPATH"]},
         stdout=subprocess.PIPE,
@@ -113,19 +116,24 @@ def _learned(cwd: Path) -> list[dict[str, float]]:
     return without_wall_clock(read_metrics(cwd / RUN))
 
 
+def _finish(runs: dict[str, subprocess.Popen]) -> dict[str, tuple[str, str]]:
+    outputs = {}
+    for name, process in runs.items():
+        try:
+            outputs[name] = process.communicate(timeout=900)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        assert process.returncode == 0, f"{name}: {outputs[name][1][-4000:]}"
+    return outputs
+
+
 def test_ranks_on_one_node_the_engine_on_another_learn_as_on_one_node(tmp_path: Path) -> None:
     one_node_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with _two_node_cluster() as cluster_env:
         two_nodes = _start_run(tmp_path / "two_nodes", cluster_env, "cluster.nodes=2")
         one_node = _start_run(tmp_path / "one_node", one_node_env, "cluster.nodes=1")
-        outputs = {}
-        for name, process in (("two_nodes", two_nodes), ("one_node", one_node)):
-            try:
-                outputs[name] = process.communicate(timeout=900)
-            finally:
-                if process.poll() is None:
-                    process.kill()
-            assert process.returncode == 0, f"{name}: {outputs[name][1][-4000:]}"
+        outputs = _finish({"two_nodes": two_nodes, "one_node": one_node})
 
     stdout = outputs["two_nodes"][0]
     placed = re.search(
@@ -139,6 +147,45 @@ def test_ranks_on_one_node_the_engine_on_another_learn_as_on_one_node(tmp_path: 
     assert f"on http://{SECOND_IP}:{placed.group(3)} (API key required)" in log
     groups = re.findall(r"joining weight update group '(\w+)' at ([\d.]+):\d+", log)
     assert groups and {address for _, address in groups} == {HEAD_IP}, groups  # hosted by the ranks' node
+
+    two, one = _learned(tmp_path / "two_nodes"), _learned(tmp_path / "one_node")
+    assert [r["step"] for r in two] == [0, 1, 2]
+    assert two == one
+
+
+COLOCATED = [
+    *TWO_STEPS,
+    "logging.sinks=[jsonl]",
+    "weight_sync.transport=tensor",
+    "cluster.network_interface=lo",
+    "cluster.cpu_engines=2",
+    "parallel.ep=1",
+]
+FEED = re.compile(r"(reference\d) <- rank (\d) \(pid (\d+), ([\d.]+)\)")
+
+
+def test_colocated_engines_on_two_nodes_are_fed_by_their_own_nodes_ranks_and_learn_as_on_one(tmp_path: Path) -> None:
+    """The tiny colocated recipe with the tensor transport, one trainer rank and one engine per node (4
+    bundles of 0.4 CPU on two 1-CPU nodes: two fit each): each engine's weights come only from the trainer
+    rank on its own node (the engine logs the process its shared memory belongs to), and the run logs the
+    same metrics as the same layout on one node. EP is 1 here so each node's rank holds every expert; the
+    EP all-gather is proven in tests/distributed/test_full_model_export.py."""
+    one_node_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with _two_node_cluster(hold_second_node=False) as cluster_env:
+        two_nodes = _start_run(tmp_path / "two_nodes", cluster_env, "cluster.nodes=2", base=COLOCATED)
+        one_node = _start_run(tmp_path / "one_node", one_node_env, "cluster.nodes=1", base=COLOCATED)
+        outputs = _finish({"two_nodes": two_nodes, "one_node": one_node})
+
+    stdout = outputs["two_nodes"][0]
+    engines = dict(re.findall(r"(reference\d) at ([\d.]+):\d+", stdout))
+    feeds = FEED.findall(stdout)
+    assert [(name, int(rank)) for name, rank, _, _ in feeds] == [("reference0", 0), ("reference1", 1)], stdout
+    assert {engines[name] for name in engines} == {HEAD_IP, SECOND_IP}
+    logs = tmp_path / "two_nodes" / "runs" / "tiny-moe-cpu-dapo" / "logs"
+    for name, _, pid, node in feeds:
+        assert engines[name] == node  # the engine sits on its feeder's node
+        senders = re.findall(r"weights for TP rank 0 come from process (\d+)", (logs / f"{name}.log").read_text())
+        assert senders == [pid], (name, senders)  # every sync of the run came from that rank alone
 
     two, one = _learned(tmp_path / "two_nodes"), _learned(tmp_path / "one_node")
     assert [r["step"] for r in two] == [0, 1, 2]

@@ -17,6 +17,7 @@ from megatron_rl.orchestration.placement_group import (
     engine_gpu_ids,
 )
 from megatron_rl.plan.placement import ActorResources, plan_run_placement
+from megatron_rl.weight_sync.engine_feeds import colocated_feeds
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -47,6 +48,19 @@ def test_cpu_recipe_gives_each_rank_and_engine_a_bundle() -> None:
     plan = plan_run_placement(cfg)
     assert plan.num_bundles == 4 and plan.bundle.num_gpus == 0
     assert plan.trainer_positions == (0, 1) and plan.engine_positions == ((2,), (3,))
+
+
+def test_colocated_cpu_engines_on_several_nodes_sit_beside_the_ranks_that_feed_them() -> None:
+    cfg, _ = load_recipe(
+        RECIPES / "tiny_moe_cpu_dapo.yaml",
+        ["cluster.nodes=2", "cluster.cpu_trainer_ranks=4", "cluster.cpu_engines=2", "cluster.network_interface=lo"],
+    )
+    plan = plan_run_placement(cfg)  # per node: its 2 trainer ranks, then its engine
+    assert plan.trainer_positions == (0, 1, 3, 4) and plan.engine_positions == ((2,), (5,))
+    feeds = colocated_feeds(4, [1, 1])
+    for engine, (position,) in enumerate(plan.engine_positions):
+        (feeder,) = [rank for rank, feed in enumerate(feeds) if feed is not None and feed.engine == engine]
+        assert plan.trainer_positions[feeder] // 3 == position // 3  # the same node's block
 
 
 def test_engine_spanning_nodes_is_refused_at_validate_time(qwen3_30b_overrides: list[str]) -> None:
