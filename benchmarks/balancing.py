@@ -8,7 +8,7 @@ per-prompt difficulty factor ``exp(N(0, 0.5))``, sigma 0.8) cut at ``max_respons
 a mass of 10% of the responses cut at the maximum. Each mini-batch is split over the DP ranks by:
 
 * ``ours``: ``balance_across_dp`` (Karmarkar-Karp on ``sequence_workload`` with equal counts,
-  then ``refine_by_swaps``), the function ``StepData.shard`` and ``dp_shard`` call;
+  then ``refine_by_swaps``), the function ``StepData.shard`` calls;
 * ``KK alone``: the same Karmarkar-Karp without the swaps (what ``balance_across_dp`` was before);
 * ``naive``: contiguous slices of the mini-batch;
 * ``round-robin``: samples sorted by length (longest first) dealt to ranks 0, 1, ..., DP-1, 0, ...

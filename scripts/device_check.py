@@ -61,7 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -71,6 +71,9 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import torch  # noqa: E402
 
 from megatron_rl.parallel.local_launch import free_port, run_local_ranks  # noqa: E402
+
+if TYPE_CHECKING:
+    from megatron_rl.actor.step_data import StepData
 
 PARITY_TOLERANCE = 1e-4
 STATE_TOLERANCE = 0.10
@@ -188,17 +191,23 @@ def _state_tensors(actor) -> list[torch.Tensor]:
     return tensors
 
 
-def _batch(vocab_size: int, num_sequences: int, seq_length: int):
-    from megatron_rl.actor import ActorBatch
+def _step_data(vocab_size: int, num_sequences: int, seq_length: int) -> StepData:
+    """One mini-batch of ``num_sequences`` random samples, ``seq_length`` down to half that long, 2 prompt tokens."""
+    from megatron_rl.actor.step_data import StepData
 
     generator = torch.Generator().manual_seed(0)
     lengths = torch.linspace(seq_length, seq_length // 2, num_sequences).round().long()
-    positions = torch.arange(seq_length)
-    valid = positions < lengths.unsqueeze(1)
-    input_ids = torch.randint(1, vocab_size, (num_sequences, seq_length), generator=generator).masked_fill(~valid, 0)
-    advantages = torch.linspace(-1.0, 1.0, num_sequences)
-    return ActorBatch(
-        input_ids=input_ids, lengths=lengths, response_mask=valid & (positions >= 2), advantages=advantages
+    total = int(lengths.sum())
+    return StepData(
+        token_ids=torch.randint(1, vocab_size, (total,), generator=generator, dtype=torch.int32),
+        offsets=torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]),
+        prompt_lengths=torch.full((num_sequences,), 2),
+        advantages=torch.linspace(-1.0, 1.0, num_sequences),
+        loss_mask=torch.ones(total - 2 * num_sequences, dtype=torch.bool),
+        rollout_log_probs=None,
+        routed_experts=None,
+        sample_ids=torch.arange(num_sequences),
+        mini_batch_sizes=(num_sequences,),
     )
 
 
@@ -221,10 +230,9 @@ def _train_rank(rank: int, world_size: int, cfg, model_dir: Path, batch_shape: t
         norm_constant=batch_shape[1],
         temperature=cfg.rollout.temperature,
     )
-    batch = _batch(actor.arch.vocab_size, *batch_shape)
-    batch = batch.replace(old_log_probs=actor.compute_log_probs(batch).log_probs.cpu())
+    shard = _step_data(actor.arch.vocab_size, *batch_shape)  # one rank: the whole step is its shard
     before = [p.detach().to("cpu", copy=True) for model in actor.models for p in model.parameters()]  # not on the GPU
-    metrics = actor.train_step(batch)
+    metrics = actor.train_step(shard)
     after = [p.detach() for model in actor.models for p in model.parameters()]
     moved = sum(int(not torch.equal(a, b.cpu())) for a, b in zip(before, after, strict=True))
     main_dtypes = sorted(

@@ -4,16 +4,23 @@ The batch: 8 sequences of 9..16 tokens (3..5 prompt tokens), random tokens
 from a fixed seed, advantages of both signs, old log-probs = the model's
 log-probs (computed by transformers) plus noise, so that the PPO ratio is
 off 1 and both clip bounds are active on some tokens.
+
+The actor takes a step as the driver sends it, one ``StepData`` shard per data-parallel rank:
+:func:`rank_shard` is this rank's shard of a batch, :func:`batch_rows` puts shards' [n, S]
+results back at their samples' rows of the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megatron_rl.actor import ActorBatch, PolicyActor
+from megatron_rl.actor.step_data import StepData
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
 from megatron_rl.parallel.distributed import ParallelSizes
@@ -90,6 +97,56 @@ def batch_with_old_log_probs(hf_dir: Path, temperature: float = 1.0) -> ActorBat
     log_probs, _ = transformers_log_probs(hf_dir, batch, temperature)
     noise = 0.2 * torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(1))
     return batch.replace(old_log_probs=torch.where(batch.response_mask, log_probs + noise, 0.0))
+
+
+def step_data(batch: ActorBatch) -> StepData:
+    """``batch`` as the driver's one-mini-batch ``StepData`` (``to_actor_batch`` gives its rows back).
+
+    ``batch`` is right-padded with token 0 to its longest row; a row's response starts at its
+    first ``response_mask`` token and runs to its length. Rollout log-probs and routed experts
+    are kept where ``batch`` has them; missing advantages are zeros.
+    """
+    lengths = batch.lengths.tolist()
+    prompt_lengths = torch.where(batch.response_mask.any(1), batch.response_mask.int().argmax(1), batch.lengths)
+    tokens = [slice(0, n) for n in lengths]
+    responses = [slice(int(p), n) for p, n in zip(prompt_lengths, lengths, strict=True)]
+    routed = [slice(0, n - 1) for n in lengths]  # the engine routes every token but the last
+
+    def cut(values: torch.Tensor, spans: list[slice]) -> torch.Tensor:
+        return torch.cat([row[span] for row, span in zip(values, spans, strict=True)])
+
+    rollout, experts = batch.rollout_log_probs, batch.routed_experts
+    return StepData(
+        token_ids=cut(batch.input_ids, tokens).to(torch.int32),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(batch.lengths, 0)]),
+        prompt_lengths=prompt_lengths,
+        advantages=batch.advantages if batch.advantages is not None else torch.zeros(batch.num_sequences),
+        loss_mask=cut(batch.response_mask, responses),
+        rollout_log_probs=None if rollout is None else cut(rollout, responses),
+        routed_experts=None if experts is None else cut(experts, routed),
+        sample_ids=torch.arange(batch.num_sequences),
+        mini_batch_sizes=(batch.num_sequences,),
+    )
+
+
+def rank_shard(batch: ActorBatch, mini_batches: int = 1) -> StepData:
+    """This data-parallel rank's shard of ``batch`` in ``mini_batches`` mini-batches (``StepData.shard``).
+
+    Needs ``initialize_parallel``; every rank of a model-parallel group gets the same shard.
+    """
+    shards = step_data(batch).shard(parallel_state.get_data_parallel_world_size(), mini_batches)
+    return shards[parallel_state.get_data_parallel_rank()]
+
+
+def batch_rows(parts: Iterable[tuple[torch.Tensor, torch.Tensor]], like: ActorBatch) -> torch.Tensor:
+    """Shards' ``(sample_ids, [n, S'] values)`` at their samples' rows of a [B, S] tensor shaped like ``like``.
+
+    Rows no part holds stay zero (the actor's log-probs of a sample live on its own DP rank only).
+    """
+    out = torch.zeros(like.num_sequences, like.seq_length)
+    for sample_ids, values in parts:
+        out[sample_ids, : values.shape[1]] = values.float()
+    return out
 
 
 def parallel_config(sizes: ParallelSizes) -> ParallelConfig:

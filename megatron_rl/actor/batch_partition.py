@@ -1,18 +1,20 @@
-"""From a global batch to this rank's equally shaped micro-batches.
+"""From a data-parallel rank's rows to its equally shaped micro-batches.
 
-1. :func:`split_mini_batches`: the global batch's row indices in
-   ``num_mini_batches`` contiguous chunks (one optimizer update each).
-2. :func:`dp_shard`: balance a mini-batch's rows across data-parallel ranks
-   (equal counts, Karmarkar-Karp on the workload; ``megatron_rl.data``).
-3. :func:`plan_micro_batches`: token-budget micro-batches with the count made
+The rows are this rank's own (its ``StepData`` shard, balanced over the DP ranks by the
+driver); both steps below agree with the other DP ranks so that every rank runs the same
+schedule:
+
+1. :func:`plan_micro_batches`: token-budget micro-batches with the count made
    equal on every DP rank (local plan, all-reduce MAX, plan again).
-4. :func:`padded_micro_batches`: every micro-batch padded to one common
+2. :func:`padded_micro_batches`: every micro-batch padded to one common
    ``[rows, S]`` shape, agreed on by all DP ranks (MAX all-reduce). The CPU
    MoE dispatcher (allgather) and pipeline p2p without
    ``variable_seq_lengths`` need one shape per schedule call; padding rows
    carry no loss token. ``S`` is a multiple of ``seq_multiple``
    (``packing.padded_sequence_multiple``: the TP size for sequence parallelism,
    times the FP8 token alignment when training in FP8).
+
+:func:`local_micro_batches` does both for the actor.
 """
 
 from __future__ import annotations
@@ -25,29 +27,8 @@ from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.packing import padded_sequence_multiple
-from megatron_rl.data.balancing import balance_across_dp
 from megatron_rl.data.micro_batching import token_budget_micro_batches
 from megatron_rl.parallel.device import select_device
-
-
-def split_mini_batches(num_sequences: int, num_mini_batches: int) -> list[list[int]]:
-    """Row indices of the global batch in ``num_mini_batches`` contiguous, equal chunks.
-
-    Raises:
-        ValueError: if the batch does not divide evenly (the field to change is named).
-    """
-    if num_sequences % num_mini_batches:
-        raise ValueError(
-            f"a batch of {num_sequences} sequences does not split into train.mini_batches_per_step="
-            f"{num_mini_batches} equal mini-batches; make the batch a multiple of it"
-        )
-    size = num_sequences // num_mini_batches
-    return [list(range(start, start + size)) for start in range(0, num_sequences, size)]
-
-
-def dp_shard(lengths: Sequence[int], dp_rank: int, dp_size: int) -> list[int]:
-    """Positions (into ``lengths``) of the rows DP rank ``dp_rank`` trains on; same on every rank."""
-    return balance_across_dp(list(lengths), dp_size)[dp_rank]
 
 
 def _max_over(values: Sequence[int], group: dist.ProcessGroup | None) -> list[int]:
@@ -86,7 +67,7 @@ def padded_micro_batches(
 def local_micro_batches(
     local: ActorBatch, max_tokens_per_micro_batch: int, fp8_recipe: str | None
 ) -> tuple[list[list[int]], list[ActorBatch]]:
-    """This DP rank's rows ``local`` as (plan, padded micro-batches), steps 3 and 4 above.
+    """This DP rank's rows ``local`` as (plan, padded micro-batches), steps 1 and 2 above.
 
     The count and the padded shape are agreed over the data-parallel group; the length is a
     multiple of the TP size times the FP8 token alignment (``fp8_recipe``, None without FP8).

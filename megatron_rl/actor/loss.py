@@ -98,7 +98,7 @@ def actor_loss(
     """
     old_log_probs, advantages = micro_batch.old_log_probs, micro_batch.advantages
     if old_log_probs is None or advantages is None:
-        raise ValueError("training needs batch.old_log_probs (compute_log_probs) and batch.advantages")
+        raise ValueError("training needs batch.old_log_probs (PolicyActor.log_probs) and batch.advantages")
     mask_BS = micro_batch.response_mask
     weights_BS: torch.Tensor | None = None
     means: dict[str, torch.Tensor] = {}
@@ -139,7 +139,9 @@ def _kl_terms(
     norm_constant: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if micro_batch.ref_log_probs is None:
-        raise ValueError("algorithm.use_kl_loss is on but the batch has no ref_log_probs (compute_ref_log_probs)")
+        raise ValueError(
+            "algorithm.use_kl_loss is on but the batch has no ref_log_probs (PolicyActor.log_probs(reference=True))"
+        )
     kl_BS = kl_estimate(log_probs_BS, micro_batch.ref_log_probs, algorithm.kl_type)
     return _aggregate(kl_BS, micro_batch, algorithm, counts, norm_constant), _token_mean(
         kl_BS, micro_batch.response_mask

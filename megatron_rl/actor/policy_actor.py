@@ -1,16 +1,17 @@
 """``PolicyActor``: one rank's Megatron policy worker (Ray wraps it in ``orchestration``).
 
-Every rank of the trainer holds one actor; all of them are called together. Public API:
+Every rank of the trainer holds one actor; all of them are called together, each with its
+data-parallel rank's :class:`~megatron_rl.actor.step_data.StepData` shard from the driver
+(every rank of a model-parallel group the same shard). Public API:
 
-* :meth:`train_on_shard`: the trainer's step on this DP rank's own samples (a
-  :class:`~megatron_rl.actor.step_data.StepData` shard from the driver): old and
-  reference log-probs computed here and kept here, then PPO epochs x mini-batches of
-  optimizer updates; only scalar metrics come back;
-* :meth:`compute_log_probs` / :meth:`compute_ref_log_probs` / :meth:`train_step`: the
-  same on one global :class:`ActorBatch` given to every rank (each works on the rows its
-  DP rank is given, and log-probs are shared back), for scripts and tests;
-* :meth:`export_weights`: Hugging Face (name, tensor) pairs for weight sync;
-* :meth:`offload` / :meth:`reload`: colocated mode memory hand-over.
+* :meth:`PolicyActor.train_step`: the trainer's step on this DP rank's own samples: old (and,
+  with the KL loss, reference) log-probs computed here and kept here (:meth:`log_probs`), then
+  PPO epochs x mini-batches of optimizer updates (``train_step.run_updates``); only scalar
+  metrics come back;
+* :meth:`PolicyActor.log_probs`: the policy's (or the reference's) log-probs and entropies of
+  the shard's rows, [n, S] on the last pipeline stage, exactly as ``train_step`` computes them;
+* :meth:`PolicyActor.export_weights`: Hugging Face (name, tensor) pairs for weight sync;
+* :meth:`PolicyActor.offload` / :meth:`PolicyActor.reload`: colocated mode memory hand-over.
 
 Requires :func:`megatron_rl.parallel.distributed.initialize_parallel` with
 :func:`parallel_sizes` of the same ``ParallelConfig`` first.
@@ -18,10 +19,10 @@ Requires :func:`megatron_rl.parallel.distributed.initialize_parallel` with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +30,17 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.batch_logprobs import ForwardOptions, TokenLogProbs, compute_log_probs, local_log_probs
+from megatron_rl.actor.batch_logprobs import local_log_probs
 from megatron_rl.actor.offload import StateOffloader
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.packing import select_packing
 from megatron_rl.actor.precision import actor_config_overrides, params_dtype
 from megatron_rl.actor.reference_policy import ReferencePolicyWeights
 from megatron_rl.actor.routing_replay import RoutingReplay
+from megatron_rl.actor.schedule import ForwardOptions
 from megatron_rl.actor.step_data import StepData
-from megatron_rl.actor.train_step import StepContext, train_on_batch, train_on_local_rows
+from megatron_rl.actor.token_logprobs import TokenLogProbs
+from megatron_rl.actor.train_step import StepContext, run_updates
 from megatron_rl.config.hf_config import parse_hf_config
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
 from megatron_rl.models.builder import build_model_chunks
@@ -93,7 +96,7 @@ class PolicyActor:
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("call initialize_parallel(parallel_sizes(parallel)) before building a PolicyActor")
         self.arch = parse_hf_config(hf_config)
-        self._train, self._algorithm = train, algorithm
+        self._algorithm = algorithm
         use_te, dtype = transformer_engine_usable(), params_dtype(train)
         overrides = actor_config_overrides(
             train,
@@ -124,17 +127,18 @@ class PolicyActor:
             sequence_parallel=self.config.sequence_parallel,
             fp8_recipe=self.config.fp8_recipe if self.config.fp8 else None,
         )
-        self._context = StepContext(
-            self.models,
-            self.optimizer,
-            train,
-            algorithm,
-            self.arch.vocab_size,
-            norm_constant,
-            temperature,
-            replay,
-            packing,
+        self._forward = ForwardOptions(
+            vocab_size=self.arch.vocab_size,
+            temperature=temperature,
+            max_tokens_per_micro_batch=train.max_tokens_per_micro_batch,
+            packing=packing,
+            replay=replay,
+            chunk_tokens=train.logprob_chunk_tokens,
+            fp8_recipe=self.config.fp8_recipe if self.config.fp8 else None,
         )
+        # The reference routes with its own routers: the engine's experts are the policy's choice.
+        self._reference_forward = dataclasses.replace(self._forward, replay=None)
+        self._context = StepContext(self.models, self.optimizer, train, algorithm, norm_constant, self._forward)
         keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
         reference_device = select_device() if algorithm.reference_placement == "device" else "cpu"
         self._reference = ReferencePolicyWeights(self.models, device=reference_device) if keep else None
@@ -143,77 +147,60 @@ class PolicyActor:
         self._offloader = StateOffloader(self.models, self.optimizer.optimizer, extra)
         self._device = select_device()
 
-    def compute_log_probs(self, batch: ActorBatch) -> TokenLogProbs:
-        """The current policy's log-probs and entropies of ``batch`` at the sampling temperature, [B, S] on every rank."""
-        return compute_log_probs(self.models, self._prepare(batch), self._forward_options())
-
-    def compute_ref_log_probs(self, batch: ActorBatch) -> torch.Tensor:
-        """The reference policy's log-probs of ``batch`` at the sampling temperature, [B, S] on every rank.
-
-        The reference model routes with its own routers (no routing replay: the engine's experts
-        are the policy's choice, not the reference's).
-
-        Raises:
-            RuntimeError: the actor keeps no reference weights (``keep_reference``).
-        """
-        with self._reference_swapped_in():
-            return compute_log_probs(self.models, self._prepare(batch), self._forward_options(replay=False)).log_probs
-
-    def train_step(self, batch: ActorBatch) -> dict[str, float]:
-        """Train on ``batch`` (advantages and old log-probs set); metrics averaged over the step's updates.
-
-        Keys: ``loss``, ``policy_loss``, ``entropy_loss``, ``kl_loss`` (with
-        the KL loss), ``clip_frac_upper``/``lower``/``dual``, ``approx_kl``,
-        ``entropy``, ``ratio_mean``/``max``, ``mismatch_*``/``tis_*`` (with
-        rollout log-probs), ``grad_norm``, ``lr``, ``tokens``,
-        ``num_micro_batches``, ``time_*_s``; plus ``num_updates`` and ``time_train_s``.
-        """
-        started = time.perf_counter()
-        updates = train_on_batch(self._context, self._prepare(batch))
-        return _mean_over_updates(updates) | {"time_train_s": time.perf_counter() - started}
-
-    def train_on_shard(self, shard: StepData) -> dict[str, float]:
+    def train_step(self, shard: StepData) -> dict[str, float]:
         """The step on this DP rank's own samples: old (and reference) log-probs here, then the updates.
 
         All ranks call this together, every rank of a model-parallel group with the same shard
-        and every DP rank with as many samples per mini-batch. Old and reference log-probs stay
-        on this rank. Returns :meth:`train_step`'s keys plus ``time_old_log_probs_s`` (and
-        ``time_ref_log_probs_s`` with the KL loss), the same on every rank.
+        and every DP rank with as many samples per mini-batch (``StepData.shard``). The old and
+        reference log-probs are those of :meth:`log_probs` and stay on this rank. Returns the
+        metrics averaged over the step's updates, the same on every rank: ``loss``,
+        ``policy_loss``, ``entropy_loss``, ``kl_loss`` (with the KL loss), ``clip_frac_upper``/
+        ``lower``/``dual``, ``approx_kl``, ``entropy``, ``ratio_mean``/``max``, ``mismatch_*``/
+        ``tis_*`` (with rollout log-probs), ``grad_norm``, ``lr``, ``tokens``,
+        ``num_micro_batches``, ``time_forward_backward_s``, ``time_update_s``; plus
+        ``num_updates``, ``time_old_log_probs_s`` (``time_ref_log_probs_s`` with the KL loss)
+        and ``time_train_s``.
         """
         started = time.perf_counter()
-        local = self._prepare(shard.to_actor_batch())
-        local = local.replace(old_log_probs=local_log_probs(self.models, local, self._forward_options()).log_probs)
+        local = self._prepare(shard)
+        local = local.replace(old_log_probs=self._log_probs(local, reference=False).log_probs)
         timings = {"time_old_log_probs_s": time.perf_counter() - started}
         if self._algorithm.use_kl_loss:
-            with self._reference_swapped_in():
-                ref = local_log_probs(self.models, local, self._forward_options(replay=False)).log_probs
-            local = local.replace(ref_log_probs=ref)
+            local = local.replace(ref_log_probs=self._log_probs(local, reference=True).log_probs)
             timings["time_ref_log_probs_s"] = time.perf_counter() - started - timings["time_old_log_probs_s"]
         trained = time.perf_counter()
-        updates = train_on_local_rows(self._context, local, shard.mini_batch_rows())
+        updates = run_updates(self._context, local, shard.mini_batch_rows())
         return _mean_over_updates(updates) | timings | {"time_train_s": time.perf_counter() - trained}
 
-    def _forward_options(self, *, replay: bool = True) -> ForwardOptions:
-        return ForwardOptions(
-            vocab_size=self.arch.vocab_size,
-            temperature=self._context.temperature,
-            max_tokens_per_micro_batch=self._train.max_tokens_per_micro_batch,
-            packing=self._context.packing,
-            replay=self._context.replay if replay else None,
-            chunk_tokens=self._train.logprob_chunk_tokens,
-            fp8_recipe=self.config.fp8_recipe if self.config.fp8 else None,
-        )
+    def log_probs(self, shard: StepData, *, reference: bool = False) -> TokenLogProbs:
+        """Log-probs and entropies of this DP rank's samples at the sampling temperature, as ``train_step`` has them.
 
-    def _reference_swapped_in(self) -> AbstractContextManager[None]:
+        [n, S] for the shard's n samples in its order (``StepData.to_actor_batch`` rows), on the
+        last pipeline stage (zeros on the others). ``reference``: the reference policy's, which
+        routes with its own routers (no routing replay). All ranks call this together, as
+        :meth:`train_step`.
+
+        Raises:
+            RuntimeError: ``reference`` but the actor keeps no reference weights (``keep_reference``).
+            ValueError: routing replay is on and the shard has no routed experts.
+        """
+        return self._log_probs(self._prepare(shard), reference=reference)
+
+    def _log_probs(self, local: ActorBatch, *, reference: bool) -> TokenLogProbs:
+        """:meth:`log_probs` of rows already prepared: ``train_step`` pads and moves its shard once."""
+        if not reference:
+            return local_log_probs(self.models, local, self._forward)
         if self._reference is None:
             raise RuntimeError("this actor keeps no reference weights; build it with keep_reference=True")
-        return self._reference.swapped_in()
+        with self._reference.swapped_in():
+            return local_log_probs(self.models, local, self._reference_forward)
 
-    def _prepare(self, batch: ActorBatch) -> ActorBatch:
-        """``batch`` on this rank's device, checked for what the recipe needs before any collective."""
-        if self._context.replay is not None:
-            self._context.replay.check_batch(batch)
-        return batch.to(self._device)
+    def _prepare(self, shard: StepData) -> ActorBatch:
+        """``shard``'s rows on this rank's device, checked for what the recipe needs before any collective."""
+        local = shard.to_actor_batch()
+        if self._forward.replay is not None:
+            self._forward.replay.check_batch(local)
+        return local.to(self._device)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) pairs of this rank's chunks; all ranks of a TP group iterate together."""

@@ -2,16 +2,18 @@
 
 :func:`run_schedule` feeds :class:`ActorBatch` micro-batches through
 ``get_forward_backward_func`` (no pipelining, 1F1B or interleaved, as the
-parallel state dictates), forward-only or forward-backward. Per micro-batch it
-sets the routers' replay targets (when replaying) right before the model
-chunk's forward and hands them to recomputation right after it, turns the last stage's vocab-parallel logits into [B, S] token
-log-probs and entropies of softmax(logits / temperature), and hands them to
-``loss_fn``. This is the only path from logits to log-probs in the actor (old,
-current and reference log-probs, entropy), so all of them see the temperature.
+parallel state dictates), forward-only or forward-backward, under the actor's one
+:class:`ForwardOptions` bundle (vocabulary, temperature, token budget, layout, routing
+replay, log-prob chunking). Per micro-batch it sets the routers' replay targets (when
+replaying) right before the model chunk's forward and hands them to recomputation right
+after it, turns the last stage's vocab-parallel logits into [B, S] token log-probs and
+entropies of softmax(logits / temperature), and hands them to ``loss_fn``. This is the
+only path from logits to log-probs in the actor (old, current and reference log-probs,
+entropy), so all of them see the temperature.
 
 Two input layouts, chosen once by :func:`~megatron_rl.actor.packing.select_packing`:
 
-* padded (``packing=None``): the micro-batch's ``[B, S]`` ids, positions
+* padded (``options.packing=None``): the micro-batch's ``[B, S]`` ids, positions
   0..S-1 for every row, causal attention (right padding never influences the
   positions before it); all micro-batches share one ``[B, S]`` shape;
 * packed (a :class:`~megatron_rl.actor.packing.PackingRule`): each
@@ -78,29 +80,49 @@ def _model_inputs(micro_batches: Sequence[ActorBatch], packing: PackingRule | No
     ]
 
 
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How the actor runs its model over micro-batches, forward-only or training; built once per actor.
+
+    Attributes:
+        vocab_size: the model's vocabulary (log-probs over it, not over TP padding).
+        temperature: the rollout's sampling temperature T (> 0): log-probs and entropies are
+            those of softmax(logits / T).
+        max_tokens_per_micro_batch: the token budget of a micro-batch.
+        packing: pack with this rule (GPU with Transformer Engine), or None for the padded layout.
+        replay: routing replay, or None for the model's own routing (the reference policy).
+        chunk_tokens: log-probs over at most that many tokens at once (``train.logprob_chunk_tokens``).
+        fp8_recipe: None without FP8; sets the padded length's alignment
+            (``packing.padded_sequence_multiple``).
+    """
+
+    vocab_size: int
+    temperature: float
+    max_tokens_per_micro_batch: int
+    packing: PackingRule | None = None
+    replay: RoutingReplay | None = None
+    chunk_tokens: int = 0
+    fp8_recipe: str | None = None
+
+
 def run_schedule(
     models: Sequence[torch.nn.Module],
     micro_batches: Sequence[ActorBatch],
     loss_fn: LossFn,
+    options: ForwardOptions,
     *,
-    vocab_size: int,
-    temperature: float,
     forward_only: bool,
-    packing: PackingRule | None = None,
-    replay: RoutingReplay | None = None,
-    chunk_tokens: int = 0,
 ) -> list[Any]:
     """Run the schedule; return what ``loss_fn`` produced per micro-batch (last pipeline stage; else ``[]``).
 
-    All micro-batches must share one ``[B, S]`` shape. ``temperature``: the
-    rollout's sampling temperature (> 0). ``chunk_tokens``: log-probs over at
-    most that many tokens at once (``train.logprob_chunk_tokens``). ``packing``: pack with
-    this rule (GPU with Transformer Engine), or None for the padded layout.
-    Forward-only runs collect ``loss_fn``'s return value as non-loss data;
-    training runs follow Megatron's ``loss_func`` contract ``(loss,
+    All micro-batches must share one ``[B, S]`` shape (the caller cut them under
+    ``options.max_tokens_per_micro_batch``); ``options`` gives the temperature, vocabulary,
+    layout, routing and chunking. Forward-only runs collect ``loss_fn``'s return value as
+    non-loss data; training runs follow Megatron's ``loss_func`` contract ``(loss,
     num_tokens, log_dict)`` and return the log dicts.
     """
-    inputs = _model_inputs(micro_batches, packing)
+    replay = options.replay
+    inputs = _model_inputs(micro_batches, options.packing)
     tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def forward_step(
@@ -116,17 +138,22 @@ def run_schedule(
         def loss_func(output: torch.Tensor, non_loss_data: bool = False) -> Any:
             if item.layout is None:
                 current = token_log_probs(
-                    output, item.input_ids, vocab_size, tp_group, temperature=temperature, chunk_tokens=chunk_tokens
+                    output,
+                    item.input_ids,
+                    options.vocab_size,
+                    tp_group,
+                    temperature=options.temperature,
+                    chunk_tokens=options.chunk_tokens,
                 )
             else:
                 current = packed_token_log_probs(
                     output,
                     item.input_ids,
                     item.layout,
-                    vocab_size,
+                    options.vocab_size,
                     tp_group,
-                    temperature=temperature,
-                    chunk_tokens=chunk_tokens,
+                    temperature=options.temperature,
+                    chunk_tokens=options.chunk_tokens,
                 )
             return loss_fn(item.micro_batch, current)
 

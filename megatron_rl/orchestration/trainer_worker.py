@@ -102,7 +102,7 @@ class TrainerWorker:
         The metrics are the same on every rank; the receipt says what this rank received.
         """
         receipt = ShardReceipt(self._rank, tuple(shard.sample_ids.tolist()), shard.nbytes())
-        return self.actor.train_on_shard(shard), receipt
+        return self.actor.train_step(shard), receipt
 
     def offload(self, keep_params: bool = False) -> None:
         """Move this rank's actor state to host memory while colocated engines use the device (bit-exact).

@@ -1,4 +1,4 @@
-"""Rollout routing replay: with replay on, every router uses exactly the experts the batch gives.
+"""Rollout routing replay: with replay on, every router uses exactly the experts the step gives.
 
 Runs at TP2 x PP2 (sequence parallelism splits each router's tokens over TP;
 each pipeline stage holds one of the two MoE layers) with two micro-batches.
@@ -16,7 +16,15 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_rl.data.micro_batching import token_budget_micro_batches
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-from tests.actor_setup import algorithm_config, fixed_batch, save_tiny_moe_2layer, tiny_actor, train_config
+from tests.actor_setup import (
+    algorithm_config,
+    fixed_batch,
+    rank_shard,
+    save_tiny_moe_2layer,
+    step_data,
+    tiny_actor,
+    train_config,
+)
 from tests.distributed_utils import run_distributed
 
 SIZES = ParallelSizes(tp=2, pp=2)
@@ -46,9 +54,9 @@ def _replay_rank(rank, world_size, hf_dir, batch):
                 module.register_forward_hook(
                     lambda router, inputs, outputs: used.append((router.layer_number - 1, outputs[1].clone()))
                 )
-    actor.compute_log_probs(batch)
+    actor.log_probs(rank_shard(batch))
     with pytest.raises(ValueError, match="routed_experts") as missing:
-        actor.compute_log_probs(batch.replace(routed_experts=None))
+        actor.log_probs(rank_shard(batch.replace(routed_experts=None)))
     result = {"used": used, "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "error": str(missing.value)}
     destroy_parallel()
     return result
@@ -57,9 +65,11 @@ def _replay_rank(rank, world_size, hf_dir, batch):
 def _expected_routing_maps(batch, tp_rank: int, layer: int) -> list[torch.Tensor]:
     """Per micro-batch: the [S/tp * rows, E] bool map of the given experts, in the router's token order.
 
-    The micro-batches are those the actor forms (token budget, padded to equal
-    rows and length; padding rows and positions route to experts 0..K-1).
+    The rows are the step's as the actor holds them (``StepData.to_actor_batch``: the given experts
+    at every routed position, 0..K-1 at each row's last token and padding), in the micro-batches the
+    actor forms (token budget, padded to equal rows and length; padding rows route to 0..K-1).
     """
+    batch = step_data(batch).to_actor_batch()
     plan = token_budget_micro_batches(batch.lengths.tolist(), BUDGET)
     rows = max(len(part) for part in plan)
     maps = []

@@ -1,22 +1,25 @@
 """One training step gives the same parameters however the batch is split (DESIGN.md section 3).
 
-The same global batch is trained one step at (DP1, one micro-batch), (DP2 with
-EP2, three micro-batches per rank) and (TP2 x PP2, two micro-batches), for each
-loss aggregation mode; the exported Hugging Face weights must agree to fp32
-tolerance. The same runs check the actor's log-probs and entropies against
-transformers, and that the step's reported metrics agree across splits.
+The same batch is trained one step (``train_step``, each DP rank on its shard, two PPO epochs)
+at (DP1, one micro-batch), (DP2 with EP2, three micro-batches per rank) and (TP2 x PP2, two
+micro-batches), for each loss aggregation mode; the exported Hugging Face weights must agree to
+fp32 tolerance. The same runs check the actor's log-probs and entropies against transformers,
+and that the step's reported metrics agree across splits.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 from megatron_rl.algorithms import LOSS_AGG_MODES
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
     algorithm_config,
-    batch_with_old_log_probs,
+    batch_rows,
+    fixed_batch,
+    rank_shard,
     save_tiny_moe_2layer,
     tiny_actor,
     train_config,
@@ -40,17 +43,22 @@ SPLITS = {
 
 def _train_rank(rank, world_size, sizes, budget, hf_dir, batch):
     initialize_parallel(sizes)
+    shard = rank_shard(batch)
     results = {}
     for mode in LOSS_AGG_MODES:
         actor = tiny_actor(
             hf_dir,
             sizes,
-            train=train_config(max_tokens_per_micro_batch=budget),
+            # Two epochs: train_step's old log-probs are its own, so only the second update has the
+            # ratio off 1, the clip bounds active and clip fractions to compare across splits.
+            train=train_config(max_tokens_per_micro_batch=budget, ppo_epochs=2),
             algorithm=algorithm_config(loss_agg_mode=mode),
         )
         if mode == LOSS_AGG_MODES[0]:
-            results["before"] = actor.compute_log_probs(batch)
-        metrics = actor.train_step(batch)
+            before = actor.log_probs(shard)  # every rank takes part; the values are on the last stage
+            if parallel_state.is_pipeline_last_stage():
+                results["before"] = (shard.sample_ids, before)
+        metrics = actor.train_step(shard)
         results[mode] = (metrics, dict(actor.export_weights()))
     destroy_parallel()
     return results
@@ -59,7 +67,7 @@ def _train_rank(rank, world_size, sizes, budget, hf_dir, batch):
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory):
     hf_dir = save_tiny_moe_2layer(tmp_path_factory.mktemp("actor") / "moe")
-    batch = batch_with_old_log_probs(hf_dir)
+    batch = fixed_batch()
     runs = {}
     for name, (sizes, world_size, budget, _) in SPLITS.items():
         per_rank = run_distributed(_train_rank, world_size, sizes, budget, hf_dir, batch)
@@ -67,7 +75,12 @@ def split_runs(tmp_path_factory):
         for rank_result in per_rank:
             for mode in LOSS_AGG_MODES:
                 merged[mode][1].update(rank_result[mode][1])
-        runs[name] = {"before": per_rank[0]["before"], **merged}
+        before = [rank_result["before"] for rank_result in per_rank if "before" in rank_result]
+        runs[name] = {
+            "log_probs": batch_rows([(ids, values.log_probs) for ids, values in before], batch),
+            "entropy": batch_rows([(ids, values.entropy) for ids, values in before], batch),
+            **merged,
+        }
     return hf_dir, batch, runs
 
 
@@ -103,6 +116,5 @@ def test_actor_log_probs_match_transformers(split_runs, split):
     expected_log_probs, expected_entropy = transformers_log_probs(hf_dir, batch)
     valid = torch.arange(batch.seq_length) < batch.lengths.unsqueeze(1)
     valid[:, 0] = False
-    before = runs[split]["before"]
-    torch.testing.assert_close(before.log_probs[valid], expected_log_probs[valid], atol=LOGPROB_ATOL, rtol=0)
-    torch.testing.assert_close(before.entropy[valid], expected_entropy[valid], atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(runs[split]["log_probs"][valid], expected_log_probs[valid], atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(runs[split]["entropy"][valid], expected_entropy[valid], atol=LOGPROB_ATOL, rtol=0)

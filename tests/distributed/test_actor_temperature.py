@@ -10,8 +10,9 @@ the 2-layer Qwen3-MoE checkpoint of ``tests.actor_setup``:
   the same tokens: the rollout/train mismatch is fp32 noise;
 - the gradient of the training loss (PPO clip, token-mean, entropy bonus) is
   that of the tempered distribution: Megatron's ``main_grad`` after one
-  training step equals ``backward()`` of the same loss written out in plain
-  torch on the transformers model.
+  training step (``train_step``, its old log-probs its own, so the ratio is 1)
+  equals ``backward()`` of the same loss written out in plain torch on the
+  transformers model.
 
 Each check also asserts that temperature 1 would fail it, so that it can tell.
 """
@@ -32,7 +33,9 @@ from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.server import load_model
 from tests.actor_setup import (
     algorithm_config,
-    batch_with_old_log_probs,
+    batch_rows,
+    fixed_batch,
+    rank_shard,
     save_tiny_moe_2layer,
     tiny_actor,
     transformers_log_probs,
@@ -85,12 +88,15 @@ def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
         temperature=TEMPERATURE,
         keep_reference=True,
     )
+    shard, sampled_shard = rank_shard(fixed), rank_shard(sampled)
+    policy = actor.log_probs(shard)
     result = {
-        "fixed": actor.compute_log_probs(fixed),
-        "ref": actor.compute_ref_log_probs(fixed),
-        "sampled": actor.compute_log_probs(sampled).log_probs,
+        "log_probs": batch_rows([(shard.sample_ids, policy.log_probs)], fixed),
+        "entropy": batch_rows([(shard.sample_ids, policy.entropy)], fixed),
+        "ref": batch_rows([(shard.sample_ids, actor.log_probs(shard, reference=True).log_probs)], fixed),
+        "sampled": batch_rows([(sampled_shard.sample_ids, actor.log_probs(sampled_shard).log_probs)], sampled),
     }
-    actor.train_step(fixed)
+    actor.train_step(shard)
     result["grads"] = {
         name: g.clone() for name, g in export_hf_tensors(actor.chunks, actor.arch, lambda p: p.main_grad)
     }
@@ -99,13 +105,16 @@ def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
 
 
 def _transformers_loss_grads(hf_dir: Path, batch: ActorBatch, temperature: float) -> dict[str, torch.Tensor]:
-    """Gradient of the actor's loss on ``batch`` under softmax(logits / temperature), written out in plain torch."""
+    """Gradient of the actor's loss on ``batch`` under softmax(logits / temperature), written out in plain torch.
+
+    The old log-probs are the model's own (detached), as ``train_step`` computes them.
+    """
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     log_softmax = torch.log_softmax(model(batch.input_ids).logits[:, :-1] / temperature, dim=-1)
     log_probs = log_softmax.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     mask = batch.response_mask[:, 1:]
-    ratio = torch.exp(log_probs - batch.old_log_probs[:, 1:])
+    ratio = torch.exp(log_probs - log_probs.detach())
     advantages = batch.advantages.unsqueeze(1)
     per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
     (per_token[mask].mean() - ENTROPY_COEF * entropy[mask].mean()).backward()
@@ -115,7 +124,7 @@ def _transformers_loss_grads(hf_dir: Path, batch: ActorBatch, temperature: float
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     hf_dir = save_tiny_moe_2layer(tmp_path_factory.mktemp("actor") / "moe")
-    return hf_dir, batch_with_old_log_probs(hf_dir, TEMPERATURE), _engine_samples(hf_dir)
+    return hf_dir, fixed_batch(), _engine_samples(hf_dir)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -137,8 +146,8 @@ def test_old_and_reference_log_probs_and_entropy_are_the_tempered_distributions(
     expected_log_probs, expected_entropy = transformers_log_probs(hf_dir, fixed, TEMPERATURE)
     untempered_log_probs, untempered_entropy = transformers_log_probs(hf_dir, fixed)
     for rank in run:
-        torch.testing.assert_close(rank["fixed"].log_probs[valid], expected_log_probs[valid], atol=ATOL, rtol=0)
-        torch.testing.assert_close(rank["fixed"].entropy[valid], expected_entropy[valid], atol=ATOL, rtol=0)
+        torch.testing.assert_close(rank["log_probs"][valid], expected_log_probs[valid], atol=ATOL, rtol=0)
+        torch.testing.assert_close(rank["entropy"][valid], expected_entropy[valid], atol=ATOL, rtol=0)
         torch.testing.assert_close(rank["ref"][valid], expected_log_probs[valid], atol=ATOL, rtol=0)
     assert _max_diff(untempered_log_probs, expected_log_probs, valid) > 100 * ATOL
     assert _max_diff(untempered_entropy, expected_entropy, valid) > 100 * ATOL

@@ -14,7 +14,9 @@ from megatron_rl.actor import PolicyActor
 from megatron_rl.checkpoint.megatron_state import MEGATRON_DIR, load_megatron_state, save_megatron_state
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
-    batch_with_old_log_probs,
+    algorithm_config,
+    fixed_batch,
+    rank_shard,
     save_tiny_moe_2layer,
     tiny_actor,
     train_config,
@@ -39,7 +41,10 @@ class _Run:
 def _actor(sizes: ParallelSizes, hf_dir: Path, *, load_weights: bool) -> PolicyActor:
     initialize_parallel(sizes)
     train = train_config(steps=3, lr=0.05, warmup_steps=2, lr_schedule="cosine", adam_eps=1e-8)
-    return tiny_actor(hf_dir, sizes, train=train, load_weights=load_weights)
+    # train_step's old log-probs are the weights' own (ratio 1, the policy term a constant): the
+    # entropy bonus keeps the step's loss a function of the weights it starts from.
+    algorithm = algorithm_config(entropy_coef=0.01)
+    return tiny_actor(hf_dir, sizes, train=train, algorithm=algorithm, load_weights=load_weights)
 
 
 def _weights(actor: PolicyActor) -> dict[str, torch.Tensor]:
@@ -51,7 +56,7 @@ def _step_from_checkpoint(actor: PolicyActor, batch, resave_dir: Path | None) ->
     scheduler = actor.optimizer.scheduler.state_dict()
     if resave_dir is not None:
         save_megatron_state(actor.chunks, actor.optimizer.optimizer, actor.optimizer.scheduler, resave_dir)
-    metrics = actor.train_step(batch)
+    metrics = actor.train_step(rank_shard(batch))
     run = _Run(weights, scheduler, metrics["loss"], metrics["lr"], _weights(actor))
     destroy_parallel()
     return run
@@ -59,7 +64,7 @@ def _step_from_checkpoint(actor: PolicyActor, batch, resave_dir: Path | None) ->
 
 def _train_save_train(rank, world_size, sizes, hf_dir, ckpt_dir, batch) -> _Run:
     actor = _actor(sizes, hf_dir, load_weights=True)
-    actor.train_step(batch)
+    actor.train_step(rank_shard(batch))
     return _step_from_checkpoint(actor, batch, resave_dir=ckpt_dir)
 
 
@@ -127,7 +132,7 @@ def _assert_resumed_like_straight(straight: _Run, resumed: _Run) -> None:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
     hf_dir = save_tiny_moe_2layer(tmp_path_factory.mktemp("hf"))
-    return hf_dir, batch_with_old_log_probs(hf_dir)
+    return hf_dir, fixed_batch()
 
 
 def test_resume_at_the_same_layout_continues_bitwise(setup, tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ import torch
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
     algorithm_config,
-    batch_with_old_log_probs,
+    fixed_batch,
+    rank_shard,
     save_tiny_moe_2layer,
     tiny_actor,
     train_config,
@@ -43,7 +44,7 @@ def _step(rank, world_size, hf_dir, batch, recompute: str) -> tuple[dict[str, fl
         train=train_config(max_tokens_per_micro_batch=BUDGET, recompute=recompute),
         algorithm=algorithm_config(routing_replay=True),
     )
-    metrics = actor.train_step(batch)
+    metrics = actor.train_step(rank_shard(batch))
     params = [p.detach().clone() for model in actor.models for p in model.parameters()]
     destroy_parallel()
     return metrics, params
@@ -52,7 +53,7 @@ def _step(rank, world_size, hf_dir, batch, recompute: str) -> tuple[dict[str, fl
 @pytest.mark.distributed
 def test_full_recompute_with_routing_replay_gives_the_gradients_of_no_recompute(tmp_path):
     hf_dir = save_tiny_moe_2layer(tmp_path / "moe")
-    batch = batch_with_old_log_probs(hf_dir)
+    batch = fixed_batch()
     batch = batch.replace(routed_experts=_given_experts(batch))
     plain_ranks = run_distributed(_step, 4, hf_dir, batch, "none")
     recomputed_ranks = run_distributed(_step, 4, hf_dir, batch, "full")

@@ -1,4 +1,4 @@
-"""ActorBatch validation, selection and padding; mini-batch splitting."""
+"""ActorBatch validation, selection and padding."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from megatron_rl.actor import ActorBatch
-from megatron_rl.actor.batch_partition import split_mini_batches
 from megatron_rl.algorithms import count_tokens_and_seqs
 
 
@@ -52,9 +51,3 @@ def test_shapes_are_checked_with_the_field_name():
         batch.replace(routed_experts=torch.zeros(2, 4, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="cannot pad"):
         batch.padded(1, 4)
-
-
-def test_mini_batches_are_contiguous_equal_chunks():
-    assert split_mini_batches(6, 3) == [[0, 1], [2, 3], [4, 5]]
-    with pytest.raises(ValueError, match="train.mini_batches_per_step"):
-        split_mini_batches(6, 4)

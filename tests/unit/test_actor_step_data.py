@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.actor.batch_partition import dp_shard, split_mini_batches
 from megatron_rl.actor.step_data import StepData, expert_index_dtype
+from megatron_rl.data.balancing import balance_across_dp
 
 
 def _step(lengths: list[int], prompt: int = 2, layers: int = 3, top_k: int = 2) -> StepData:
@@ -41,7 +41,7 @@ def test_expert_indices_take_the_smallest_type_that_holds_them() -> None:
     dp_size=st.sampled_from([1, 2, 4]),
     mini_batches=st.sampled_from([1, 2, 3]),
 )
-def test_shards_hold_each_sample_once_with_the_rows_a_global_batch_would_give(
+def test_shards_hold_each_sample_once_with_their_part_of_each_mini_batch(
     lengths: list[int], dp_size: int, mini_batches: int
 ) -> None:
     step = _step(lengths)  # 24 samples: every (mini_batches, dp_size) drawn divides them
@@ -51,10 +51,11 @@ def test_shards_hold_each_sample_once_with_the_rows_a_global_batch_would_give(
     for rank, shard in enumerate(shards):
         assert shard.mini_batch_sizes == (len(lengths) // mini_batches // dp_size,) * mini_batches
         local = shard.to_actor_batch()
-        # The same rows, in the same order, as the global path's split + DP balance (train_on_batch).
+        # The step's contiguous mini-batches in order, each balanced over the DP ranks.
+        size = len(lengths) // mini_batches
         expected = []
-        for rows in split_mini_batches(len(lengths), mini_batches):
-            expected += [rows[i] for i in dp_shard([lengths[r] for r in rows], rank, dp_size)]
+        for start in range(0, len(lengths), size):
+            expected += [start + i for i in balance_across_dp(lengths[start : start + size], dp_size)[rank]]
         assert shard.sample_ids.tolist() == expected
         rows = full.select(expected)
         width = local.seq_length

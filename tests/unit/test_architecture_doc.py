@@ -307,7 +307,7 @@ def classify(span: str) -> tuple[str, bool | None]:
         ("parallel.device", "symbol", True),
         ("NoSuchClass", "class", False),
         ("compute_old_log_probs", "word", False),
-        ("train_on_shard(shard) -> metrics", "word", True),
+        ("train_step(shard) -> metrics", "word", True),
         ("NO_SUCH_VARIABLE", "word", False),
         ("test_pause_with_abort_...", "test", True),
         ("test_no_such_test", "test", False),

@@ -181,7 +181,7 @@ START_REFUSALS = (
         "weight_sync.bucket_size_mb",
     ),
     Refusal(
-        "actor/batch_partition.py",
+        "actor/step_data.py",
         "equal mini-batches",
         ("train.mini_batches_per_step=3",),
         "train.mini_batches_per_step",
@@ -222,8 +222,6 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/reference/server.py", "timeout must be >= 0"): "a request argument of /flush_cache",
     ("actor/step_data.py", "mini_batch_sizes"): "internal contract of StepData",
     ("actor/step_data.py", "must have shape"): "internal contract of StepData",
-    ("actor/step_data.py", "does not split into train.mini_batches_per_step"): "validate's batch divisibility "
-    "check makes every full step split; the driver trims a partial one first",
     ("actor/step_data.py", "does not split over"): "validate's batch divisibility check makes every full step "
     "split; the driver trims a partial one first",
     ("orchestration/engine_recovery.py", "EngineRestartLimitError"): "engine crashes at run time, past "
