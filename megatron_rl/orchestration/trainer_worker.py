@@ -74,13 +74,12 @@ class TrainerWorker:
         """Weight sync delivers to the engines at ``engines`` (name, host, port), in engine order."""
         cfg = self._cfg
         self._clients = [HttpEngine(name, host, port, api_key=self._api_key) for name, host, port in engines]
-        tp_ranks = cfg.rollout.tp if cfg.rollout.engine == "sglang" else 1  # the reference engine is one process
         self._weight_syncer = build_syncer(
             cfg.weight_sync,
             cfg.rollout.placement,
             self._clients,
             flush_cache=not cfg.sglang_on_cpu,  # SGLang's CPU engines keep no prefix cache (sglang_cpu.CPU_FLAGS)
-            engine_world_sizes=[tp_ranks] * len(self._clients),
+            engine_world_sizes=[cfg.engine_tp_ranks] * len(self._clients),
             master_address=RunNetwork.of(cfg.cluster).address(ray.util.get_node_ip_address()),
             disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
             hf_config_dir=self._hf_dir,

@@ -17,8 +17,8 @@ from megatron_rl.orchestration.placement_group import (
     engine_gpu_ids,
 )
 from megatron_rl.plan.placement import ActorResources, plan_run_placement
-from megatron_rl.weight_sync.engine_feeds import colocated_feeds
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
+from megatron_rl.weight_sync.engine_feeds import colocated_feeds
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

@@ -28,6 +28,7 @@ body SGLang's app answers behind its own API-key middleware.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import multiprocessing
@@ -44,7 +45,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.parallel.local_launch import free_port
+from megatron_rl.parallel.local_launch import free_port, run_local_ranks
 from megatron_rl.rollout.protocol import (
     AbortRequest,
     BeginWeightUpdateRequest,
@@ -238,8 +239,8 @@ def test_command_parses_into_sglangs_server_args():
     assert args.quantization == "fp8" and args.mem_fraction_static == 0.6
 
 
-@pytest.fixture
-def sglang_torch_reductions() -> Iterator[None]:
+@contextlib.contextmanager
+def _sglang_reductions() -> Iterator[None]:
     """Torch's reductions patched by SGLang, as in its workers; torch's own restored afterwards."""
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
@@ -251,6 +252,12 @@ def sglang_torch_reductions() -> Iterator[None]:
         reductions.reduce_tensor, reductions.rebuild_cuda_tensor = originals
         del reductions._reduce_tensor_original, reductions._rebuild_cuda_tensor_original
         reductions.init_reductions()
+
+
+@pytest.fixture
+def sglang_torch_reductions() -> Iterator[None]:
+    with _sglang_reductions():
+        yield
 
 
 @needs_sglang
@@ -293,6 +300,73 @@ def test_sglang_reads_the_device_uuid_of_our_cuda_payload(sglang_torch_reduction
     payload = cuda_payload("w", rebuild_args_with_uuid(cuda_rebuild_args(0), uuid_of=lambda index: uuid))
     with pytest.raises(Exception, match=f"^Invalid device_uuid={uuid}$"):  # no such GPU here: it looked the UUID up
         MultiprocessingSerializer.deserialize(payload)
+
+
+class _PostedRequests:
+    """An engine that keeps the /update_weights_from_tensor bodies our poster sends (as JSON)."""
+
+    name = "engine0"
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:
+        self.bodies.append(request.to_json())
+
+
+def _feeder_bucket(rank: int) -> list[tuple[str, torch.Tensor]]:
+    """Feeder ``rank``'s bucket: the same names on every feeder, values that say whose it is."""
+    return [("w.a", torch.full((4, 3), float(rank))), ("w.b", torch.arange(6, dtype=torch.bfloat16) + rank)]
+
+
+def _feed_one_engine_rank(rank: int, world_size: int, flattened: bool) -> list[dict] | None:
+    """Trainer rank ``rank`` feeds TP rank ``rank`` of one engine of TP 2 through our tensor transport; the
+    poster (rank 0) returns the request bodies it sent. Each payload holds a reference to its shared memory
+    (torch's ``file_system`` sharing) until an engine rank opens it, so the test opens them after the ranks end."""
+    import torch.distributed as dist
+
+    from megatron_rl.weight_sync.transports import TensorTransport
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    engine = _PostedRequests()
+    transport = TensorTransport([engine], [2])
+    for _ in range(2 if flattened else 1):  # the first sync sizes the bucket buffer: the second fills one
+        transport.begin("v1")
+        bucket = _feeder_bucket(rank)
+        if flattened:
+            bucket = [(name, transport.allocate([tuple(t.shape)], t.dtype)[0].copy_(t)) for name, t in bucket]
+        transport.send_bucket(bucket, "v1")
+        transport.finish("v1")
+    dist.barrier()  # the poster's engine has read both entries
+    transport.close()
+    dist.destroy_process_group()
+    return engine.bodies if rank == 0 else None
+
+
+@needs_sglang
+@pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened"])
+def test_sglang_hands_tp_rank_i_the_payload_of_the_trainer_rank_on_its_device(monkeypatch, flattened):
+    """Our colocated poster's request for an engine of TP 2, fed by trainer ranks 0 and 1, goes through
+    SGLang's own request type, and SGLang's ``TpModelWorker.deserialize_own_rank`` (what its scheduler's
+    weight updater calls on every TP rank) gives TP rank i exactly trainer rank i's tensors."""
+    body = run_local_ranks(_feed_one_engine_rank, 2, flattened)[0][-1]  # before SGLang patches torch here
+    from sglang.srt.managers import tp_worker
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    request = UpdateWeightsFromTensorReqInput(**body)
+    assert len(request.serialized_named_tensors) == 2
+    assert request.load_format == ("flattened_bucket" if flattened else None)
+    for tp_rank in (0, 1):
+        monkeypatch.setattr(tp_worker, "get_parallel", lambda rank=tp_rank: types.SimpleNamespace(tp_rank=rank))
+        with _sglang_reductions():  # deserialize_own_rank patches them itself; restored afterwards
+            data = tp_worker.TpModelWorker.deserialize_own_rank(None, request.serialized_named_tensors)
+        if flattened:
+            data = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+            data = data.reconstruct_tensors()
+        expected = _feeder_bucket(tp_rank)
+        assert [name for name, _ in data] == [name for name, _ in expected]
+        assert all(t.dtype == e.dtype and torch.equal(t, e) for (_, t), (_, e) in zip(data, expected, strict=True))
 
 
 ENGINE_RANKS = 2  # one engine with TP 2 (rank offset 1), as SGLang joins it: rank = rank_offset + tp_rank
