@@ -377,6 +377,82 @@ def check_ipc_sync(hf_dir: Path, log_dir: Path) -> tuple[bool, dict[str, Any]]:
     return not result["differing"] and result["weight_version"] == "gpu-1", result
 
 
+# ---------------------------------------------------------------- 5b. colocated_contexts (two or more GPUs)
+
+
+def _colocated_rank(rank: int, world_size: int, hf_dir: Path, log_dir: Path) -> dict[str, Any]:
+    """Trainer rank ``rank`` (DP 2) and its engine on the same device; one tensor sync, each engine fed by its rank."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import TrainConfig
+    from megatron_rl.models.weight_transfer import export_hf_weights
+    from megatron_rl.parallel.device import on_accelerator
+    from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
+    from megatron_rl.rollout import HttpEngine, ReferenceEngine
+    from megatron_rl.weight_sync.syncer import WeightSyncer
+    from megatron_rl.weight_sync.transports import TensorTransport
+    from tests.actor_setup import tiny_actor
+
+    initialize_parallel(ParallelSizes())
+    actor = tiny_actor(hf_dir, ParallelSizes(), train=TrainConfig(steps=1, prompts_per_step=8, precision="bf16"))
+    device = f"cuda:{torch.cuda.current_device()}" if on_accelerator() else "cpu"
+    own = ReferenceEngine(f"colocated{rank}", hf_dir, free_port(), log_dir=log_dir, load_format="dummy", device=device)
+    own.start()
+    try:
+        own.wait_healthy(180)
+        ports: list[int | None] = [None] * world_size
+        dist.all_gather_object(ports, own.port)
+        engines = [own if i == rank else HttpEngine(f"colocated{i}", "127.0.0.1", port) for i, port in enumerate(ports)]
+        syncer = WeightSyncer(engines, TensorTransport(engines), bucket_bytes=1 << 16)
+        syncer.sync_megatron(actor.chunks, actor.arch, "gpu-1")
+        exported = {name: t.detach().float().cpu() for name, t in export_hf_weights(actor.chunks, actor.arch)}
+        differing = [n for n, t in exported.items() if not torch.equal(torch.tensor(own.weights_by_name(n)), t)]
+        apps = _compute_apps() if on_accelerator() else []
+        syncer.close()
+        dist.barrier()
+    finally:
+        own.shutdown()
+    destroy_parallel()
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if on_accelerator() else None
+    return {
+        "engine_pid": own.process.pid if own.process else None,
+        "gpu_uuid": uuid,
+        "apps": apps,
+        "differing": differing,
+    }
+
+
+def _compute_apps() -> list[dict[str, str]]:
+    """nvidia-smi's compute processes: pid, GPU UUID and used memory (MiB) of every CUDA context on the node."""
+    done = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [line.split(", ") for line in done.stdout.strip().splitlines()]
+    return [{"pid": pid, "gpu_uuid": gpu, "used_mib": used} for pid, gpu, used in rows]
+
+
+def check_colocated_contexts(hf_dir: Path, log_dir: Path, dry_run: bool) -> tuple[bool, dict[str, Any]]:
+    """Two trainer ranks and two one-GPU engines colocated on GPUs 0 and 1: after one tensor sync every engine
+    holds the weights and has a CUDA context on its own GPU only (issue 25: no engine opens another GPU's memory).
+    Skipped (passed, with the reason) on fewer than two GPUs."""
+    if not dry_run and torch.cuda.device_count() < 2:
+        return True, {"skipped": f"{torch.cuda.device_count()} GPU(s); needs 2"}
+    results = run_local_ranks(_colocated_rank, 2, hf_dir, log_dir)
+    contexts = {
+        r["engine_pid"]: sorted({a["gpu_uuid"] for a in r["apps"] if a["pid"] == str(r["engine_pid"])}) for r in results
+    }
+    own_gpu_only = dry_run or all(contexts[r["engine_pid"]] == [r["gpu_uuid"]] for r in results)
+    details = {
+        "engine_contexts": contexts,
+        "processes": results[0]["apps"],
+        "differing": [r["differing"] for r in results],
+    }
+    return own_gpu_only and not any(r["differing"] for r in results), details
+
+
 # ---------------------------------------------------------------- 6. sync_bench
 
 SYNC_CHECKED = (
@@ -560,6 +636,9 @@ def check_engine_invariance(dry_run: bool) -> tuple[bool, dict[str, Any]]:
     return done.returncode == 0, {"report": "\n".join(outcome[:40] + summary)}
 
 
+CHECKS = ("parity", "train", "ipc_sync", "colocated_contexts", "sync_bench", "early_batches", "engine_invariance")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="rehearse on CPU (no CUDA calls)")
@@ -569,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         nargs="*",
-        help="run only these checks (parity, train, ipc_sync, sync_bench, early_batches, engine_invariance)",
+        help=f"run only these checks ({', '.join(CHECKS)})",
     )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -582,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     if not args.dry_run:
         (env["gpu"],) = run_local_ranks(_device_name, 1)
-    wanted = set(args.only or ("parity", "train", "ipc_sync", "sync_bench", "early_batches", "engine_invariance"))
+    wanted = set(args.only or CHECKS)
     results: list[CheckResult] = []
     if "parity" in wanted:
         results.append(_run("parity", lambda: check_parity_on_device(tiny)))
@@ -596,6 +675,10 @@ def main(argv: list[str] | None = None) -> int:
         print(render(results[-3:], env, args.dry_run), flush=True)
     if "ipc_sync" in wanted:
         results.append(_run("ipc_sync", lambda: check_ipc_sync(tiny, args.workdir / "logs")))
+        print(render(results[-1:], env, args.dry_run), flush=True)
+    if "colocated_contexts" in wanted:
+        contexts = partial(check_colocated_contexts, tiny, args.workdir / "logs", args.dry_run)
+        results.append(_run("colocated_contexts", contexts))
         print(render(results[-1:], env, args.dry_run), flush=True)
     if "sync_bench" in wanted:
         models = (

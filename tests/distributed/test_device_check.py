@@ -2,7 +2,8 @@
 
 The same script, through the same shell entry point, with the same checks (parity,
 a bf16 training step with fp32 master weights, offload/reload, the plan estimate,
-an IPC weight sync into a reference engine, the sync measurement), on CPU: gloo instead of NCCL,
+an IPC weight sync into a reference engine, two colocated engines each fed by its own rank, the sync
+measurement), on CPU: gloo instead of NCCL,
 shared memory instead of CUDA IPC, no memory measurement. What stays untested
 until a GPU runs it: the CUDA calls themselves.
 """
@@ -39,6 +40,7 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
         "offload",
         "plan",
         "ipc_sync",
+        "colocated_contexts",
         "sync_bench",
         "sync_bench_more_tensors",
         "early_batches",
@@ -50,6 +52,7 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
     assert results["offload"]["details"]["identical_after_reload"]
     assert results["ipc_sync"]["details"]["differing"] == [] and results["ipc_sync"]["details"]["tensors"] == 77
     assert results["ipc_sync"]["details"]["exported_dtypes"] == ["torch.bfloat16"]
+    assert results["colocated_contexts"]["details"]["differing"] == [[], []]  # both engines, each by its own rank
     bench, more = results["sync_bench"]["details"], results["sync_bench_more_tensors"]["details"]
     for details in (bench, more):
         assert details["differing"] == [] and len(details["checked"]) == 6 and details["weight_version"] == "b4-2"
