@@ -370,7 +370,7 @@ def _check_weight_sync(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
             "weight_sync.transport",
             "'distributed' with colocated engines: each broadcast group would hold a trainer rank and an engine rank "
             "on the same GPU, which NCCL refuses (duplicate GPU in one communicator); use weight_sync.transport=auto "
-            "(tensor) on one node, disk across nodes, or rollout.placement=disaggregated",
+            "(tensor, each engine rank fed by the trainer rank on its GPU), disk, or rollout.placement=disaggregated",
         )
 
 
