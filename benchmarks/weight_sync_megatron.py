@@ -3,9 +3,10 @@
 Writes a Qwen3-MoE Hugging Face checkpoint (random init, fp32, 193M parameters), starts one
 reference engine on it with dummy weights, and runs 4 forked gloo ranks that build the Megatron
 model at TP2 x EP2 (expert TP 1; data parallel 2 for dense and for expert weights) and load the
-checkpoint. Each rank then streams ``export_hf_weights(designated_only=True)`` into the engine
-through ``WeightSyncer.sync_export`` (``sync_megatron`` is exactly that, the export writing into the
-tensor transport's bucket memory; the stream passes a tap that keeps the checked rows), through each transport (``tensor``: shared-memory IPC; ``distributed``: a gloo
+checkpoint. Each rank then streams the export ``sync_megatron`` streams into the engine through
+``WeightSyncer.sync_export`` (``export_hf_weights(designated_only=True)``, or ``export_full_model`` for
+the tensor transport, whose rank 0 feeds the one engine; the export writes into the tensor transport's
+bucket memory; the stream passes a tap that keeps the checked rows), through each transport (``tensor``: shared-memory IPC; ``distributed``: a gloo
 broadcast group per sending rank; ``disk``: safetensors in a temporary directory on the local disk)
 at each bucket size. Per (transport, bucket size): one warm-up sync (buffers, groups), then
 ``--repeats`` timed syncs, each after every parameter changed (``+1``) and followed by a check that
@@ -48,7 +49,7 @@ from benchmarks.sync_timing import engine_holds, plain_copy_seconds
 from benchmarks.tables import print_table
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.models.builder import build_qwen_model
-from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
+from megatron_rl.models.weight_transfer import export_full_model, export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import free_port, run_local_ranks
 from megatron_rl.rollout import ReferenceEngine
@@ -147,8 +148,11 @@ def _rank(
                 kept: list[NamedTensor] = []
                 start = _start()
                 stats = syncer.sync_export(
-                    lambda allocate, kept=kept: _tapped(
-                        export_hf_weights(chunks, arch, designated_only=True, allocate=allocate), kept
+                    lambda allocate, kept=kept, full=syncer.transport.exports_full_model: _tapped(
+                        export_full_model(chunks, arch, allocate=allocate)
+                        if full
+                        else export_hf_weights(chunks, arch, designated_only=True, allocate=allocate),
+                        kept,
                     ),
                     f"{kind}-{bucket_mb}-{repeat}",
                 )

@@ -65,9 +65,10 @@ def ray_probe(env: dict[str, str], code: str, timeout_s: float = 120) -> subproc
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
-def wait_for_nodes(env: dict[str, str], count: int) -> None:
-    """Return once the cluster ``env`` names has ``count`` live nodes; fail the test after JOIN_TIMEOUT_S."""
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
+def wait_for_nodes(env: dict[str, str], count: int, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    """Return once the cluster ``env`` names has ``count`` live nodes; fail the test (AssertionError) after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     probe = "import json; print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))"
     while True:
         try:

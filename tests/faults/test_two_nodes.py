@@ -40,6 +40,7 @@ from tests.ray_processes import RAY, free_ports, kill_tree, node_ports, ray_prob
 
 HEAD_IP, SECOND_IP = "127.0.0.2", "127.0.0.3"
 STAND_IN_CPUS = 0.6
+HEAD_UP_S = 100
 OVERRIDES = [
     *TWO_STEPS,
     "logging.sinks=[jsonl]",
@@ -55,23 +56,13 @@ def _two_node_cluster(*, hold_second_node: bool = True) -> Iterator[dict[str, st
     """A head on 127.0.0.2 and a raylet on 127.0.0.3 (with the stand-in holding 0.6 of its CPU, unless
     ``hold_second_node`` is False); yields the environment that reaches it."""
     temp_dir = tempfile.mkdtemp(prefix="mrl2n-")  # short: Ray's socket paths live under it
-    gcs_port, client_port = free_ports(2)
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
     common = ["--num-cpus=1", "--num-gpus=0", "--object-store-memory=300000000", "--temp-dir", temp_dir]
     common += ["--disable-usage-stats", "--block"]
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, temp_dir, ignore_errors=True)  # runs last, once every process is gone
-        head = subprocess.Popen(
-            [RAY, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={gcs_port}", "--include-dashboard=false"]
-            + [f"--ray-client-server-port={client_port}", *node_ports(), *common],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        stack.callback(kill_tree, head)
-        address = f"{HEAD_IP}:{gcs_port}"
-        wait_for_nodes(env | {"RAY_ADDRESS": address}, 1)
+        address = _start_head(stack, env, common, Path(temp_dir))
         second = subprocess.Popen(
             [RAY, "start", f"--address={address}", f"--node-ip-address={SECOND_IP}", *node_ports(), *common]
             + ['--resources={"second_node": 1}'],
@@ -84,6 +75,35 @@ def _two_node_cluster(*, hold_second_node: bool = True) -> Iterator[dict[str, st
         if hold_second_node:
             _hold_second_node_cpus(env | {"RAY_ADDRESS": address})
         yield env | {"RAY_ADDRESS": address}
+
+
+def _start_head(stack: ExitStack, env: dict[str, str], common: list[str], temp_dir: Path) -> str:
+    """Start the head on 127.0.0.2 (fresh ports) and return its address once it is up. A head that is not
+    joinable within HEAD_UP_S (seen twice in CI: every ray.init hung for minutes) is killed and started once
+    more on other ports; the second failure fails the test with the head's own output."""
+    attempt = 0
+    while True:
+        attempt += 1
+        gcs_port, client_port = free_ports(2)
+        log = temp_dir / f"head-{attempt}.log"
+        with log.open("w") as output:
+            head = subprocess.Popen(
+                [RAY, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={gcs_port}"]
+                + ["--include-dashboard=false", f"--ray-client-server-port={client_port}", *node_ports(), *common],
+                env=env,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+        address = f"{HEAD_IP}:{gcs_port}"
+        try:
+            wait_for_nodes(env | {"RAY_ADDRESS": address}, 1, timeout_s=HEAD_UP_S)
+        except AssertionError as error:
+            kill_tree(head)
+            if attempt == 2:
+                raise AssertionError(f"{error}; the head's output:\n{log.read_text()[-3000:]}") from error
+            continue
+        stack.callback(kill_tree, head)
+        return address
 
 
 def _hold_second_node_cpus(env: dict[str, str]) -> None:
