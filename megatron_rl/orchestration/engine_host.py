@@ -156,6 +156,10 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
     )
 
 
+PORT_ATTEMPTS = 3
+"""Launches of one engine on fresh ports when the last one found its address in use."""
+
+
 def free_ports(count: int, host: str) -> list[int]:
     """``count`` distinct TCP ports free on ``host`` (an address of this node) at the time of the call."""
     sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
@@ -177,9 +181,22 @@ class EngineHost:
     def start(self, spec: EngineSpec) -> EngineAddress:
         """Launch ``spec``'s engine on this node and wait until it is healthy; its (name, host, port).
 
-        Raises EngineStartupError (exit code and log tail) when it exits or is not healthy within
-        ``rollout.startup_timeout_s``; the process is stopped then.
+        Ports are picked free just before the launch, so another process may bind one first (seen in CI:
+        two runs on one machine): an engine that exits because its address is in use starts again on
+        fresh ports, up to :data:`PORT_ATTEMPTS` times. Raises EngineStartupError (exit code and log tail)
+        when it exits otherwise, or is not healthy within ``rollout.startup_timeout_s``; the process is
+        stopped then.
         """
+        attempt = 1
+        while True:
+            try:
+                return self._start_once(spec)
+            except EngineStartupError as error:
+                if attempt >= PORT_ATTEMPTS or "address already in use" not in str(error).lower():
+                    raise
+            attempt += 1
+
+    def _start_once(self, spec: EngineSpec) -> EngineAddress:
         host = spec.network.address(ray.util.get_node_ip_address())
         port, nccl_port = free_ports(2, host)
         engine = build_engine(

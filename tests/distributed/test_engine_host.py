@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.orchestration import engine_host
 from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, release_engine_caches
 from megatron_rl.orchestration.placement_group import create_rank_slots
@@ -187,3 +189,30 @@ def test_engine_that_cannot_start_is_a_clear_error(bundles: PlacementGroup, tmp_
             [_spec("bad0", tmp_path / "no-such-model", tmp_path, startup_timeout_s=60)], bundles, [1], HOST
         ).wait_healthy()
     assert time.monotonic() - started < 60
+
+
+def test_an_engine_whose_port_was_taken_meanwhile_starts_again_on_fresh_ports(
+    bundles: PlacementGroup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ports an engine gets are free when picked; another process may bind one before the engine does."""
+    model = save_tiny_moe(tmp_path / "moe")
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks: list[list[int]] = []
+
+    def first_pick_taken(count: int, host: str) -> list[int]:
+        ports = real_free_ports(count, host)
+        picks.append([taken.getsockname()[1], *ports[1:]] if not picks else ports)
+        return picks[-1]
+
+    real_free_ports = engine_host.free_ports
+    monkeypatch.setattr(engine_host, "free_ports", first_pick_taken)
+    host = engine_host.EngineHost()
+    try:
+        name, _, port = host.start(_spec("retry0", model, tmp_path))
+    finally:
+        host.shutdown()
+        taken.close()
+    assert name == "retry0" and len(picks) == 2 and port == picks[1][0] != picks[0][0]
+    assert "Address already in use" in (tmp_path / "retry0.log").read_text()
