@@ -34,8 +34,12 @@ def test_the_sglang_recipe_trains_with_a_logged_mismatch_and_resumes_from_its_ch
     second = run_train(tmp_path, [*TWO_STEPS, "train.steps=3", "checkpoint.interval=2"], RECIPE)
     assert "step 3/3" in second and "step 1/3" not in second  # continued after the saved step 2
     records = read_metrics(tmp_path / RUN)
+    assert [r["step"] for r in records if "rollout/groups_kept" in r] == [1, 2, 3]
+    # A step whose groups all scored alike keeps none (dynamic sampling) and trains on nothing: unseeded
+    # SGLang on CPU makes that happen now and then (seen once in CI at step 1). Every step that kept
+    # groups trained and logged its mismatch.
     steps = _training_steps(records)
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps and steps == [r for r in records if r.get("rollout/groups_kept", 0) > 0]
     for record in steps:
         assert 0 <= record["actor/mismatch_abs_max"] < MISMATCH_BOUND
         assert record["actor/mismatch_abs_mean"] <= record["actor/mismatch_abs_max"]
