@@ -58,7 +58,7 @@ from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_ru
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
 from megatron_rl.rollout.manager import Recovery, RolloutManager
-from megatron_rl.weight_sync.engine_feeds import colocated_feeds
+from megatron_rl.weight_sync.engine_feeds import engine_feeders
 
 
 @dataclass
@@ -179,7 +179,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
             name=cfg.name,
             on_this_node=network.is_loopback,
         )
-        run.engine_feeders = engine_feeders(cfg, plan)
+        run.engine_feeders = feeders_of_engines(cfg, plan)
         if run.engine_feeders is not None:
             check_engines_beside_feeders(slots, plan, run.engine_feeders)
         run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan, network, run.api_key)
@@ -313,14 +313,12 @@ def _init_ray(cfg: RunConfig, network: RunNetwork) -> None:
         start(_node_ip_address=network.address())
 
 
-def engine_feeders(cfg: RunConfig, plan: RunPlacementPlan) -> list[tuple[int, ...]] | None:
+def feeders_of_engines(cfg: RunConfig, plan: RunPlacementPlan) -> list[tuple[int, ...]] | None:
     """Each engine's feeding trainer ranks in TP-rank order when weights go by device (colocated, tensor
-    transport: :func:`~megatron_rl.weight_sync.engine_feeds.colocated_feeds`), else None."""
+    transport: :func:`~megatron_rl.weight_sync.engine_feeds.engine_feeders`), else None."""
     if cfg.rollout.placement != "colocated" or resolved_transport(cfg) != "tensor":
         return None
-    feeds = colocated_feeds(len(plan.trainer_positions), [cfg.engine_tp_ranks] * len(plan.engine_positions))
-    by_engine = {feed.engine: feed.feeders for feed in feeds if feed is not None}
-    return [by_engine[engine] for engine in range(len(plan.engine_positions))]
+    return engine_feeders(len(plan.trainer_positions), [cfg.engine_tp_ranks] * len(plan.engine_positions))
 
 
 def check_engines_beside_feeders(slots: list[RankSlot], plan: RunPlacementPlan, feeders: list[tuple[int, ...]]) -> None:

@@ -31,24 +31,29 @@ class EngineFeed:
         return self.tp_rank == 0
 
 
-def colocated_feeds(world_size: int, engine_sizes: Sequence[int]) -> list[EngineFeed | None]:
-    """For each trainer rank ``0 .. world_size-1``, the engine rank it feeds, or None (it feeds none).
+def engine_feeders(world_size: int, engine_sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    """Each engine's feeding trainer ranks, in its TP-rank order.
 
     Engine ``e`` (``engine_sizes[e]`` TP ranks) is fed by ranks ``e*s .. e*s+engine_sizes[e]-1`` with
     stride ``s = world_size // len(engine_sizes)``. Raises ValueError when there are more engines
     than trainer ranks or an engine has more TP ranks than the stride (two engines would share a feeder).
     """
     if not engine_sizes:
-        return [None] * world_size
+        return []
     stride = world_size // len(engine_sizes)
     if stride == 0 or max(engine_sizes) > stride:
         raise ValueError(
             f"{len(engine_sizes)} colocated engines of {list(engine_sizes)} TP ranks cannot each be fed by their own "
             f"trainer ranks out of {world_size}: every engine rank needs a trainer rank of its own"
         )
+    return [tuple(range(engine * stride, engine * stride + size)) for engine, size in enumerate(engine_sizes)]
+
+
+def colocated_feeds(world_size: int, engine_sizes: Sequence[int]) -> list[EngineFeed | None]:
+    """For each trainer rank ``0 .. world_size-1``, the engine rank it feeds (:func:`engine_feeders`), or None
+    (it feeds none). Raises ValueError as :func:`engine_feeders`."""
     feeds: list[EngineFeed | None] = [None] * world_size
-    for engine, size in enumerate(engine_sizes):
-        feeders = tuple(range(engine * stride, engine * stride + size))
+    for engine, feeders in enumerate(engine_feeders(world_size, engine_sizes)):
         for tp_rank, rank in enumerate(feeders):
             feeds[rank] = EngineFeed(engine, tp_rank, feeders)
     return feeds

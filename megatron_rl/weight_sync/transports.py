@@ -63,7 +63,7 @@ from megatron_rl.rollout.protocol import (
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
 from megatron_rl.weight_sync.buckets import NamedTensor
 from megatron_rl.weight_sync.dense_buckets import aligned_runs, pack
-from megatron_rl.weight_sync.engine_feeds import colocated_feeds
+from megatron_rl.weight_sync.engine_feeds import colocated_feeds, engine_feeders
 from megatron_rl.weight_sync.send_lock import SendLock, create_send_lock
 from megatron_rl.weight_sync.tensor_serialization import (
     FLATTENED_BUCKET,
@@ -194,9 +194,8 @@ class TensorTransport(WeightTransport):
     def __init__(self, engines: Sequence[RolloutEngine], engine_tp_sizes: Sequence[int] | None = None) -> None:
         self.engines = list(engines)
         self.engine_tp_sizes = list(engine_tp_sizes or [1] * len(self.engines))
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self._feeds = colocated_feeds(world_size, self.engine_tp_sizes)
-        self.feed = self._feeds[_rank()]
+        self._world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.feed = colocated_feeds(self._world_size, self.engine_tp_sizes)[_rank()]
         self._feeder_group: dist.ProcessGroup | None = None
         self._groups_made = False
         self._buffers = BucketBuffers(self.NUM_BUFFERS)
@@ -229,7 +228,7 @@ class TensorTransport(WeightTransport):
         """One gloo group per engine fed by several ranks (collective over the default group: every rank
         creates every group, in engine order)."""
         self._groups_made = True
-        for feeders in dict.fromkeys(feed.feeders for feed in self._feeds if feed is not None):
+        for feeders in engine_feeders(self._world_size, self.engine_tp_sizes):
             if len(feeders) > 1:
                 group = dist.new_group(list(feeders), backend="gloo")
                 if isinstance(group, dist.ProcessGroup) and self.feed is not None and self.feed.feeders == feeders:
