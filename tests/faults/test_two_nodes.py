@@ -29,7 +29,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from tests.ray_processes import RAY, free_ports, kill_tree, node_ports, ray_prob
 
 HEAD_IP, SECOND_IP = "127.0.0.2", "127.0.0.3"
 STAND_IN_CPUS = 0.6
-HEAD_UP_S = 100
+NODE_UP_S = 100
 OVERRIDES = [
     *TWO_STEPS,
     "logging.sinks=[jsonl]",
@@ -62,47 +62,52 @@ def _two_node_cluster(*, hold_second_node: bool = True) -> Iterator[dict[str, st
     common += ["--disable-usage-stats", "--block"]
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, temp_dir, ignore_errors=True)  # runs last, once every process is gone
-        address = _start_head(stack, env, common, Path(temp_dir))
-        second = subprocess.Popen(
-            [RAY, "start", f"--address={address}", f"--node-ip-address={SECOND_IP}", *node_ports(), *common]
-            + ['--resources={"second_node": 1}'],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        stack.callback(kill_tree, second)
-        wait_for_nodes(env | {"RAY_ADDRESS": address}, 2)
+        address = _start_node(stack, env, Path(temp_dir), "head", lambda: _head_command(common), count=1)
+        second = [RAY, "start", f"--address={address}", f"--node-ip-address={SECOND_IP}", *common]
+        second += ['--resources={"second_node": 1}']
+        _start_node(stack, env, Path(temp_dir), "second", lambda: ([*second, *node_ports()], address), count=2)
         if hold_second_node:
             _hold_second_node_cpus(env | {"RAY_ADDRESS": address})
         yield env | {"RAY_ADDRESS": address}
 
 
-def _start_head(stack: ExitStack, env: dict[str, str], common: list[str], temp_dir: Path) -> str:
-    """Start the head on 127.0.0.2 (fresh ports) and return its address once it is up. A head that is not
-    joinable within HEAD_UP_S (seen twice in CI: every ray.init hung for minutes) is killed and started once
-    more on other ports; the second failure fails the test with the head's own output."""
+def _head_command(common: list[str]) -> tuple[list[str], str]:
+    """The ``ray start`` line of a head on 127.0.0.2 on fresh ports, and the address it will serve."""
+    gcs_port, client_port = free_ports(2)
+    command = [RAY, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={gcs_port}"]
+    command += ["--include-dashboard=false", f"--ray-client-server-port={client_port}", *node_ports(), *common]
+    return command, f"{HEAD_IP}:{gcs_port}"
+
+
+def _start_node(
+    stack: ExitStack,
+    env: dict[str, str],
+    temp_dir: Path,
+    name: str,
+    launch: Callable[[], tuple[list[str], str]],
+    *,
+    count: int,
+) -> str:
+    """Start the node ``launch`` describes (its command line on fresh ports, and the cluster address it makes
+    or joins) and return that address once the cluster has ``count`` live nodes. A node not up within
+    NODE_UP_S (seen in CI for the head, every ray.init hanging for minutes, and for the second raylet, never
+    joining) is killed and started once more on other ports; the second failure fails the test with the
+    node's own output."""
     attempt = 0
     while True:
         attempt += 1
-        gcs_port, client_port = free_ports(2)
-        log = temp_dir / f"head-{attempt}.log"
+        command, address = launch()
+        log = temp_dir / f"{name}-{attempt}.log"
         with log.open("w") as output:
-            head = subprocess.Popen(
-                [RAY, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={gcs_port}"]
-                + ["--include-dashboard=false", f"--ray-client-server-port={client_port}", *node_ports(), *common],
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-            )
-        address = f"{HEAD_IP}:{gcs_port}"
+            node = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
-            wait_for_nodes(env | {"RAY_ADDRESS": address}, 1, timeout_s=HEAD_UP_S)
+            wait_for_nodes(env | {"RAY_ADDRESS": address}, count, timeout_s=NODE_UP_S)
         except AssertionError as error:
-            kill_tree(head)
+            kill_tree(node)
             if attempt == 2:
-                raise AssertionError(f"{error}; the head's output:\n{log.read_text()[-3000:]}") from error
+                raise AssertionError(f"{error}; the {name} node's output:\n{log.read_text()[-3000:]}") from error
             continue
-        stack.callback(kill_tree, head)
+        stack.callback(kill_tree, node)
         return address
 
 
