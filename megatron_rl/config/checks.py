@@ -186,6 +186,11 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
         )
     if rollout.tp % rollout.ep:
         yield _error("rollout.ep", f"engine ep ({rollout.ep}) must divide engine tp ({rollout.tp})")
+    if arch.num_experts % rollout.ep:
+        yield _error(
+            "rollout.ep",
+            f"engine ep ({rollout.ep}) must divide the model's {arch.num_experts} experts (SGLang asserts it)",
+        )
     if arch.num_attention_heads % rollout.tp:
         yield _error(
             "rollout.tp", f"{rollout.tp} does not divide the model's {arch.num_attention_heads} attention heads"

@@ -114,7 +114,13 @@ def _expert_mapping(name: str, prefix: str, suffix: str, arch: QwenArchitecture)
     return ParamMapping(name, names, layout, expert=True, local_expert=local_expert)
 
 
-_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def hf_expert_index(hf_name: str) -> int | None:
+    """The global expert index in a Hugging Face tensor name (``...mlp.experts.{e}...``); None for the rest."""
+    match = _EXPERT_INDEX.search(hf_name)
+    return None if match is None else int(match.group(1))
 
 
 def peer_expert_names(mapping: ParamMapping, num_experts: int, ep_rank: int, ep_size: int) -> tuple[str, ...]:

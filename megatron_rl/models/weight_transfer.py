@@ -15,7 +15,8 @@
   shared-memory bucket) instead of new ones.
 - :func:`export_full_model` yields the whole model on every rank, the same
   sequence everywhere (experts all-gathered over EP, stages broadcast over the
-  pipeline group): what a colocated rank feeds the engine rank on its device.
+  pipeline group), or only the experts one engine rank loads: what a colocated
+  rank feeds the engine rank on its device.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from megatron_rl.models.weight_layouts import Shape
 from megatron_rl.models.weight_map import (
     ParamMapping,
     group_holds_designated_source,
+    hf_expert_index,
     is_designated_source,
     iter_param_mappings,
     peer_expert_names,
@@ -166,7 +168,11 @@ def _full_tensors(
 
 @torch.no_grad()
 def export_full_model(
-    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, *, allocate: Allocate | None = None
+    chunks: Sequence[torch.nn.Module],
+    arch: QwenArchitecture,
+    *,
+    allocate: Allocate | None = None,
+    experts: range | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every (Hugging Face name, full weight) of the model on every rank: the same sequence everywhere.
 
@@ -176,9 +182,11 @@ def export_full_model(
     broadcast each tensor (after its name, shape and dtype) over the pipeline group, and the
     other stages receive it. So every rank holds the whole model, one parameter at a time, on
     its own device. All ranks of the job iterate together (collectives over the TP, EP and
-    pipeline groups). ``allocate`` as in :func:`export_hf_tensors`; a received tensor is written
-    into one ``allocate`` hands out (CPU) or a new tensor on this rank's device. A tied output
-    layer is not yielded.
+    pipeline groups). ``experts``: yield only these global experts (and every other tensor), in
+    the same order; a rank still takes part in every collective, so ranks may ask for different
+    experts. ``allocate`` as in :func:`export_hf_tensors`, for the yielded tensors only; a
+    received tensor is written into one ``allocate`` hands out (CPU) or a new tensor on this
+    rank's device. A tied output layer is not yielded.
     """
     group = parallel_state.get_pipeline_model_parallel_group()
     stages, this_stage = dist.get_world_size(group), parallel_state.get_pipeline_model_parallel_rank()
@@ -186,11 +194,12 @@ def export_full_model(
     for stage in range(stages):
         source = dist.get_global_rank(group, stage)
         if stage == this_stage:
-            for name, tensor in _stage_tensors(chunks, arch, allocate):
+            for name, tensor, kept in _stage_tensors(chunks, arch, allocate, experts):
                 if stages > 1:
                     dist.broadcast_object_list([(name, tuple(tensor.shape), tensor.dtype)], src=source, group=group)
                     dist.broadcast(tensor.contiguous(), src=source, group=group)
-                yield name, tensor
+                if kept:
+                    yield name, tensor
             if stages > 1:
                 dist.broadcast_object_list([None], src=source, group=group)
             continue
@@ -200,35 +209,53 @@ def export_full_model(
             if header[0] is None:
                 break
             name, shape, dtype = header[0]
-            if allocate is not None and device.type == "cpu":
+            kept = _kept(name, experts)
+            if kept and allocate is not None and device.type == "cpu":
                 tensor = allocate([shape], dtype)[0]
             else:
                 tensor = torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(tensor, src=source, group=group)
-            yield name, tensor
+            if kept:
+                yield name, tensor
+
+
+def _kept(hf_name: str, experts: range | None) -> bool:
+    """Whether :func:`export_full_model` yields ``hf_name`` when asked for ``experts`` (None: all)."""
+    index = hf_expert_index(hf_name)
+    return experts is None or index is None or index in experts
 
 
 def _stage_tensors(
-    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, allocate: Allocate | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's full tensors with every EP rank's experts (see :func:`export_full_model`)."""
+    chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, allocate: Allocate | None, experts: range | None
+) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """This pipeline stage's full tensors with every EP rank's experts, each with whether it is kept (see
+    :func:`export_full_model`); only kept tensors come from ``allocate``."""
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep_size = dist.get_world_size(ep_group)
     for mapping, param in iter_param_mappings(chunks, arch):
         if not mapping.exported:
             continue
         if not mapping.expert or ep_size == 1:
-            full = _full_tensors(mapping, param.detach(), designated_only=False, allocate=allocate)
-            yield from zip(mapping.hf_names, full or [], strict=True)
+            kept = _kept(mapping.hf_names[0], experts)
+            full = _full_tensors(mapping, param.detach(), designated_only=False, allocate=allocate if kept else None)
+            yield from ((name, tensor, kept) for name, tensor in zip(mapping.hf_names, full or [], strict=True))
             continue
         own = _full_tensors(mapping, param.detach(), designated_only=False, allocate=None) or []
-        shapes = [tuple(tensor.shape) for tensor in own] * ep_size
+        names = [peer_expert_names(mapping, arch.num_experts, ep_rank, ep_size) for ep_rank in range(ep_size)]
+        kept_ranks = [_kept(peer[0], experts) for peer in names]
+        shapes = [tuple(tensor.shape) for tensor in own]
+        allocated = None
         if allocate is not None and param.device.type == "cpu":
-            peers = allocate(shapes, param.dtype)
-        else:
-            peers = [torch.empty(shape, dtype=param.dtype, device=param.device) for shape in shapes]
+            allocated = iter(allocate(shapes * sum(kept_ranks), param.dtype))
+        peers = [
+            next(allocated)
+            if kept and allocated is not None
+            else torch.empty(shape, dtype=param.dtype, device=param.device)
+            for kept in kept_ranks
+            for shape in shapes
+        ]
         for index, tensor in enumerate(own):
             dist.all_gather(peers[index :: len(own)], tensor.contiguous(), group=ep_group)
-        for ep_rank in range(ep_size):
-            names = peer_expert_names(mapping, arch.num_experts, ep_rank, ep_size)
-            yield from zip(names, peers[ep_rank * len(own) : (ep_rank + 1) * len(own)], strict=True)
+        for ep_rank, peer in enumerate(names):
+            tensors = peers[ep_rank * len(own) : (ep_rank + 1) * len(own)]
+            yield from ((name, tensor, kept_ranks[ep_rank]) for name, tensor in zip(peer, tensors, strict=True))

@@ -80,6 +80,7 @@ class TrainerWorker:
             self._clients,
             flush_cache=not cfg.sglang_on_cpu,  # SGLang's CPU engines keep no prefix cache (sglang_cpu.CPU_FLAGS)
             engine_world_sizes=[cfg.engine_tp_ranks] * len(self._clients),
+            engine_ep_size=cfg.rollout.ep,
             master_address=RunNetwork.of(cfg.cluster).address(ray.util.get_node_ip_address()),
             disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
             hf_config_dir=self._hf_dir,

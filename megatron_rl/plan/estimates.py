@@ -22,11 +22,14 @@ tensor when colocated, distributed otherwise); its seconds are the sum of its te
      rank's shard and copies only that, so the bytes are one engine GPU's weights
      (:func:`~megatron_rl.plan.param_count.engine_gpu_weights`, bf16), also at :data:`NVLINK_GBPS`:
      a same-GPU copy is faster (2.1 TB/s measured on an H200), so this term is an upper bound;
-  3. the cost per tensor: every engine rank loads every tensor of the checkpoint
-     (:func:`~megatron_rl.plan.param_count.hf_tensor_counts`; the loader takes each by name before it
-     narrows) and every trainer rank exports each, at :data:`MICROSECONDS_PER_TENSOR`: measured on this
-     path's one-GPU form (a TP 1 rank exporting the whole model into the reference engine on its GPU,
-     flattened buckets), where it dominated; SGLang's own loaders were not measured.
+  3. the cost per tensor, in two parts measured on this path's one-GPU form (a TP 1 rank exporting
+     the whole model into the reference engine on its GPU, flattened buckets), where it dominated:
+     every trainer rank exports every tensor of the checkpoint
+     (:func:`~megatron_rl.plan.param_count.hf_tensor_counts`) at :data:`EXPORT_MICROSECONDS_PER_TENSOR`,
+     and sends the tensors its engine rank loads, which the rank loads, at
+     :data:`LOAD_MICROSECONDS_PER_TENSOR`: every dense tensor and, at ``rollout.ep``, ``1 / ep`` of
+     the experts (the transport feeds an engine rank only its own; SGLang's loader takes each tensor
+     by name before it narrows). SGLang's own loaders were not measured.
 
 - ``distributed`` (NCCL broadcast): the send lock lets one sending rank broadcast at a time, so
   the whole model crosses one sender's network link: model bytes / :data:`NETWORK_GBPS`;
@@ -35,7 +38,7 @@ tensor when colocated, distributed otherwise); its seconds are the sum of its te
 
 Not modelled: the all-gathers' launch latency (for Qwen3-30B-A3B at TP 4 x EP 8, 98 TP gathers and
 one EP gather per local expert tensor, 2,304, per rank) and their lower bandwidth at small
-messages, per-bucket request round trips and the engines' post-processing. The three tensor terms
+messages, per-bucket request round trips and the engines' post-processing. The tensor terms
 are summed, not overlapped (two bucket buffers let a rank gather bucket k+1 while its engine loads
 bucket k, and the measured cost per tensor already holds a copy), so the sum leans high.
 Distributed and disk are data movement alone.
@@ -114,13 +117,20 @@ NVLINK_GBPS = Assumption(
     "H100 NVLink 4: 450 GB/s per direction nominal; also taken for the engine's same-GPU copy, "
     "which is faster (2.1 TB/s on an H200, docs/gpu-checks.md)",
 )
-MICROSECONDS_PER_TENSOR = Assumption(
-    "tensor transport time per tensor",
-    Range(62, 72),
+EXPORT_MICROSECONDS_PER_TENSOR = Assumption(
+    "export time per tensor",
+    Range(16, 17),
     "us",
-    "measured on one H200, flattened buckets: a TP1 Megatron export of the whole model through CUDA IPC "
-    "into an engine on its GPU, 6.38 GB in 1,611 tensors in 0.099-0.105 s and in 3,147 in 0.201-0.225 s, "
-    "docs/gpu-checks.md",
+    "measured on one H200: a TP1 Megatron export of the whole model alone, 6.38 GB in 1,611 tensors in "
+    "0.026-0.027 s and in 3,147 in 0.050 s, docs/gpu-checks.md",
+)
+LOAD_MICROSECONDS_PER_TENSOR = Assumption(
+    "send and engine load time per tensor",
+    Range(46, 56),
+    "us",
+    "measured on one H200, flattened buckets: the whole tensor transport (export, CUDA IPC, an engine on the same "
+    "GPU) at 62-72 us a tensor (1,611 tensors in 0.099-0.105 s, 3,147 in 0.201-0.225 s, docs/gpu-checks.md), "
+    "less the export's 16 us",
 )
 NETWORK_GBPS = Assumption(
     "network per sending GPU", Range(20, 45), "GB/s", "NCCL broadcast over one 400 Gb/s (50 GB/s) NIC"
@@ -210,18 +220,22 @@ def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int) -> Sy
     gathered = gathered_bytes_per_gpu(arch, cfg.parallel)
     weights = engine_gpu_weights(arch, cfg.rollout)
     share = (weights.gemm + weights.other) * BF16_BYTES
-    tensors = sum(hf_tensor_counts(arch))
+    dense_tensors, expert_tensors = hf_tensor_counts(arch)
+    tensors = dense_tensors + expert_tensors
+    loaded = dense_tensors + expert_tensors // cfg.rollout.ep  # an engine rank is fed only its experts
     stages = cfg.parallel.pp
     broadcast = model_bytes * (stages - 1) // stages  # the other stages' layers, over the node's pipeline group
     terms = (
         SyncTerm(f"all-gathers ({gathered / 1e9:.2f} GB)", _exactly(gathered).per(nvlink)),
         *([SyncTerm(f"pipeline broadcast ({broadcast / 1e9:.2f} GB)", _exactly(broadcast).per(nvlink))] * (stages > 1)),
         SyncTerm(f"engine copy ({share / 1e9:.2f} GB)", _exactly(share).per(nvlink)),
-        SyncTerm(f"{tensors:,} tensors", MICROSECONDS_PER_TENSOR.value.scaled(tensors * 1e-6)),
+        SyncTerm(f"{tensors:,} tensors exported", EXPORT_MICROSECONDS_PER_TENSOR.value.scaled(tensors * 1e-6)),
+        SyncTerm(f"{loaded:,} tensors loaded", LOAD_MICROSECONDS_PER_TENSOR.value.scaled(loaded * 1e-6)),
     )
     link = "per GPU at the NVLink rate, all GPUs at once"
     link_bytes = gathered + broadcast + share
-    return SyncEstimate("tensor", model_bytes, link, link_bytes, terms, (NVLINK_GBPS, MICROSECONDS_PER_TENSOR))
+    assumptions = (NVLINK_GBPS, EXPORT_MICROSECONDS_PER_TENSOR, LOAD_MICROSECONDS_PER_TENSOR)
+    return SyncEstimate("tensor", model_bytes, link, link_bytes, terms, assumptions)
 
 
 def estimate_sync(cfg: RunConfig, arch: QwenArchitecture, transport: str | None = None) -> SyncEstimate:

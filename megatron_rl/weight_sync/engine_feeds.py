@@ -4,7 +4,8 @@ Colocated on GPUs, engine ``e`` uses the GPUs of trainer ranks ``e*k .. e*k+k-1`
 engine; :mod:`megatron_rl.plan.placement`), so its TP rank ``t`` shares a GPU with trainer rank
 ``e*k+t`` and is fed by that rank alone: it opens handles of its own GPU only, and every node
 serves its own engines. The same rule with a stride of ``world_size // engines`` places CPU engines
-(which share no device) beside the trainer ranks that feed them.
+(which share no device) beside the trainer ranks that feed them. An engine rank with expert
+parallelism loads only its own experts (:func:`engine_rank_experts`), so it is fed only those.
 """
 
 from __future__ import annotations
@@ -57,3 +58,24 @@ def colocated_feeds(world_size: int, engine_sizes: Sequence[int]) -> list[Engine
         for tp_rank, rank in enumerate(feeders):
             feeds[rank] = EngineFeed(engine, tp_rank, feeders)
     return feeds
+
+
+def engine_rank_experts(tp_rank: int, tp_size: int, ep_size: int, num_experts: int) -> range:
+    """The global experts that TP rank ``tp_rank`` of an SGLang 0.5.23 engine at ``tp_size`` x ``ep_size`` loads.
+
+    SGLang splits the engine's TP ranks into ``ep_size`` MoE EP ranks of ``tp_size // ep_size`` (MoE
+    TP) each, TP rank ``t`` in EP rank ``t // (tp_size // ep_size)`` (``distributed/parallel_state.py``,
+    one MoE DP group), and places experts trivially (no EPLB): EP rank ``r`` holds the contiguous
+    ``num_experts // ep_size`` from ``r * num_experts // ep_size``; its FusedMoE weight loader drops
+    every other expert it is sent (``_map_global_expert_id_to_local_expert_id`` returns -1). Raises
+    ValueError where ``ep_size`` does not divide ``tp_size`` and ``num_experts`` or ``tp_rank`` is
+    not below ``tp_size``.
+    """
+    if tp_size % ep_size or num_experts % ep_size or not 0 <= tp_rank < tp_size:
+        raise ValueError(
+            f"TP rank {tp_rank} of an engine at TP {tp_size} x EP {ep_size} with {num_experts} experts: EP must divide "
+            "both TP and the experts, and the rank must be below TP"
+        )
+    per_rank = num_experts // ep_size
+    ep_rank = tp_rank // (tp_size // ep_size)
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)

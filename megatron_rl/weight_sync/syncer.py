@@ -163,7 +163,10 @@ class WeightSyncer:
         trainer rank (:attr:`~megatron_rl.weight_sync.transports.WeightTransport.exports_full_model`), else each
         tensor once, by its designated source rank."""
         if self.transport.exports_full_model:
-            return self.sync_export(lambda allocate: export_full_model(chunks, arch, allocate=allocate), version)
+            experts = self.transport.experts_fed(arch.num_experts)
+            return self.sync_export(
+                lambda allocate: export_full_model(chunks, arch, allocate=allocate, experts=experts), version
+            )
         return self.sync_export(
             lambda allocate: export_hf_weights(chunks, arch, designated_only=True, allocate=allocate), version
         )
@@ -179,13 +182,15 @@ def build_transport(
     engines: Sequence[RolloutEngine],
     *,
     engine_world_sizes: Sequence[int] | None = None,
+    engine_ep_size: int = 1,
     master_address: str | None = None,
     disk_dir: str | Path | None = None,
     hf_config_dir: str | Path | None = None,
 ) -> WeightTransport:
     """The transport ``config.transport`` names (``auto``: tensor when colocated, distributed otherwise).
 
-    ``master_address``: this rank's node IP as the engines' nodes reach it (the distributed
+    ``engine_ep_size``: each engine's expert-parallel size (the tensor transport feeds an engine rank only
+    its experts). ``master_address``: this rank's node IP as the engines' nodes reach it (the distributed
     transport hosts its broadcast group there). Raises ValueError for ``distributed`` without
     ``master_address`` and for ``disk`` without ``disk_dir`` and ``hf_config_dir``.
     """
@@ -193,7 +198,7 @@ def build_transport(
     if kind == "auto":
         kind = "tensor" if placement == "colocated" else "distributed"
     if kind == "tensor":
-        return TensorTransport(engines, engine_world_sizes)
+        return TensorTransport(engines, engine_world_sizes, engine_ep_size=engine_ep_size)
     if kind == "distributed":
         if master_address is None:
             raise ValueError(

@@ -63,7 +63,7 @@ from megatron_rl.rollout.protocol import (
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
 from megatron_rl.weight_sync.buckets import NamedTensor
 from megatron_rl.weight_sync.dense_buckets import aligned_runs, pack
-from megatron_rl.weight_sync.engine_feeds import colocated_feeds, engine_feeders
+from megatron_rl.weight_sync.engine_feeds import colocated_feeds, engine_feeders, engine_rank_experts
 from megatron_rl.weight_sync.send_lock import SendLock, create_send_lock
 from megatron_rl.weight_sync.tensor_serialization import (
     FLATTENED_BUCKET,
@@ -130,6 +130,11 @@ class WeightTransport(abc.ABC):
         """Memory of the bucket being filled, for the caller to write a tensor into and send in it; None: none."""
         return None
 
+    def experts_fed(self, num_experts: int) -> range | None:
+        """With :attr:`exports_full_model`, the global experts (of ``num_experts``) this rank's stream carries, the
+        rest of the model whole; None: every expert."""
+        return None
+
     def begin(self, version: str) -> None:  # noqa: B027 (optional hook)
         """Start a sync (collective for transports that need it)."""
 
@@ -182,6 +187,10 @@ class TensorTransport(WeightTransport):
     they are, views of the sender's storage: the caller must not write such a tensor before
     :meth:`finish` returns (a trainer does not: the sync runs between optimizer steps).
 
+    An engine with expert parallelism (``engine_ep_size`` > 1) is fed by each rank only the experts
+    its engine rank loads (:meth:`experts_fed`: SGLang's MoE weight loader drops the others), so a
+    Qwen3-30B-A3B engine rank at TP 4 x EP 4 opens 5,043 tensors per sync instead of 18,867.
+
     A bucket whose tensors all lie in one buffer goes as SGLang's ``flattened_bucket``: one IPC
     handle and per-tensor metadata, instead of one handle per tensor, which cost about 72 us a
     tensor on an H200 (a Qwen3-30B-A3B sync sends about 19,000 tensors); any other bucket goes
@@ -191,9 +200,16 @@ class TensorTransport(WeightTransport):
     NUM_BUFFERS = 2
     exports_full_model = True
 
-    def __init__(self, engines: Sequence[RolloutEngine], engine_tp_sizes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        engine_tp_sizes: Sequence[int] | None = None,
+        *,
+        engine_ep_size: int = 1,
+    ) -> None:
         self.engines = list(engines)
         self.engine_tp_sizes = list(engine_tp_sizes or [1] * len(self.engines))
+        self.engine_ep_size = engine_ep_size
         self._world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.feed = colocated_feeds(self._world_size, self.engine_tp_sizes)[_rank()]
         self._feeder_group: dist.ProcessGroup | None = None
@@ -210,6 +226,12 @@ class TensorTransport(WeightTransport):
     @property
     def allocate(self) -> Allocate | None:
         return self._buffers.allocate if self.feeds else None
+
+    def experts_fed(self, num_experts: int) -> range | None:
+        if self.feed is None or self.engine_ep_size == 1:
+            return None
+        tp_size = self.engine_tp_sizes[self.feed.engine]
+        return engine_rank_experts(self.feed.tp_rank, tp_size, self.engine_ep_size, num_experts)
 
     def _buffers_for(self, tensor: torch.Tensor) -> BucketBuffers:
         if not tensor.is_cuda:

@@ -7,7 +7,8 @@ what each engine receives (a recording engine that opens every payload as an eng
 each request holds one payload per TP rank, entry ``t``'s memory belongs to the process of trainer
 rank ``e*2+t`` alone (torch names a shared-memory file after its creating process), every entry
 holds the whole checkpoint bit for bit over the sync, only the feeders of TP rank 0 post, and a
-bucket that fails to load fails the sync on both of the engine's feeders.
+bucket that fails to load fails the sync on both of the engine's feeders. With engines of EP 2, entry
+``t`` holds the dense tensors and only the experts SGLang's TP rank ``t`` loads.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.models.builder import build_qwen_model
+from megatron_rl.models.weight_map import hf_expert_index
 from megatron_rl.models.weight_transfer import load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.rollout.protocol import UpdateWeightsFromTensorRequest
@@ -65,12 +67,13 @@ class EngineRanks:
             self.received[tp_rank].update((name, tensor.clone()) for name, tensor in named)
 
 
-def _sync_rank(rank: int, world_size: int, hf_dir: Path, fail_on: int | None) -> dict:
+def _sync_rank(rank: int, world_size: int, hf_dir: Path, fail_on: int | None, engine_ep: int = 1) -> dict:
     initialize_parallel(SIZES)
     arch, _, chunks = build_qwen_model(load_hf_config(hf_dir), SIZES, params_dtype=torch.float32)
     load_hf_weights(chunks, arch, hf_dir)
     engines = [EngineRanks(fail_on), EngineRanks(fail_on)]
-    syncer = WeightSyncer(engines, TensorTransport(engines, ENGINE_TP), bucket_bytes=2048, flush_cache=False)
+    transport = TensorTransport(engines, ENGINE_TP, engine_ep_size=engine_ep)
+    syncer = WeightSyncer(engines, transport, bucket_bytes=2048, flush_cache=False)
     try:
         syncer.sync_megatron(chunks, arch, "v1")
         error = None
@@ -111,3 +114,16 @@ def test_every_engine_rank_gets_the_whole_model_from_the_trainer_rank_on_its_dev
 def test_a_bucket_that_fails_to_load_fails_the_sync_on_every_feeder_of_its_engine(hf_dir):
     per_rank = run_distributed(_sync_rank, 4, hf_dir, 1)
     assert [result["error"] for result in per_rank] == ["RuntimeError", "EngineError"] * 2
+
+
+@pytest.mark.distributed
+def test_engine_ranks_with_expert_parallelism_are_fed_only_their_own_experts(hf_dir):
+    per_rank = run_distributed(_sync_rank, 4, hf_dir, None, 2)
+    checkpoint = {name: t for path in sorted(hf_dir.glob("*.safetensors")) for name, t in load_file(path).items()}
+    for engine in (0, 1):
+        poster = per_rank[2 * engine]["engines"][engine]
+        for tp_rank, share in enumerate((range(0, 2), range(2, 4))):  # 4 experts, EP 2
+            received = poster.received[tp_rank]
+            expected = [name for name in checkpoint if hf_expert_index(name) in (None, *share)]
+            assert sorted(received) == sorted(expected)
+            assert all(torch.equal(received[name], checkpoint[name]) for name in expected)

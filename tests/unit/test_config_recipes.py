@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from megatron_rl.cli import main
 from megatron_rl.config import RecipeError, load_recipe, recipe_to_yaml
 from megatron_rl.config.loading import apply_overrides, parse_yaml, read_recipe_tree, validate_recipe_tree
+from tests.hf_configs import QWEN3_30B_A3B_CONFIG_FILE
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TINY = RECIPES / "tiny_moe_cpu_dapo.yaml"
@@ -314,6 +316,20 @@ def test_engine_data_parallelism_is_refused_because_sglang_asserts_dp_1_for_weig
     (problem,) = [p for p in problems if p.startswith("rollout.dp:")]
     assert "2: SGLang 0.5.23 asserts dp_size == 1 for every weight update" in problem and "set rollout.dp=1" in problem
     assert any(p.startswith("rollout.dp:") for p in _problems(TINY, "rollout.dp=2"))
+
+
+def test_an_engine_ep_that_does_not_divide_the_experts_is_refused(qwen3_30b_overrides, tmp_path):
+    config = json.loads(QWEN3_30B_A3B_CONFIG_FILE.read_text()) | {"num_experts": 60}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    problems = _problems(
+        QWEN3_30B,
+        *qwen3_30b_overrides,
+        f"model.config_fallback={tmp_path / 'config.json'}",
+        "rollout.ep=8",
+        "rollout.tp=8",
+    )
+    (problem,) = [p for p in problems if p.startswith("rollout.ep:")]
+    assert "engine ep (8) must divide the model's 60 experts" in problem
 
 
 @pytest.mark.parametrize("transport", ["auto", "tensor"])

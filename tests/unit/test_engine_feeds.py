@@ -1,10 +1,10 @@
-"""Which trainer rank feeds which engine rank: on GPUs the rank on the engine rank's own GPU."""
+"""Which trainer rank feeds which engine rank (on GPUs the rank on the engine rank's own GPU), and which experts."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_rl.weight_sync.engine_feeds import EngineFeed, colocated_feeds
+from megatron_rl.weight_sync.engine_feeds import EngineFeed, colocated_feeds, engine_rank_experts
 
 
 def test_the_30b_layout_feeds_each_engine_rank_from_the_trainer_rank_on_its_gpu():
@@ -23,3 +23,22 @@ def test_fewer_engines_than_ranks_are_fed_from_the_first_rank_of_their_stride():
 def test_an_engine_rank_without_a_trainer_rank_of_its_own_is_refused(world, sizes):
     with pytest.raises(ValueError, match="needs a trainer rank of its own"):
         colocated_feeds(world, sizes)
+
+
+def test_the_30b_engine_ranks_at_tp4_ep4_each_load_a_quarter_of_the_experts():
+    assert [engine_rank_experts(t, 4, 4, 128) for t in range(4)] == [range(32 * t, 32 * t + 32) for t in range(4)]
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(4, 2), (8, 4), (8, 2)])
+def test_tp_ranks_of_one_moe_ep_rank_share_its_experts(tp, ep):
+    moe_tp, per_rank = tp // ep, 128 // ep
+    for tp_rank in range(tp):
+        first = tp_rank // moe_tp * per_rank
+        assert engine_rank_experts(tp_rank, tp, ep, 128) == range(first, first + per_rank)
+    assert engine_rank_experts(3, 4, 1, 128) == range(128)
+
+
+@pytest.mark.parametrize(("tp_rank", "tp", "ep", "experts"), [(0, 4, 3, 128), (0, 8, 8, 60), (4, 4, 4, 128)])
+def test_an_expert_share_sglang_would_not_build_is_refused(tp_rank, tp, ep, experts):
+    with pytest.raises(ValueError, match="EP must divide both TP and the experts"):
+        engine_rank_experts(tp_rank, tp, ep, experts)

@@ -369,6 +369,40 @@ def test_sglang_hands_tp_rank_i_the_payload_of_the_trainer_rank_on_its_device(mo
         assert all(t.dtype == e.dtype and torch.equal(t, e) for (_, t), (_, e) in zip(data, expected, strict=True))
 
 
+@needs_sglang
+@pytest.mark.parametrize(("tp", "ep"), [(4, 4), (4, 2), (8, 4), (2, 1)])
+def test_an_engine_rank_is_fed_exactly_the_experts_sglangs_moe_loader_keeps(tp, ep):
+    """SGLang's own ``FusedMoE.weight_loader`` (trivial expert placement, as an engine starts) on each TP rank:
+    the experts it passes on to the rank's parameters are :func:`engine_rank_experts`'s, the rest it drops.
+    The rank's MoE EP rank is ``tp_rank // (tp // ep)``, as its ``parallel_state`` groups ranks (one MoE DP)."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    from megatron_rl.weight_sync.engine_feeds import engine_rank_experts
+
+    experts = 16
+    for tp_rank in range(tp):
+        loaded: list[int] = []
+        layer = types.SimpleNamespace(
+            quant_config=None,
+            uses_expert_location=False,
+            _expert_storage_rank=tp_rank // (tp // ep),
+            _num_local_routed=experts // ep,
+            _has_fused_shared=False,
+            _weight_loader_impl=lambda expert_id, loaded=loaded, **_: loaded.append(expert_id),
+        )
+        mapping = FusedMoE._map_global_expert_id_to_local_expert_id
+        layer._map_global_expert_id_to_local_expert_id = types.MethodType(mapping, layer)
+        param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        kept = []
+        for expert in range(experts):
+            before = len(loaded)
+            FusedMoE.weight_loader(layer, param, torch.empty(0), "experts.w13_weight", "w1", expert)
+            kept += [expert] * (len(loaded) > before)
+        share = engine_rank_experts(tp_rank, tp, ep, experts)
+        assert kept == list(share)
+        assert loaded == [expert - share.start for expert in share]  # local slots 0.. in order
+
+
 ENGINE_RANKS = 2  # one engine with TP 2 (rank offset 1), as SGLang joins it: rank = rank_offset + tp_rank
 GROUP_TIMEOUT_S = 60.0
 

@@ -128,6 +128,12 @@ START_REFUSALS = (
         "cluster.cpu_engines",
     ),
     Refusal(
+        "weight_sync/engine_feeds.py",
+        "experts: EP must divide",
+        ("model.random_init.num_experts=6", "rollout.tp=4", "rollout.ep=4"),
+        "rollout.ep",
+    ),
+    Refusal(
         "rollout/reference/server.py", "no config.json", ("model.random_init=null", "model.path={empty}"), "model.path"
     ),
     Refusal("rollout/reference/backend.py", "the reference engine has 1 TP rank", ("rollout.tp=2",), "rollout.tp"),
