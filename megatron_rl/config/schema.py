@@ -210,6 +210,11 @@ class RolloutConfig(Section):
         0.8, gt=0.0, lt=1.0, description="Engine GPU memory fraction (SGLang mem_fraction_static)."
     )
     quantization: Literal["fp8"] | None = Field(None, description="Rollout weight quantisation in the engine.")
+    deterministic_inference: bool = Field(
+        False,
+        description="SGLang's --enable-deterministic-inference: batch-invariant kernels, so a sample's tokens depend "
+        "on its seed and weights only (slower; the reference engine is always deterministic).",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="SGLang's --dtype of the engine's weights and activations (auto: the checkpoint's, but float32 "
