@@ -2,11 +2,15 @@
 # Create .venv with Python 3.12 and install megatron-rl with its pinned dependency set.
 # With --sglang, also .venv-sglang: SGLang 0.5.23 for engines on CPU (launch/requirements-sglang.lock says
 # why it is an environment of its own), and the libcuda.so.1 stand-in its CPU engines load
-# (megatron_rl/rollout/sglang_cpu.py). Idempotent: does nothing when the installed sets match their lock files.
+# (megatron_rl/rollout/sglang_cpu.py). With --gpu, .venv gets the GPU set instead (launch/requirements-gpu.lock:
+# the CPU set plus Transformer Engine 2.20.2 and SGLang 0.5.23, with the transformers SGLang pins), TE's PyTorch
+# extension built against .venv's torch; a .venv that has the GPU set keeps it on later runs without --gpu.
+# Idempotent: does nothing when the installed sets match their lock files.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 lock="$root/launch/requirements.lock"
+gpu_lock="$root/launch/requirements-gpu.lock"
 
 find_python312() {
     if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
@@ -21,12 +25,17 @@ find_python312() {
 }
 
 with_sglang=0
+with_gpu=0
 for arg in "$@"; do
     case "$arg" in
         --sglang) with_sglang=1 ;;
-        *) echo "usage: $0 [--sglang]" >&2; exit 2 ;;
+        --gpu) with_gpu=1 ;;
+        *) echo "usage: $0 [--sglang] [--gpu]" >&2; exit 2 ;;
     esac
 done
+# A .venv given the GPU set keeps it: reinstalling the CPU lock over it would move transformers past SGLang's pin.
+[ -f "$venv/.gpu-set" ] && with_gpu=1
+[ "$with_gpu" = 1 ] && lock="$gpu_lock"
 
 # This machine's pip configuration may name local package folders that do not exist; drop that noise.
 quiet_pip() { local python="$1"; shift; "$python" -m pip "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
@@ -66,9 +75,23 @@ if [ ! -f "$stamp" ]; then
         echo "[setup] creating $venv with $py"
         "$py" -m venv "$venv"
     fi
-    echo "[setup] installing megatron-rl and its pinned dependencies (first time: a few minutes, about 6 GB)"
     quiet_pip "$venv/bin/python" install --quiet --upgrade pip
-    quiet_pip "$venv/bin/python" install --quiet -c "$lock" -e "$root[test,plots]"
+    if [ "$with_gpu" = 1 ]; then
+        echo "[setup] installing megatron-rl with the GPU set (launch/requirements-gpu.lock; first time: SGLang's wheels, about 11 GB, and a build of TE's extension)"
+        # 1. Everything but TE's PyTorch extension (an sdist): torch, SGLang with the CUDA compiler and headers its
+        #    set brings (nvidia-cuda-nvcc, -cccl), and TE's CUDA 13 core.
+        quiet_pip "$venv/bin/python" install --quiet -c "$lock" -e "$root[test,plots]" sglang transformer-engine-cu13
+        # 2. The extension, built against this venv's torch 2.14.1 (with build isolation pip would build it against
+        #    whatever torch it downloads, and TE's setup picks the CUDA 12/13 core from that torch).
+        #    Its headers (CUDA, cuDNN, NCCL) come from the NVIDIA wheels in this venv, the ones torch runs with.
+        NVTE_BUILD_USE_NVIDIA_WHEELS=1 quiet_pip "$venv/bin/python" install --quiet --no-build-isolation -c "$lock" \
+            -e "$root[test,plots,gpu]"
+        "$venv/bin/python" -m pip check
+        touch "$venv/.gpu-set"
+    else
+        echo "[setup] installing megatron-rl and its pinned dependencies (first time: a few minutes, about 6 GB)"
+        quiet_pip "$venv/bin/python" install --quiet -c "$lock" -e "$root[test,plots]"
+    fi
     rm -f "$venv"/.installed-*
     touch "$stamp"
     echo "[setup] megatron-rl installed"

@@ -2,17 +2,25 @@
 
 :func:`on_accelerator` is the only place that asks torch whether a GPU is present; every
 other choice (the device, the process-group backend, the Transformer Engine spec, pinned
-host memory, the CPU compatibility layer) derives from it. A recipe's own choice,
+host memory, the CPU compatibility layer) derives from it. Transformer Engine counts as usable only
+when ``transformer_engine.pytorch`` imports (:func:`transformer_engine_problem` says why not). A recipe's own choice,
 ``cluster.gpus_per_node == 0`` (a CPU recipe), decides placement in the driver; inside a
-trainer or engine process the device it was given decides. Imports torch only.
+trainer or engine process the device it was given decides. Imports torch (and, on a GPU, Transformer Engine).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
+import sys
+import warnings
 
 import torch
+
+TRANSFORMER_ENGINE_INSTALL_HINT = "./launch/setup.sh --gpu builds TE 2.20.2 against this venv's torch"
+"""What a process that cannot use Transformer Engine is told to run."""
 
 
 def on_accelerator() -> bool:
@@ -21,8 +29,41 @@ def on_accelerator() -> bool:
 
 
 def transformer_engine_usable() -> bool:
-    """True when a CUDA device is present and Transformer Engine is importable."""
-    return on_accelerator() and importlib.util.find_spec("transformer_engine") is not None
+    """True when a CUDA device is present and ``transformer_engine.pytorch`` imports.
+
+    :func:`transformer_engine_problem` says why not when it is False.
+    """
+    return transformer_engine_problem() is None
+
+
+def transformer_engine_problem() -> str | None:
+    """Why Transformer Engine is not usable in this process, or None when it is.
+
+    Usable means a CUDA device and an importable ``transformer_engine.pytorch``: that import loads TE's
+    compiled PyTorch extension and its CUDA core, so a build against another torch or CUDA fails here, with
+    its import error, rather than deep inside Megatron. A GPU process whose TE is installed but does not
+    import also gets a RuntimeWarning: it then runs without TE (Megatron's local layers, no FP8).
+    """
+    if not on_accelerator():
+        return "this process sees no CUDA device"
+    return _transformer_engine_import_problem()
+
+
+@functools.cache
+def _transformer_engine_import_problem() -> str | None:
+    """Imports ``transformer_engine.pytorch`` once per process; the reason it failed, or None."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return f"transformer_engine is not installed in {sys.prefix} ({TRANSFORMER_ENGINE_INSTALL_HINT})"
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as error:  # ImportError, OSError (a missing .so), RuntimeError (TE's own checks), ...
+        problem = (
+            f"transformer_engine is installed but `import transformer_engine.pytorch` fails: "
+            f"{type(error).__name__}: {error} (a build against another torch or CUDA? {TRANSFORMER_ENGINE_INSTALL_HINT})"
+        )
+        warnings.warn(problem, RuntimeWarning, stacklevel=3)
+        return problem
+    return None
 
 
 def collective_backend() -> str:

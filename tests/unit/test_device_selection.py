@@ -1,6 +1,14 @@
-"""Device selection under torchrun and under Ray's one-GPU-per-actor assignment (only the device count is faked)."""
+"""Device selection under torchrun and under Ray's one-GPU-per-actor assignment (only the device count is faked),
+and whether Transformer Engine is usable (its import faked)."""
 
 from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -36,3 +44,71 @@ def test_without_a_gpu_everything_derives_cpu(monkeypatch: pytest.MonkeyPatch) -
     assert device.select_device() == torch.device("cpu")
     assert device.collective_backend() == "gloo"
     assert not device.transformer_engine_usable()
+
+
+@pytest.fixture
+def fresh_te_import(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A process with a GPU whose Transformer Engine import has not been tried yet."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    device._transformer_engine_import_problem.cache_clear()
+    yield
+    device._transformer_engine_import_problem.cache_clear()
+
+
+def test_without_a_gpu_transformer_engine_is_unusable_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device.transformer_engine_problem() == "this process sees no CUDA device"
+
+
+@pytest.mark.usefixtures("fresh_te_import")
+def test_a_gpu_without_transformer_engine_names_the_install_command() -> None:
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed here")
+    assert not device.transformer_engine_usable()
+    problem = device.transformer_engine_problem()
+    assert problem is not None and problem.startswith("transformer_engine is not installed in ")
+    assert "./launch/setup.sh --gpu" in problem
+
+
+class _BrokenExtension(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``transformer_engine.pytorch`` as a build against another torch loads it: its extension fails to link."""
+
+    ERROR = "transformer_engine_torch.cpython-312-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEa"
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        return importlib.util.spec_from_loader(fullname, self) if fullname == "transformer_engine.pytorch" else None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        raise ImportError(self.ERROR)
+
+
+@pytest.mark.usefixtures("fresh_te_import")
+def test_a_broken_transformer_engine_build_is_unusable_with_its_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    package = types.ModuleType("transformer_engine")
+    package.__path__ = []
+    package.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None, is_package=True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenExtension(), *sys.meta_path])
+
+    with pytest.warns(RuntimeWarning, match="undefined symbol"):
+        assert not device.transformer_engine_usable()
+    problem = device.transformer_engine_problem()  # the import is tried once per process: no second warning
+    assert problem == (
+        "transformer_engine is installed but `import transformer_engine.pytorch` fails: "
+        f"ImportError: {_BrokenExtension.ERROR} (a build against another torch or CUDA? "
+        "./launch/setup.sh --gpu builds TE 2.20.2 against this venv's torch)"
+    )
+    assert "transformer_engine.pytorch" not in sys.modules
+
+
+@pytest.mark.usefixtures("fresh_te_import")
+def test_a_transformer_engine_that_imports_is_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    package = types.ModuleType("transformer_engine")
+    package.__path__ = []
+    package.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None, is_package=True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
+    assert device.transformer_engine_usable()
+    assert device.transformer_engine_problem() is None
