@@ -41,6 +41,11 @@ otherwise, later requests too), so the step's groups are those of a run without 
 Request ids are ``<uid_prefix><serial>``, the serial counting the sampler's
 prompts over epochs, so they (and, with ``seed``, each request's sampling seed
 ``seed * 2**32 + serial``) are the same after a resume from the sampler's state.
+On SGLang (``rollout.engine: sglang``) the request carries one seed per sample instead, derived
+from that one (:func:`~megatron_rl.rollout.partial.sample_seeds`): SGLang seeds each sample on its
+own, and a request's one seed would make its ``n`` samples alike. SGLang 0.5.23 uses the seeds only
+under deterministic inference (``rollout.deterministic_inference``); without it its samples are
+not reproducible. The reference engine gets the one seed and is reproducible either way.
 Metrics: ``rollout/groups_kept``, ``groups_dropped``, ``groups_aborted``,
 ``gen_batches``, ``samples``, ``reward_errors``, ``reward_timeouts``, ``engine_restarts``, ``seconds``. Rewards,
 accuracy and lengths of the kept samples are the trainer's ``train/...`` metrics (computed
@@ -64,7 +69,13 @@ import torch
 from megatron_rl.algorithms import groups_with_signal, overlong_penalty
 from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample, RolloutStep
-from megatron_rl.rollout.partial import PartialGroup, PartialSample, WindowPlan, continuation_requests
+from megatron_rl.rollout.partial import (
+    PartialGroup,
+    PartialSample,
+    WindowPlan,
+    continuation_requests,
+    sample_seeds,
+)
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
 from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
 
@@ -290,13 +301,18 @@ class RolloutManager:
         )
 
     def _new_submission(self, item: PromptItem, uid: str, serial: int) -> _Submission:
-        """A new prompt's first window: one request for all its samples."""
+        """A new prompt's first window: one request for all its samples (with a seed per sample on SGLang)."""
         seed = None if self.seed is None else self.seed * _SEED_STRIDE + serial
         max_new, capped = self.windows.budget(0, 0)
-        request = GenerateRequest(
-            list(item.prompt_ids), self._sampling(max_new, seed), rid=uid, return_routed_experts=self.routing_replay
-        )
         n = self.rollout.n_samples_per_prompt
+        seeds = sample_seeds(seed, n) if seed is not None and self.rollout.engine == "sglang" else None
+        request = GenerateRequest(
+            list(item.prompt_ids),
+            self._sampling(max_new, None if seeds else seed),
+            rid=uid,
+            return_routed_experts=self.routing_replay,
+            sample_seeds=seeds,
+        )
         group = PartialGroup(item, uid, seed, [PartialSample() for _ in range(n)])
         return _Submission(group, [_Request(next(self._engine_cycle), request, list(range(n)), capped)], False)
 

@@ -22,7 +22,9 @@ Each window of a response records the ``weight_version`` its engine reported, so
 tokens carry the version they were sampled under (:attr:`PartialSample.version_segments`); the
 trainer's importance correction uses each token's own rollout log-prob, which is that version's.
 A continuation's sampling seed is derived from its response's first seed, its index in the group
-and its window (:func:`continuation_seed`), so a resumed run draws the same tokens.
+and its window (:func:`continuation_seed`), so a resumed run draws the same tokens. On SGLang the first
+window has per-sample seeds too (window 0 of the same derivation, :func:`sample_seeds`): SGLang seeds
+each sample on its own, so one seed for a request's ``n`` samples would give them all the same tokens.
 """
 
 from __future__ import annotations
@@ -44,10 +46,22 @@ _SEED_MASK = (1 << 63) - 1
 
 
 def continuation_seed(first_seed: int, sample: int, window: int) -> int:
-    """Sampling seed of window ``window`` (>= 1) of sample ``sample`` of a group whose first request had
-    ``first_seed``: a 63-bit hash, so it fits SGLang's int64 and differs across samples and windows."""
+    """Sampling seed of window ``window`` of sample ``sample`` of a group whose first request had
+    ``first_seed``: a 63-bit hash, so it fits SGLang's int64 and differs across samples and windows.
+
+    Window 0 is a sample's first window where the engine seeds samples one by one (SGLang,
+    :func:`sample_seeds`); the reference engine draws a first window's ``n`` samples from one generator
+    seeded with ``first_seed`` itself."""
     digest = hashlib.blake2b(f"{first_seed}:{sample}:{window}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+def sample_seeds(first_seed: int, n: int) -> list[int]:
+    """The first window's per-sample seeds of a group seeded ``first_seed`` (``continuation_seed(first_seed,
+    i, 0)`` for sample i): what an SGLang request carries, one ``sampling_params`` per sample, since SGLang
+    0.5.23 seeds each sample with its own ``sampling_seed`` (under deterministic inference; without it, it
+    ignores seeds) and copies one seed to all ``n`` samples of a request."""
+    return [continuation_seed(first_seed, sample, 0) for sample in range(n)]
 
 
 @dataclass
@@ -96,7 +110,8 @@ class PartialSample:
 class PartialGroup:
     """A group of responses generated window by window; ``windows`` is how many windows it has had.
 
-    ``first_seed`` is the sampling seed of its first (``n``-sample) request, None when unseeded.
+    ``first_seed`` is the group's seed, None when unseeded: its first (``n``-sample) request's sampling
+    seed on the reference engine; on SGLang that request's samples carry :func:`sample_seeds` of it.
     """
 
     item: PromptItem

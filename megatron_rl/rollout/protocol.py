@@ -80,6 +80,11 @@ class GenerateRequest(_Body):
 
     ``rid``: the request's id; with n > 1 a string names the group (sample i is ``{rid}_{i}``)
     and a list names each sample; None lets the engine name them.
+
+    ``sample_seeds``: one sampling seed per sample, in place of ``sampling_params.sampling_seed`` (which
+    must then be None). Not a ``GenerateReqInput`` field: the body goes as a batch whose
+    ``sampling_params`` is a list, one dict per sample with its own ``sampling_seed`` (SGLang 0.5.23's
+    per-sample parameters; a single dict, or ``n`` in it, gives every sample the same seed).
     """
 
     input_ids: list[int]
@@ -90,6 +95,16 @@ class GenerateRequest(_Body):
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     stream: bool = False
+    sample_seeds: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sample_seeds is not None:
+            if len(self.sample_seeds) != self.sampling_params.n:
+                raise ValueError(
+                    f"GenerateRequest: {len(self.sample_seeds)} sample_seeds for n = {self.sampling_params.n} samples"
+                )
+            if self.sampling_params.sampling_seed is not None:
+                raise ValueError("GenerateRequest: sample_seeds replace sampling_params.sampling_seed; set one of them")
 
     def sample_rids(self) -> list[str] | None:
         """Each sample's id on the engine, the ids ``/abort_request`` reaches (None when ``rid`` is None)."""
@@ -101,41 +116,73 @@ class GenerateRequest(_Body):
     def to_json(self) -> dict[str, Any]:
         """The body. n > 1 goes as a batch of n copies of the prompt, one sample each, ids ``sample_rids()``:
         SGLang 0.5.23 gives parallel samples (``n`` in the sampling params) fresh uuids and drops the rid,
-        so no abort could reach them."""
+        so no abort could reach them. With ``sample_seeds`` (any n) the batch's ``sampling_params`` is a list,
+        sample i's dict carrying ``sampling_seed = sample_seeds[i]``."""
         body = super().to_json()
+        seeds = body.pop("sample_seeds")
         n = self.sampling_params.n
-        if n == 1 and not isinstance(self.rid, list):
+        if n == 1 and not isinstance(self.rid, list) and seeds is None:
             return body
-        body["sampling_params"] = {**body["sampling_params"], "n": 1}
+        params = {**body["sampling_params"], "n": 1}
+        body["sampling_params"] = params if seeds is None else [params | {"sampling_seed": seed} for seed in seeds]
         return body | {"input_ids": [list(self.input_ids) for _ in range(n)], "rid": self.sample_rids()}
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> GenerateRequest:
-        """Parse SGLang's single form or a batch that repeats one prompt with one sampling-params dict.
+        """Parse SGLang's single form or a batch that repeats one prompt with one sampling-params dict, or
+        with one dict per entry that differ in ``sampling_seed`` only (``sample_seeds``).
 
         A single prompt with ``n > 1`` is SGLang's parallel sampling: its samples get fresh ids, so the
         parsed ``rid`` is None. ValueError names what else we do not serve (different prompts in a batch).
         """
         body = dict(body)
-        params = SamplingParams.from_json(body.pop("sampling_params", None) or {})
+        if "sample_seeds" in body:
+            raise ValueError("GenerateRequest: sample_seeds is not an SGLang field; send a list of sampling_params")
+        raw_params = body.pop("sampling_params", None) or {}
         input_ids = body.get("input_ids")
-        if input_ids and all(isinstance(p, list) for p in input_ids):
-            if params.n != 1 or any(p != input_ids[0] for p in input_ids):
+        batch = input_ids if isinstance(input_ids, list) and input_ids else None
+        if batch is not None and not all(isinstance(p, list) for p in batch):
+            batch = None
+        if isinstance(raw_params, list):
+            params, body["sample_seeds"] = _per_sample_seeds(raw_params, None if batch is None else len(batch))
+        else:
+            params = SamplingParams.from_json(raw_params)
+        if batch is not None:
+            if params.n != 1 or any(p != batch[0] for p in batch):
                 raise ValueError(
                     "GenerateRequest: a batched input_ids must repeat one prompt, with n = 1 in sampling_params "
                     "(one sample per entry); send different prompts as separate requests"
                 )
             rid = body.get("rid")
-            if rid is not None and (not isinstance(rid, list) or len(rid) != len(input_ids)):
-                raise ValueError(f"GenerateRequest: a batch of {len(input_ids)} needs as many rids, got {rid!r}")
-            params = dataclasses.replace(params, n=len(input_ids))
-            body["input_ids"] = input_ids[0]
+            if rid is not None and (not isinstance(rid, list) or len(rid) != len(batch)):
+                raise ValueError(f"GenerateRequest: a batch of {len(batch)} needs as many rids, got {rid!r}")
+            params = dataclasses.replace(params, n=len(batch))
+            body["input_ids"] = batch[0]
         elif params.n > 1:
             body["rid"] = None  # SGLang's parallel sampling names the samples itself
         request = super().from_json({**body, "sampling_params": params})
         if not request.input_ids or not all(isinstance(t, int) for t in request.input_ids):
             raise ValueError("GenerateRequest.input_ids must be a non-empty list of token ids (one prompt)")
         return request
+
+
+def _per_sample_seeds(raw: list[dict[str, Any]], batch: int | None) -> tuple[SamplingParams, list[int]]:
+    """A batch's list of sampling_params (``batch`` entries; None: not a batch) as the one set they share
+    (``sampling_seed`` None) and each entry's seed; ValueError for anything else."""
+    if batch is None or len(raw) != batch:
+        raise ValueError(
+            f"GenerateRequest: a list of sampling_params needs a batched input_ids of as many entries "
+            f"(got {len(raw)} for {batch or 'no batch'})"
+        )
+    per_sample = [SamplingParams.from_json(p) for p in raw]
+    shared = dataclasses.replace(per_sample[0], sampling_seed=None)
+    seeds = [p.sampling_seed for p in per_sample]
+    if any(dataclasses.replace(p, sampling_seed=None) != shared for p in per_sample) or None in seeds:
+        raise ValueError(
+            "GenerateRequest: per-sample sampling_params must differ in sampling_seed only, each setting one; "
+            "send other differences as separate requests"
+        )
+    return shared, [int(seed) for seed in seeds if seed is not None]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,15 @@ importable). RL-specific choices:
   memory saver needs (slime does the same);
 - ``--enable-return-routed-experts`` when routing replay (R3) is on;
 - ``--quantization fp8`` for FP8 rollouts;
+- ``--enable-deterministic-inference`` when ``rollout.deterministic_inference``: SGLang's
+  batch-invariant kernels and seeded sampler, the only mode in which 0.5.23 reads a request's
+  ``sampling_seed`` (``srt/sampling/sampling_batch_info.py``); the rollout manager sends a seed
+  per sample (``GenerateRequest.sample_seeds``), so with it a sample's tokens depend only on its
+  seed, prompt and weights: a restarted engine regenerates them. Cost: the SGLang team measured
+  25-45% longer end-to-end rollout latency (34% on average, FlashInfer/FA3 with CUDA graphs; not
+  measured here). It needs a deterministic attention backend (0.5.23: fa3, fa4, flashinfer,
+  triton, ...; unset, SGLang picks fa3 on Hopper, flashinfer on Blackwell); the CPU's
+  ``torch_native`` is not one, so a CPU engine with it refuses to start;
 - ``--skip-server-warmup`` (the first generate warms up; saves start-up time).
 
 Where an engine sits (first GPU, ports, the one address it listens on, multi-node
@@ -129,6 +138,8 @@ def build_sglang_command(
         command.append("--enable-return-routed-experts")
     if config.quantization is not None:
         command += ["--quantization", config.quantization]
+    if config.deterministic_inference:
+        command.append("--enable-deterministic-inference")
     if config_file is not None:
         command += ["--config", str(config_file)]
     return command

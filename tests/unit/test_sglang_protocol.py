@@ -46,6 +46,7 @@ from torch.multiprocessing import reductions
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.parallel.local_launch import free_port, run_local_ranks
+from megatron_rl.rollout.partial import sample_seeds
 from megatron_rl.rollout.protocol import (
     AbortRequest,
     BeginWeightUpdateRequest,
@@ -677,3 +678,141 @@ def test_our_client_sends_the_key_sglang_requires(tiny_moe_dir):
             with pytest.raises(EngineRequestError, match="refused this run's API key") as refused:
                 stranger.begin_weight_update()
             assert refused.value.status == 401 and refused.value.body == '{"error":"Unauthorized"}'
+
+
+def _deterministic_command(deterministic: bool) -> list[str]:
+    config = RolloutConfig(tp=4, ep=4, dp=1, deterministic_inference=deterministic)
+    return build_sglang_command(config, SGLangPlacement(0, 30000, 30001), "/models/qwen3")
+
+
+@needs_sglang
+def test_deterministic_inference_switch_parses_into_sglangs_server_args():
+    """rollout.deterministic_inference is SGLang's --enable-deterministic-inference, and off by default."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(_deterministic_command(True)[3:]).enable_deterministic_inference is True
+    assert parser.parse_args(_deterministic_command(False)[3:]).enable_deterministic_inference is False
+    assert "--attention-backend" not in _deterministic_command(True)  # SGLang picks fa3 / flashinfer on GPUs
+
+
+SEEDED = GenerateRequest(
+    [5, 17, 42],
+    SamplingParams(max_new_tokens=12, temperature=1.0, n=4),
+    rid="g3",
+    sample_seeds=sample_seeds(1234 * 2**32 + 3, 4),
+)
+
+
+def test_per_sample_seeds_go_as_one_sampling_params_per_sample_and_parse_back():
+    body = SEEDED.to_json()
+    assert body["input_ids"] == [[5, 17, 42]] * 4 and body["rid"] == ["g3_0", "g3_1", "g3_2", "g3_3"]
+    assert [params["sampling_seed"] for params in body["sampling_params"]] == SEEDED.sample_seeds
+    assert all(params["n"] == 1 for params in body["sampling_params"]) and "sample_seeds" not in body
+    assert len(set(SEEDED.sample_seeds or ())) == 4 and all(0 <= s < 2**63 for s in SEEDED.sample_seeds or ())
+    assert GenerateRequest.from_json(body) == dataclasses.replace(SEEDED, rid=body["rid"])
+    one = GenerateRequest([5], SamplingParams(n=1), rid="g4", sample_seeds=[7]).to_json()
+    assert one["sampling_params"][0]["sampling_seed"] == 7 and one["rid"] == ["g4"]
+    with pytest.raises(ValueError, match="2 sample_seeds for n = 4"):
+        GenerateRequest([5], SamplingParams(n=4), sample_seeds=[1, 2])
+    with pytest.raises(ValueError, match="replace sampling_params.sampling_seed"):
+        GenerateRequest([5], SamplingParams(n=1, sampling_seed=3), sample_seeds=[1])
+    other = dict(
+        body, sampling_params=[dict(body["sampling_params"][0], temperature=0.5)] + body["sampling_params"][1:]
+    )
+    with pytest.raises(ValueError, match="differ in sampling_seed only"):
+        GenerateRequest.from_json(other)
+
+
+def _sglang_seeds(request: GenerateRequest) -> list[int | None]:
+    """Each sample's sampling_seed as SGLang 0.5.23's GenerateReqInput and SamplingParams make it of our body."""
+    from sglang.api.v1.api_types import GenerateRequest as ContractRequest
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSamplingParams
+
+    body = request.to_json()
+    ContractRequest.from_json_value(body)
+    normalised = GenerateReqInput(**body)
+    normalised.normalize_batch_and_arguments()
+    seeds = []
+    for i in range(normalised.batch_size):
+        params = SGLangSamplingParams(**normalised[i].sampling_params)
+        params.normalize(None)
+        params.verify(100)
+        seeds.append(params.sampling_seed)
+    return seeds
+
+
+_SEEDED_DECODE = """
+import json, sys
+import torch
+from sglang.kernels.ops.sampling import murmur_hash
+from sglang.srt.layers import sampler
+
+
+def murmur_hash32_interpreted(seed, positions, col_indices):
+    hashed = torch.empty((seed.shape[0], col_indices.shape[0]), dtype=torch.uint32)
+    grid = (seed.shape[0], 1)
+    murmur_hash.murmur_hash32_kernel[grid](
+        seed, positions, col_indices, hashed, seed.shape[0], col_indices.shape[0], BLOCK_SIZE=128
+    )
+    return hashed
+
+
+sampler.murmur_hash32 = murmur_hash32_interpreted
+prompt, steps, batches = json.loads(sys.argv[1])
+logits = torch.randn(100, 100, generator=torch.Generator().manual_seed(0)) * 2
+answers = []
+for seeds in batches:
+    seed_rows = torch.tensor(seeds, dtype=torch.int64)
+    tokens = [[prompt[-1]] for _ in seeds]
+    for step in range(steps):
+        probs = torch.softmax(logits[[sample[-1] for sample in tokens]], dim=-1)
+        positions = torch.full((len(seeds),), len(prompt) + step - 1, dtype=torch.int64)
+        drawn = sampler.sampling_from_probs_torch(probs, sampling_seed=seed_rows, positions=positions)
+        for sample, token in zip(tokens, drawn.tolist()):
+            sample.append(token)
+    answers.append([sample[1:] for sample in tokens])
+print(json.dumps(answers))
+"""
+
+
+def _sglang_seeded_decode(prompt: list[int], batches: list[list[int | None]], steps: int) -> list[list[list[int]]]:
+    """The samples SGLang 0.5.23's seeded sampler draws for each batch of one prompt's samples (one seed per
+    sample), under a fixed bigram model: ``sampling_from_probs_torch`` with ``sampling_seed``, what its
+    deterministic mode runs at temperature 1 without top-k/p, whose Gumbel noise is its murmur hash of
+    (seed, position, token). Its hash is a Triton kernel (GPU) or an ``sgl_kernel`` CPU op that no registry
+    wheel carries, so the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``), in a process of
+    its own since the interpreter is chosen when the kernel is defined; eager, since dynamo cannot trace
+    the interpreter (SGLang compiles ``multinomial_with_seed``)."""
+    import json
+    import subprocess
+    import sys
+
+    env = os.environ | {"TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1"}
+    argument = json.dumps([prompt, steps, batches])
+    done = subprocess.run(
+        [sys.executable, "-c", _SEEDED_DECODE, argument], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@needs_sglang
+def test_sglangs_seeded_sampler_makes_our_samples_repeatable_and_different_from_each_other():
+    """Through SGLang's own request normalisation and seeded sampler: the rollout manager's per-sample seeds
+    give a group's samples different tokens and the same tokens again when the request is sent again; one
+    seed for the request (what we sent before) gives all its samples the same tokens."""
+    seeds = _sglang_seeds(SEEDED)
+    assert seeds == SEEDED.sample_seeds
+    one_seed = dataclasses.replace(
+        SEEDED, sampling_params=dataclasses.replace(SEEDED.sampling_params, sampling_seed=9), sample_seeds=None
+    )
+    assert _sglang_seeds(one_seed) == [9] * 4
+    first, again, alike = _sglang_seeded_decode(SEEDED.input_ids, [seeds, _sglang_seeds(SEEDED), [9] * 4], 12)
+    assert first == again
+    assert len({tuple(sample) for sample in first}) == 4, first
+    assert len({tuple(sample) for sample in alike}) == 1, alike
