@@ -222,6 +222,13 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_hf_to_fp8(args: argparse.Namespace) -> int:
+    from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
+
+    print(f"# wrote {convert_hf_to_fp8(args.hf, args.out, tuple(args.block))}")
+    return 0
+
+
 def _cmd_check_parity(args: argparse.Namespace) -> int:
     from megatron_rl.models.parity import check_parity
 
@@ -236,7 +243,9 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
-    convert = commands.add_parser("convert", help="convert between Hugging Face and Megatron checkpoints")
+    convert = commands.add_parser(
+        "convert", help="convert between Hugging Face and Megatron checkpoints, or into FP8 for the engines"
+    )
     directions = convert.add_subparsers(dest="direction", required=True)
     to_mcore = directions.add_parser("hf-to-mcore", help="HF safetensors -> Megatron torch_dist")
     to_mcore.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory")
@@ -253,6 +262,15 @@ def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     to_hf.add_argument("--out", required=True, type=Path, help="new Hugging Face model directory")
     _add_layout_arguments(to_hf)
     to_hf.set_defaults(handler=_cmd_mcore_to_hf)
+    to_fp8 = directions.add_parser(
+        "hf-to-fp8", help="HF safetensors -> blockwise FP8 (e4m3 + weight_scale_inv), what FP8 rollouts start from"
+    )
+    to_fp8.add_argument("--hf", required=True, type=Path, help="Hugging Face model directory (not quantised)")
+    to_fp8.add_argument("--out", required=True, type=Path, help="new Hugging Face model directory")
+    to_fp8.add_argument(
+        "--block", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"), help="scale block (default 128 128)"
+    )
+    to_fp8.set_defaults(handler=_cmd_hf_to_fp8)
     parity = commands.add_parser(
         "check-parity", help="compare Megatron at a layout with transformers on a checkpoint (fp32, CPU ranks)"
     )

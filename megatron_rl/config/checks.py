@@ -13,6 +13,7 @@ so a layout can be checked before downloading anything; ``validate --strict`` an
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Literal
 
 import psutil
 
+from megatron_rl.config.fp8_checkpoint import checkpoint_block, sglang_block_problems
 from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE, QwenArchitecture
 from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.layout import trainer_layout
@@ -152,7 +154,11 @@ def _check_sglang_on_cpu(cfg: RunConfig) -> Iterator[Finding]:
             "SGLang on CPU sizes its KV cache from the host's memory (15 GB and more); set it, e.g. to 8192",
         )
     if rollout.quantization is not None:
-        yield _error("rollout.quantization", f"{rollout.quantization} rollouts need GPUs; remove it on CPU")
+        yield _error(
+            "rollout.quantization",
+            f"SGLang 0.5.23 serves {rollout.quantization} on CPU only with AMX kernels that no registry wheel carries "
+            "(Fp8LinearMethod asserts them); use rollout.engine=reference for FP8 rollouts on CPU",
+        )
     if cfg.algorithm.routing_replay:
         yield _error(
             "algorithm.routing_replay",
@@ -520,6 +526,40 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
         yield _error("checkpoint.resume", f"{resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
 
 
+def _check_fp8_rollout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    rollout = cfg.rollout
+    if rollout.quantization != "fp8":
+        return
+    for problem in sglang_block_problems(arch, rollout.tp, rollout.ep, rollout.fp8_block):
+        yield _error(
+            "rollout.fp8_block_size",
+            f"{list(rollout.fp8_block_size)}: {problem}, so SGLang 0.5.23 refuses to load it; pick a block that "
+            "divides the model's projection sizes",
+        )
+    if rollout.fp8_checkpoint is None:
+        return
+    config_file = Path(rollout.fp8_checkpoint) / "config.json"
+    if not config_file.is_file():
+        yield _needed("rollout.fp8_checkpoint", f"no config.json in {rollout.fp8_checkpoint!r}")
+        return
+    try:
+        block = checkpoint_block(json.loads(config_file.read_text()))
+    except ValueError as error:
+        yield _error("rollout.fp8_checkpoint", str(error))
+        return
+    if block != rollout.fp8_block:
+        found = "no quantization_config" if block is None else f"blocks of {list(block)}"
+        yield _error(
+            "rollout.fp8_checkpoint",
+            f"{rollout.fp8_checkpoint!r} has {found}, not rollout.fp8_block_size {list(rollout.fp8_block_size)}: "
+            "convert it with `megatron-rl convert hf-to-fp8` or set rollout.fp8_block_size to its block",
+        )
+    if not has_hf_weights(rollout.fp8_checkpoint):
+        yield _needed(
+            "rollout.fp8_checkpoint", f"no weights ({SINGLE_FILE} or {INDEX_FILE}) in {rollout.fp8_checkpoint!r}"
+        )
+
+
 def _check_network(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     cluster = cfg.cluster
     if cluster.nodes == 1:
@@ -564,6 +604,7 @@ CHECKS: tuple[Check, ...] = (
     _check_partial_rollouts,
     _check_precision,
     _check_sources,
+    _check_fp8_rollout,
     _check_network,
     _check_logging,
 )

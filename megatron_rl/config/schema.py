@@ -209,7 +209,23 @@ class RolloutConfig(Section):
     mem_fraction: float = Field(
         0.8, gt=0.0, lt=1.0, description="Engine GPU memory fraction (SGLang mem_fraction_static)."
     )
-    quantization: Literal["fp8"] | None = Field(None, description="Rollout weight quantisation in the engine.")
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="fp8: the engines serve blockwise FP8 weights (e4m3, one float32 scale per block), started from "
+        "an FP8 checkpoint (rollout.fp8_checkpoint, else converted from the bf16 one at run start) and sent FP8 "
+        "weights and scales at every sync; training stays in train.precision.",
+    )
+    fp8_block_size: list[PositiveInt] = Field(
+        [128, 128],
+        min_length=2,
+        max_length=2,
+        description="FP8 rollouts: the [output, input] block of each weight scale (Qwen's FP8 checkpoints: 128 x 128).",
+    )
+    fp8_checkpoint: str | None = Field(
+        None,
+        description="FP8 rollouts: an FP8 Hugging Face checkpoint of the model for the engines to start from (e.g. "
+        "`megatron-rl convert hf-to-fp8` output); None: converted into <run_dir>/rollout_fp8 at run start.",
+    )
     deterministic_inference: bool = Field(
         False,
         description="SGLang's --enable-deterministic-inference: batch-invariant kernels, so a sample's tokens depend "
@@ -233,6 +249,11 @@ class RolloutConfig(Section):
         description="Engine crashes survived in a run: each restarts the engine on its bundle, re-syncs the weights "
         "and resubmits its requests with their seeds; one more crash ends the run (0: the first does).",
     )
+
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        """``fp8_block_size`` as (output rows, input columns) per scale."""
+        return self.fp8_block_size[0], self.fp8_block_size[1]
 
 
 class WeightSyncConfig(Section):
@@ -446,6 +467,14 @@ class RunConfig(Section):
     def log_dir(self) -> str:
         """Log directory after defaulting to ``runs/<name>/logs``."""
         return self.logging.dir or f"{self.run_dir}/logs"
+
+    @property
+    def rollout_fp8_dir(self) -> str | None:
+        """With FP8 rollouts, the FP8 checkpoint the engines start from: ``rollout.fp8_checkpoint``, else
+        ``<run_dir>/rollout_fp8`` (converted at run start); None without."""
+        if self.rollout.quantization != "fp8":
+            return None
+        return self.rollout.fp8_checkpoint or f"{self.run_dir}/rollout_fp8"
 
     @property
     def loss_norm_constant(self) -> int:

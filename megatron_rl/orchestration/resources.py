@@ -39,6 +39,7 @@ from ray.util.placement_group import PlacementGroup
 
 import megatron_rl
 from megatron_rl.actor.step_data import expert_index_dtype
+from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
 from megatron_rl.config import RunConfig, read_architecture
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig
 from megatron_rl.data import PromptSampler
@@ -182,7 +183,8 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         run.engine_feeders = feeders_of_engines(cfg, plan)
         if run.engine_feeders is not None:
             check_engines_beside_feeders(slots, plan, run.engine_feeders)
-        run.engine_hosts = start_engines(cfg, run.hf_dir, run.placement, slots, plan, network, run.api_key)
+        engine_weights = prepare_rollout_weights(cfg, run.hf_dir)
+        run.engine_hosts = start_engines(cfg, engine_weights, run.placement, slots, plan, network, run.api_key)
         colocated = engines_hand_over_memory(cfg)
         # Engines size their KV cache from the free GPU memory: colocated on GPUs they start and release it
         # before any trainer rank allocates. Elsewhere the trainer ranks are built while the engines start.
@@ -249,6 +251,19 @@ def initial_weights(cfg: RunConfig, tokenizer: transformers.PreTrainedTokenizerB
     staging = target.with_name(target.name + ".tmp")
     model_cls(config).to(torch.float32).save_pretrained(staging)
     staging.rename(target)
+    return target
+
+
+def prepare_rollout_weights(cfg: RunConfig, hf_dir: Path) -> Path:
+    """The checkpoint the engines start from: ``hf_dir``, or with FP8 rollouts ``cfg.rollout_fp8_dir``, converted
+    once from ``hf_dir`` when it is not there yet (an interrupted conversion leaves only its partial directory,
+    redone next time)."""
+    if cfg.rollout_fp8_dir is None:
+        return hf_dir
+    target = Path(cfg.rollout_fp8_dir)
+    if not (target / "config.json").is_file():
+        print(f"# FP8 rollouts: converting {hf_dir} into {target} (blocks of {list(cfg.rollout.fp8_block)})")
+        convert_hf_to_fp8(hf_dir, target, cfg.rollout.fp8_block)
     return target
 
 

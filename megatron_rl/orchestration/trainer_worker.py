@@ -79,11 +79,12 @@ class TrainerWorker:
             cfg.rollout.placement,
             self._clients,
             flush_cache=not cfg.sglang_on_cpu,  # SGLang's CPU engines keep no prefix cache (sglang_cpu.CPU_FLAGS)
+            fp8_block=cfg.rollout.fp8_block if cfg.rollout.quantization == "fp8" else None,
             engine_world_sizes=[cfg.engine_tp_ranks] * len(self._clients),
             engine_ep_size=cfg.rollout.ep,
             master_address=RunNetwork.of(cfg.cluster).address(ray.util.get_node_ip_address()),
             disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
-            hf_config_dir=self._hf_dir,
+            hf_config_dir=cfg.rollout_fp8_dir or self._hf_dir,  # the engines' config.json (FP8: its quantization)
         )
 
     @property

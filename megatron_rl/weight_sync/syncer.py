@@ -43,6 +43,7 @@ from megatron_rl.config.schema import WeightSyncConfig
 from megatron_rl.models.weight_transfer import Allocate, export_full_model, export_hf_weights
 from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.weight_sync.buckets import MIB, BucketFiller, NamedTensor, tensor_bytes
+from megatron_rl.weight_sync.fp8_blocks import quantize_named
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class WeightSyncer:
 
     ``flush_cache``: flush each engine's prefix cache after an update; False only for engines that keep
     none (SGLang on CPU, ``--disable-radix-cache``), where nothing cached could outlive the old weights.
+    ``fp8_block``: the engines serve blockwise FP8 weights of that block (FP8 rollouts): every
+    projection is quantised on this rank's device as it is exported and sent as its FP8 weight and
+    scales (:func:`~megatron_rl.weight_sync.fp8_blocks.quantize_named`), through any transport.
     """
 
     def __init__(
@@ -106,11 +110,13 @@ class WeightSyncer:
         *,
         bucket_bytes: int,
         flush_cache: bool = True,
+        fp8_block: tuple[int, int] | None = None,
     ) -> None:
         self.engines = list(engines)
         self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.flush_cache = flush_cache
+        self.fp8_block = fp8_block
 
     def sync(self, named_tensors: Iterable[NamedTensor], version: str) -> SyncStats:
         """Deliver this rank's share of the weights; every rank calls it with its own stream."""
@@ -140,7 +146,11 @@ class WeightSyncer:
             _barrier()
             self.transport.begin(version)
             if self.transport.feeds:
-                for name, tensor in export(filler.allocate):
+                # A quantised weight is a new tensor, so the export does not write into bucket memory then.
+                stream = (
+                    export(filler.allocate) if self.fp8_block is None else quantize_named(export(None), self.fp8_block)
+                )
+                for name, tensor in stream:
                     filler.add(name, tensor)
                 filler.flush()
             else:
@@ -217,8 +227,10 @@ def build_syncer(
     engines: Sequence[RolloutEngine],
     *,
     flush_cache: bool = True,
+    fp8_block: tuple[int, int] | None = None,
     **kwargs: Any,
 ) -> WeightSyncer:
     """A :class:`WeightSyncer` with the transport of :func:`build_transport` and the recipe's bucket size."""
     transport = build_transport(config, placement, engines, **kwargs)
-    return WeightSyncer(engines, transport, bucket_bytes=config.bucket_size_mb * MIB, flush_cache=flush_cache)
+    bucket_bytes = config.bucket_size_mb * MIB
+    return WeightSyncer(engines, transport, bucket_bytes=bucket_bytes, flush_cache=flush_cache, fp8_block=fp8_block)

@@ -100,7 +100,10 @@ def create_weight_group(
 
 
 def broadcast_from_trainer(weight_group: WeightGroup, tensor: torch.Tensor) -> None:
-    """Broadcast ``tensor`` (in place on receivers) from rank 0 of the group; blocks until done."""
+    """Broadcast ``tensor`` (in place on receivers) from rank 0 of the group; blocks until done. An FP8 tensor
+    crosses a gloo group as its bytes (gloo has no float8 type; NCCL takes it as it is)."""
+    if tensor.element_size() == 1 and tensor.is_floating_point() and dist.get_backend(weight_group.group) == "gloo":
+        tensor = tensor.view(torch.uint8)
     dist.broadcast(tensor, src=0, group=weight_group.group)
 
 

@@ -13,9 +13,8 @@ import pytest
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
-from megatron_rl.rollout import ReferenceEngine
 from megatron_rl.rollout.manager import RolloutExhaustedError, RolloutManager
-from tests.distributed_utils import free_port
+from tests.reference_servers import reference_process
 from tests.tiny_checkpoints import save_tiny_moe
 
 REWARD = "tests.rollout_rewards:first_token_parity"
@@ -24,13 +23,8 @@ REWARD = "tests.rollout_rewards:first_token_parity"
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout")
-    engine = ReferenceEngine("ref", save_tiny_moe(root / "moe"), free_port(), log_dir=root, routed_experts_shape=(4, 2))
-    engine.start()
-    try:
-        engine.wait_healthy(120)
+    with reference_process(save_tiny_moe(root / "moe"), root, routed_experts_shape=(4, 2)) as engine:
         yield engine
-    finally:
-        engine.shutdown()
 
 
 def _dataset(truths: list[str]) -> PromptDataset:

@@ -31,12 +31,13 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "parallel.device",
         "weight_sync.dense_buckets",
+        "weight_sync.fp8_blocks",
         "weight_sync.tensor_serialization",
         "weight_sync.weight_group",
     },
     "weight_sync": {"weight_sync", "models", "parallel", "config", "rollout.engine", "rollout.protocol"},
     "actor": {"actor", "models", "parallel", "algorithms", "data", "config"},
-    "checkpoint": {"checkpoint", "models", "parallel", "config"},
+    "checkpoint": {"checkpoint", "models", "parallel", "config", "weight_sync.fp8_blocks"},
 }
 """Per package, the megatron_rl packages (or single modules) its modules may import directly."""
 

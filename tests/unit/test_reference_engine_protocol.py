@@ -26,7 +26,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.rollout.engine import EngineRequestError
 from megatron_rl.rollout.http_engine import HttpEngine
 from megatron_rl.rollout.protocol import (
@@ -41,10 +40,10 @@ from megatron_rl.rollout.protocol import (
     metric_samples,
 )
 from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.server import build_server
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
+from tests.reference_servers import serving
 from tests.tiny_checkpoints import save_tiny_moe
 
 NORM = "model.norm.weight"
@@ -58,16 +57,8 @@ def hf_dir(tmp_path_factory):
 
 def _serve(hf_dir, dp_size: int = 1) -> Iterator[tuple[HttpEngine, ReferenceBackend]]:
     backend = ReferenceBackend(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), dp_size=dp_size)
-    port = free_port()
-    server = build_server(backend, "127.0.0.1", port)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield HttpEngine("ref", "127.0.0.1", port, request_timeout_s=60), backend
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with serving(backend) as engine:
+        yield engine, backend
 
 
 @pytest.fixture

@@ -253,6 +253,9 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("orchestration/trainer_group.py", "shards for"): "the driver shards by the group's own DP size",
     ("orchestration/trainer_group.py", "trained on other samples"): "a delivery check at run time",
     ("rollout/reference/weights.py", ""): "weight update contents, written by the trainer's exporter",
+    ("rollout/reference/fp8_weights.py", ""): "weight update contents: one recipe makes both the engines' FP8 "
+    "checkpoint and the trainer's FP8 syncs (rollout.quantization, rollout.fp8_block_size)",
+    ("weight_sync/fp8_blocks.py", ""): "internal: only the 2-D projection weights are quantised",
     ("rollout/protocol.py", ""): "wire-format checks of engine requests and responses",
     ("rollout/scoring.py", "did not start within"): "the machine: a reward worker process that cannot start",
     ("rollout/scoring.py", "on the empty response"): "the reward's behaviour at run time; `validate` and "

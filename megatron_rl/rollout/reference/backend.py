@@ -54,11 +54,13 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     encode_routed_experts,
 )
+from megatron_rl.rollout.reference.fp8_weights import Fp8Weights
 from megatron_rl.rollout.reference.generator import RequestState, decode_step, eos_ids
 from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.rollout.reference.slot_model import SlotModel
 from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
 from megatron_rl.weight_sync.dense_buckets import empty_bucket
+from megatron_rl.weight_sync.fp8_blocks import SCALE_SUFFIX
 from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, shared_memory_owners
 from megatron_rl.weight_sync.weight_group import (
     WeightGroup,
@@ -101,7 +103,9 @@ class ReferenceBackend:
     once (SGLang's ``--max-running-requests``; each sample of an n-sample request counts); a
     request with more samples than that runs alone, on slots added for it.
     ``context_length``: positions per sequence (SGLang's ``--context-length``; default the
-    model's ``max_position_embeddings``).
+    model's ``max_position_embeddings``). ``fp8_block``: serve FP8 weights of that block, as
+    SGLang started from an FP8 checkpoint (:class:`Fp8Weights`): each update's FP8 weights and
+    scales are kept and the model computes with their product.
     """
 
     def __init__(
@@ -112,10 +116,13 @@ class ReferenceBackend:
         dp_size: int = 1,
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         context_length: int | None = None,
+        fp8_block: tuple[int, int] | None = None,
     ) -> None:
         self.model = model.eval()
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.fp8 = None if fp8_block is None else Fp8Weights(fp8_block)
         context = context_length or model.config.max_position_embeddings
         self.slot_model = SlotModel(model, slots=max_running_requests, context_length=context)
         self._eos = eos_ids(model)
@@ -402,6 +409,8 @@ class ReferenceBackend:
             with self._state:  # SGLang's writer lock: unless paused, wait until no request is in flight
                 self._state.wait_for(lambda: self._paused or self._in_flight == 0)
             with self._model_lock:
+                if self.fp8 is not None:
+                    named_tensors = self.fp8.absorb(named_tensors, self.dtype)
                 load_named_tensors(self.params, named_tensors)
                 if version is not None:
                     self.weight_version = version
@@ -541,7 +550,7 @@ class ReferenceBackend:
             raise ValueError(f"no *.safetensors files in {model_path}")
         named = [item for file in files for item in load_file(file).items()]
         total = sum(p.numel() for p in self.params.values())
-        written = sum(t.numel() for _, t in named)
+        written = sum(t.numel() for name, t in named if self.fp8 is None or not name.endswith(SCALE_SUFFIX))
         if written != total:
             raise ValueError(f"{model_path} holds {written} weight elements; the model has {total}")
         with self._control:
@@ -550,4 +559,5 @@ class ReferenceBackend:
     def weights_by_name(self, name: str, truncate_size: int) -> list:
         """The weight ``name`` (Hub naming) as nested lists, first ``truncate_size`` rows (exact fp32 values)."""
         with self._model_lock:
-            return resolve_weight(self.params, name)[:truncate_size].float().tolist()
+            held = None if self.fp8 is None else self.fp8.lookup(name)
+            return (resolve_weight(self.params, name) if held is None else held)[:truncate_size].float().tolist()

@@ -44,6 +44,7 @@ from urllib.parse import parse_qs
 
 import torch
 
+from megatron_rl.config.fp8_checkpoint import checkpoint_block
 from megatron_rl.parallel.device import select_device
 from megatron_rl.rollout.access import (
     API_KEY_ENV,
@@ -287,17 +288,27 @@ def build_server(backend: ReferenceBackend, host: str, port: int, *, api_key: st
 
 def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: str) -> PreTrainedModel:
     """The transformers causal LM of ``model_path`` on ``device`` (``dummy``: random weights from its config.json,
-    initialised on ``device`` itself: on a GPU a 3.2B-parameter model started in seconds instead of 115 s)."""
+    initialised on ``device`` itself: on a GPU a 3.2B-parameter model started in seconds instead of 115 s). An
+    FP8 checkpoint gives random weights too: its weights go through :meth:`ReferenceBackend.update_from_disk`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not (Path(model_path) / "config.json").is_file():
         raise FileNotFoundError(f"--model-path {model_path}: no config.json (a local Hugging Face directory is needed)")
-    if load_format == "dummy":
+    if load_format == "dummy" or fp8_block_of(model_path) is not None:
+        config = AutoConfig.from_pretrained(model_path)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the engine computes in `dtype` from the FP8 weights it keeps
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     return model.to(device)
+
+
+def fp8_block_of(model_path: str) -> tuple[int, int] | None:
+    """The FP8 block of the checkpoint at ``model_path``; None when it is not FP8 (ValueError for another
+    quantisation)."""
+    return checkpoint_block(json.loads((Path(model_path) / "config.json").read_text()))
 
 
 def _exit_when_orphaned(interval_s: float = 1.0) -> None:
@@ -346,13 +357,17 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.num_threads)
     _exit_when_orphaned()
     model = load_model(args.model_path, args.load_format, getattr(torch, args.dtype), args.device)
+    fp8_block = fp8_block_of(args.model_path)
     backend = ReferenceBackend(
         model,
         seed=args.seed,
         dp_size=args.dp_size,
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
+        fp8_block=fp8_block,
     )
+    if fp8_block is not None and args.load_format != "dummy":
+        backend.update_from_disk(args.model_path, version=None)
     server = build_server(backend, args.host, args.port, api_key=api_key)
     logger.info(
         "serving %s on http://%s:%d (%s)",
