@@ -636,7 +636,66 @@ def check_engine_invariance(dry_run: bool) -> tuple[bool, dict[str, Any]]:
     return done.returncode == 0, {"report": "\n".join(outcome[:40] + summary)}
 
 
-CHECKS = ("parity", "train", "ipc_sync", "colocated_contexts", "sync_bench", "early_batches", "engine_invariance")
+# ---------------------------------------------------------------- 9. fp8_quantiser
+
+FP8_SHAPES = ((768, 2048), (2048, 768), (4096, 2048), (512, 2048))
+"""Qwen3-30B-A3B's projections: an expert's gate/up and down, q_proj, k/v_proj."""
+
+
+def check_fp8_quantiser(dry_run: bool) -> tuple[bool, dict[str, Any]]:
+    """FP8 rollouts' blockwise quantiser (torch's float8 casts, no Transformer Engine) on this device: the FP8
+    bytes and scales equal the CPU's, bit for bit, for bf16 weights of Qwen3-30B-A3B's shapes; and its time
+    per GB of bf16 over one layer's worth of experts (384 tensors), what each sync adds per GPU."""
+    from megatron_rl.weight_sync.fp8_blocks import quantize_blocks
+
+    device = torch.device("cpu" if dry_run else "cuda")
+    generator = torch.Generator().manual_seed(0)
+    differing = []
+    for shape in FP8_SHAPES:
+        weight = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        here, here_scales = quantize_blocks(weight.to(device), (128, 128))
+        cpu, cpu_scales = quantize_blocks(weight, (128, 128))
+        if not (
+            torch.equal(here.cpu().view(torch.uint8), cpu.view(torch.uint8))
+            and torch.equal(here_scales.cpu(), cpu_scales)
+        ):
+            differing.append(shape)
+    experts = [
+        torch.randn(shape, dtype=torch.bfloat16, device=device)
+        for shape in FP8_SHAPES[:2]
+        for _ in range(4 if dry_run else 192)
+    ]
+    nbytes = sum(t.numel() * 2 for t in experts)
+    timings = []
+    for _ in range(3):
+        if not dry_run:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for tensor in experts:
+            quantize_blocks(tensor, (128, 128))
+        if not dry_run:
+            torch.cuda.synchronize()
+        timings.append(time.perf_counter() - start)
+    best = min(timings)
+    details = {
+        "differing_shapes": differing,
+        "bf16_gb": round(nbytes / 1e9, 3),
+        "seconds": [round(t, 4) for t in timings],
+    }
+    details["gb_per_s"] = round(nbytes / 1e9 / best, 1)
+    return not differing, details
+
+
+CHECKS = (
+    "parity",
+    "train",
+    "ipc_sync",
+    "colocated_contexts",
+    "sync_bench",
+    "early_batches",
+    "engine_invariance",
+    "fp8_quantiser",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -698,6 +757,9 @@ def main(argv: list[str] | None = None) -> int:
         print(render(results[-1:], env, args.dry_run), flush=True)
     if "early_batches" in wanted:
         results.append(_run("early_batches", partial(check_early_batches, args.dry_run)))
+        print(render(results[-1:], env, args.dry_run), flush=True)
+    if "fp8_quantiser" in wanted:
+        results.append(_run("fp8_quantiser", partial(check_fp8_quantiser, args.dry_run)))
         print(render(results[-1:], env, args.dry_run), flush=True)
     report = render(results, env, args.dry_run)
     if args.report:

@@ -7,8 +7,8 @@
 #                                       checks, write $OUT/gpu-checks.md, gpu-checks.json and device_check.log
 #   scripts/device_check.sh --dry-run   the CPU rehearsal (no wheels, no CUDA), into $OUT or /tmp
 #   scripts/device_check.sh --only C..  there: only checks C.. (parity, train, ipc_sync, colocated_contexts,
-#                                       sync_bench, early_batches, engine_invariance; colocated_contexts needs 2 GPUs
-#                                       and passes as skipped on one)
+#                                       sync_bench, early_batches, engine_invariance, fp8_quantiser;
+#                                       colocated_contexts needs 2 GPUs and passes as skipped on one)
 #
 # Device call (carry .whl):  scripts/device_check.sh      with timeout_s 540; the checks stop themselves at 450 s.
 # Copy the report into docs/gpu-checks.md afterwards.

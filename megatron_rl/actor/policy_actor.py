@@ -20,6 +20,7 @@ Requires :func:`megatron_rl.parallel.distributed.initialize_parallel` with
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -46,7 +47,7 @@ from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConf
 from megatron_rl.models.builder import build_model_chunks
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
-from megatron_rl.parallel.device import on_accelerator, select_device, transformer_engine_usable
+from megatron_rl.parallel.device import on_accelerator, select_device, transformer_engine_problem
 from megatron_rl.parallel.distributed import ParallelSizes
 
 
@@ -97,13 +98,15 @@ class PolicyActor:
             raise RuntimeError("call initialize_parallel(parallel_sizes(parallel)) before building a PolicyActor")
         self.arch = parse_hf_config(hf_config)
         self._algorithm = algorithm
-        use_te, dtype = transformer_engine_usable(), params_dtype(train)
+        te_problem, dtype = transformer_engine_problem(), params_dtype(train)
+        use_te = te_problem is None
         overrides = actor_config_overrides(
             train,
             is_moe=self.arch.is_moe,
             routing_replay=algorithm.routing_replay,
-            transformer_engine_usable=use_te,
+            transformer_engine_problem=te_problem,
             compute_capability=torch.cuda.get_device_capability() if on_accelerator() else None,
+            transformer_engine_version=importlib.metadata.version("transformer_engine") if use_te else None,
         )
         self.config = build_transformer_config(
             self.arch, parallel_sizes(parallel), params_dtype=dtype, use_transformer_engine=use_te, overrides=overrides

@@ -9,6 +9,7 @@ field to change, where Transformer Engine cannot run (no CUDA or TE missing).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -25,6 +26,15 @@ FP8_RECIPE_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+FP8_RECIPE_MIN_TE: dict[str, tuple[int, int, int]] = {
+    "delayed": (2, 1, 0),
+    "tensorwise": (2, 2, 0),
+    "blockwise": (2, 3, 0),
+    "mxfp8": (2, 1, 0),
+}
+"""The oldest Transformer Engine each recipe runs on under megatron-core 0.19.2 (``fp8_utils.get_fp8_recipe``; an
+older TE falls back to delayed scaling or fails there). ``launch/requirements-gpu.lock`` pins 2.20.2."""
+
 MXFP8_MIN_CAPABILITY = (10, 0)
 """MXFP8 GEMMs need Blackwell; Hopper (H100/H200) is 9.0."""
 
@@ -35,25 +45,37 @@ def params_dtype(train: TrainConfig) -> torch.dtype:
 
 
 def fp8_fields(
-    train: TrainConfig, transformer_engine_usable: bool, compute_capability: tuple[int, int] | None = None
+    train: TrainConfig,
+    transformer_engine_problem: str | None,
+    compute_capability: tuple[int, int] | None = None,
+    transformer_engine_version: str | None = None,
 ) -> dict[str, Any]:
     """``fp8``, ``fp8_recipe`` and the recipe's scaling fields; empty unless ``train.precision`` is fp8.
 
+    ``transformer_engine_problem``: why Transformer Engine is not usable here
+    (:func:`~megatron_rl.parallel.device.transformer_engine_problem`), None when it is.
     ``compute_capability``: this process's GPU (``torch.cuda.get_device_capability()``), None when
-    unknown.
+    unknown. ``transformer_engine_version``: the installed TE's, None when unknown.
 
     Raises:
-        ValueError: FP8 without a recipe, where Transformer Engine is not usable, or mxfp8 on a GPU
-            below compute capability 10.0.
+        ValueError: FP8 without a recipe, where Transformer Engine is not usable or older than the recipe
+            needs (:data:`FP8_RECIPE_MIN_TE`), or mxfp8 on a GPU below compute capability 10.0.
     """
     if train.precision != "fp8":
         return {}
     if train.fp8_recipe is None:
         raise ValueError(f"train.precision=fp8 needs train.fp8_recipe, one of {sorted(FP8_RECIPE_FIELDS)}")
-    if not transformer_engine_usable:
+    if transformer_engine_problem is not None:
         raise ValueError(
-            "train.precision=fp8 needs Transformer Engine on a CUDA device (FP8 GEMMs are TE kernels), and "
-            "this process has no GPU or cannot import transformer_engine; use train.precision=bf16 here"
+            "train.precision=fp8 needs Transformer Engine on a CUDA device (FP8 GEMMs are TE kernels): "
+            f"{transformer_engine_problem}; use train.precision=bf16 here"
+        )
+    needed = FP8_RECIPE_MIN_TE[train.fp8_recipe]
+    if transformer_engine_version is not None and _release(transformer_engine_version) < needed:
+        raise ValueError(
+            f"train.fp8_recipe={train.fp8_recipe} needs Transformer Engine >= {'.'.join(map(str, needed))} "
+            f"(megatron-core 0.19.2), this one is {transformer_engine_version}; install the GPU set "
+            "(./launch/setup.sh --gpu) or pick another train.fp8_recipe"
         )
     if train.fp8_recipe == "mxfp8" and compute_capability is not None and compute_capability < MXFP8_MIN_CAPABILITY:
         major, minor = compute_capability
@@ -62,6 +84,11 @@ def fp8_fields(
             "use blockwise, tensorwise or delayed"
         )
     return {"fp8_recipe": train.fp8_recipe, "fp8_param": False, **FP8_RECIPE_FIELDS[train.fp8_recipe]}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """A version string's leading numbers: ``2.3.0.dev0+abc`` -> (2, 3, 0)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 def recompute_fields(train: TrainConfig) -> dict[str, Any]:
@@ -84,8 +111,9 @@ def actor_config_overrides(
     *,
     is_moe: bool,
     routing_replay: bool,
-    transformer_engine_usable: bool,
+    transformer_engine_problem: str | None,
     compute_capability: tuple[int, int] | None = None,
+    transformer_engine_version: str | None = None,
 ) -> dict[str, Any]:
     """All TransformerConfig overrides of a training actor.
 
@@ -105,7 +133,7 @@ def actor_config_overrides(
     fields: dict[str, Any] = {
         "calculate_per_token_loss": True,
         "finalize_model_grads_func": finalize_model_grads,
-        **fp8_fields(train, transformer_engine_usable, compute_capability),
+        **fp8_fields(train, transformer_engine_problem, compute_capability, transformer_engine_version),
         **recompute_fields(train),
     }
     if is_moe:

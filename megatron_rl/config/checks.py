@@ -159,6 +159,12 @@ def _check_sglang_on_cpu(cfg: RunConfig) -> Iterator[Finding]:
             f"SGLang 0.5.23 serves {rollout.quantization} on CPU only with AMX kernels that no registry wheel carries "
             "(Fp8LinearMethod asserts them); use rollout.engine=reference for FP8 rollouts on CPU",
         )
+    if rollout.deterministic_inference:
+        yield _error(
+            "rollout.deterministic_inference",
+            "SGLang 0.5.23 refuses --enable-deterministic-inference with its CPU attention backend (torch_native), and "
+            "its batch-invariant ops need CUDA; set it false on CPU (the reference engine is always deterministic)",
+        )
     if cfg.algorithm.routing_replay:
         yield _error(
             "algorithm.routing_replay",
@@ -526,6 +532,14 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
         yield _error("checkpoint.resume", f"{resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
 
 
+def _check_deterministic_inference(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    if cfg.rollout.deterministic_inference and cfg.rollout.engine == "reference":
+        yield _warning(
+            "rollout.deterministic_inference",
+            "does nothing on the reference engine, which is always deterministic (it is SGLang's switch)",
+        )
+
+
 def _check_fp8_rollout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     rollout = cfg.rollout
     if rollout.quantization != "fp8":
@@ -604,6 +618,7 @@ CHECKS: tuple[Check, ...] = (
     _check_partial_rollouts,
     _check_precision,
     _check_sources,
+    _check_deterministic_inference,
     _check_fp8_rollout,
     _check_network,
     _check_logging,

@@ -11,7 +11,8 @@ PPO epochs, placement and weight-sync transport, and every kind of parallelism i
   top-k kept where it fits (at most half the experts), enough layers for pp x vpp;
 - layout: tp, pp, vpp, ep, etp each kept at 2 when the recipe uses them (tp > 1 with
   sequence parallelism), data parallelism 2 when the recipe has it and the ranks stay <= 4;
-- hardware: CPU ranks, one reference engine instead of SGLang, fp32 instead of bf16 / fp8;
+- hardware: CPU ranks, one reference engine instead of SGLang, fp32 training instead of bf16 / fp8 (FP8
+  rollouts stay, at a block the toy model's projections fill);
 - data: for a recipe that reads data files (absent here, or present but tokenized for the real
   model), generated prompts in its data format:
   verl-layout parquet files with chat-message prompts (the synthetic successor task, written
@@ -93,6 +94,11 @@ def _shrunk_layout(cfg: RunConfig) -> _Layout:
     while world % expert_parallel:
         world *= 2
     return {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp, "world": world}
+
+
+TOY_FP8_BLOCK = (32, 32)
+"""FP8 rollouts' block for the toy model: its K/V projections have 2 x 16 rows, the others more (SGLang needs each
+merged projection's rows to be a multiple of the block's)."""
 
 
 def _toy_model(arch: QwenArchitecture, layout: _Layout) -> dict[str, Any]:
@@ -205,6 +211,11 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
     algo = cfg.algorithm
     if algo.overlong.enable or algo.overlong.filter_truncated:
         changes.append(Change("algorithm.overlong.buffer_length", 4, "within the toy response length"))
+    if cfg.rollout.quantization == "fp8":
+        changes += [
+            Change("rollout.fp8_block_size", list(TOY_FP8_BLOCK), "FP8 rollouts kept: blocks the toy projections fill"),
+            Change("rollout.fp8_checkpoint", None, "FP8 rollouts kept: converted from the toy model at start"),
+        ]
     if cfg.rollout.partial_rollout_tokens is not None:
         changes.append(Change("rollout.partial_rollout_tokens", 4, "windows within the toy response length"))
     if algo.loss_norm_constant is not None:

@@ -5,7 +5,8 @@ exact byte and FLOP counts divided by an assumed rate; the assumptions are the c
 each with its range and basis, and ``megatron-rl plan`` prints them next to the figures.
 
 Weight sync (:func:`estimate_sync`): the model is every parameter of the Hugging Face model once, in
-bf16 (2 B; with ``rollout.quantization=fp8`` the engine still receives bf16 and quantises it itself).
+bf16 (2 B), or with ``rollout.quantization=fp8`` each projection in FP8 with its block scales
+(:func:`~megatron_rl.plan.param_count.synced_model_bytes`: the trainer quantises before sending).
 The transport is the one :func:`~megatron_rl.weight_sync.syncer.build_transport` picks (``auto``:
 tensor when colocated, distributed otherwise); its seconds are the sum of its terms
 (:class:`SyncTerm`):
@@ -29,7 +30,8 @@ tensor when colocated, distributed otherwise); its seconds are the sum of its te
      and sends the tensors its engine rank loads, which the rank loads, at
      :data:`LOAD_MICROSECONDS_PER_TENSOR`: every dense tensor and, at ``rollout.ep``, ``1 / ep`` of
      the experts (the transport feeds an engine rank only its own; SGLang's loader takes each tensor
-     by name before it narrows). SGLang's own loaders were not measured.
+     by name before it narrows), with FP8 rollouts each projection's scales too. SGLang's own
+     loaders were not measured, nor the trainer's FP8 quantisation (one pass over each bucket).
 
 - ``distributed`` (NCCL broadcast): the send lock lets one sending rank broadcast at a time, so
   the whole model crosses one sender's network link: model bytes / :data:`NETWORK_GBPS`;
@@ -64,7 +66,13 @@ from dataclasses import dataclass
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.layout import trainer_world_size
 from megatron_rl.config.schema import ParallelConfig, RunConfig
-from megatron_rl.plan.param_count import engine_gpu_weights, hf_tensor_counts, model_params
+from megatron_rl.plan.param_count import (
+    engine_gpu_weights,
+    fp8_dense_projections,
+    hf_tensor_counts,
+    model_params,
+    synced_model_bytes,
+)
 
 BF16_BYTES = 2
 
@@ -200,6 +208,11 @@ def _exactly(nbytes: int) -> Range:
     return Range(nbytes, nbytes)
 
 
+def fp8_block(cfg: RunConfig) -> tuple[int, int] | None:
+    """The FP8 block a sync quantises to (FP8 rollouts), else None."""
+    return cfg.rollout.fp8_block if cfg.rollout.quantization == "fp8" else None
+
+
 def sync_refusal(cfg: RunConfig, transport: str) -> str | None:
     """Why ``transport`` cannot sync ``cfg``'s layout, or None: tensor needs ``parallel.pp`` 1 on several nodes
     (validate's rule: the pipeline group would cross nodes)."""
@@ -218,13 +231,15 @@ def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int) -> Sy
         raise ValueError(refusal)
     nvlink = NVLINK_GBPS.value.scaled(1e9)
     gathered = gathered_bytes_per_gpu(arch, cfg.parallel)
-    weights = engine_gpu_weights(arch, cfg.rollout)
-    share = (weights.gemm + weights.other) * BF16_BYTES
+    share = engine_gpu_weights(arch, cfg.rollout).nbytes(cfg.rollout.quantization)
     dense_tensors, expert_tensors = hf_tensor_counts(arch)
     tensors = dense_tensors + expert_tensors
     loaded = dense_tensors + expert_tensors // cfg.rollout.ep  # an engine rank is fed only its experts
+    if fp8_block(cfg) is not None:  # and each projection's scales
+        loaded += fp8_dense_projections(arch) + expert_tensors // cfg.rollout.ep
     stages = cfg.parallel.pp
-    broadcast = model_bytes * (stages - 1) // stages  # the other stages' layers, over the node's pipeline group
+    bf16_bytes = model_params(arch).total * BF16_BYTES  # stages broadcast the export, before any quantisation
+    broadcast = bf16_bytes * (stages - 1) // stages  # the other stages' layers, over the node's pipeline group
     terms = (
         SyncTerm(f"all-gathers ({gathered / 1e9:.2f} GB)", _exactly(gathered).per(nvlink)),
         *([SyncTerm(f"pipeline broadcast ({broadcast / 1e9:.2f} GB)", _exactly(broadcast).per(nvlink))] * (stages > 1)),
@@ -244,7 +259,7 @@ def estimate_sync(cfg: RunConfig, arch: QwenArchitecture, transport: str | None 
     Raises ValueError for an unknown transport, and for tensor at ``parallel.pp`` > 1.
     """
     kind = transport or resolved_transport(cfg)
-    model_bytes = model_params(arch).total * BF16_BYTES
+    model_bytes = synced_model_bytes(arch, fp8_block(cfg))
     if kind == "tensor":
         return _tensor_sync(cfg, arch, model_bytes)
     model = _exactly(model_bytes)

@@ -130,6 +130,44 @@ def hf_tensor_counts(arch: QwenArchitecture) -> tuple[int, int]:
     return dense, expert
 
 
+def fp8_projections(arch: QwenArchitecture) -> list[tuple[int, int, int]]:
+    """(rows, columns, count) of the weights FP8 rollouts quantise (every attention projection, dense MLP
+    projection and expert projection; ``weight_sync.fp8_blocks.is_quantized``), over the whole model."""
+    hidden, q_out = arch.hidden_size, arch.num_attention_heads * arch.head_dim
+    kv_out = arch.num_query_groups * arch.head_dim
+    moe_layers = sum(1 for layer in range(arch.num_layers) if arch.moe_layer_pattern and arch.moe_layer_pattern[layer])
+    dense_layers = arch.num_layers - moe_layers
+    return [
+        (q_out, hidden, arch.num_layers),
+        (kv_out, hidden, 2 * arch.num_layers),
+        (hidden, q_out, arch.num_layers),
+        (arch.ffn_hidden_size, hidden, 2 * dense_layers),
+        (hidden, arch.ffn_hidden_size, dense_layers),
+        (arch.moe_ffn_hidden_size, hidden, 2 * arch.num_experts * moe_layers),
+        (hidden, arch.moe_ffn_hidden_size, arch.num_experts * moe_layers),
+    ]
+
+
+def fp8_dense_projections(arch: QwenArchitecture) -> int:
+    """Tensors FP8 rollouts quantise outside the experts: 4 attention projections a layer, 3 MLP ones a dense
+    layer (each gets a scales tensor)."""
+    moe_layers = sum(1 for layer in range(arch.num_layers) if arch.moe_layer_pattern and arch.moe_layer_pattern[layer])
+    return 4 * arch.num_layers + 3 * (arch.num_layers - moe_layers)
+
+
+def synced_model_bytes(arch: QwenArchitecture, fp8_block: tuple[int, int] | None) -> int:
+    """Bytes of the whole model as a weight sync sends it: bf16, or with FP8 rollouts (``fp8_block`` = (bn, bk))
+    each projection in FP8 (1 B) plus its float32 scale per block and the rest in bf16."""
+    total = model_params(arch).total * 2
+    if fp8_block is None:
+        return total
+    bn, bk = fp8_block
+    for rows, cols, count in fp8_projections(arch):
+        total -= rows * cols * count  # 2 B -> 1 B
+        total += -(-rows // bn) * -(-cols // bk) * 4 * count
+    return total
+
+
 @dataclass(frozen=True)
 class EngineWeights:
     """One engine GPU's weight elements: in GEMMs (quantisable) and the rest (embeddings, norms, router)."""

@@ -45,8 +45,10 @@ def test_device_check_dry_run_passes_every_check(tmp_path):
         "sync_bench_more_tensors",
         "early_batches",
         "engine_invariance",
+        "fp8_quantiser",
     }
     assert all(r["passed"] and r["error"] is None for r in results.values())
+    assert results["fp8_quantiser"]["details"]["differing_shapes"] == []
     assert results["train"]["details"]["main_param_dtypes"] == ["torch.float32"]
     assert results["train"]["details"]["param_dtypes"] == ["torch.bfloat16"]
     assert results["offload"]["details"]["identical_after_reload"]

@@ -36,6 +36,8 @@ RUN_HERE = [
     "--tp 2 --ep 2",
     ".venv/bin/megatron-rl convert mcore-to-hf --ckpt checkpoints/my-qwen3-moe-mcore --out checkpoints/my-qwen3-moe-hf "
     "--pp 2",
+    ".venv/bin/megatron-rl convert hf-to-fp8 --hf checkpoints/my-qwen3-moe --out checkpoints/my-qwen3-moe-fp8 "
+    "--block 16 16",
 ]
 """Run here, in this order (the second conversion reads the first one's output)."""
 

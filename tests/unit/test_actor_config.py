@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import megatron.core
 import pytest
 import torch
 
 from megatron_rl.actor import PolicyActor
-from megatron_rl.actor.precision import FP8_RECIPE_FIELDS, actor_config_overrides, params_dtype
+from megatron_rl.actor.precision import FP8_RECIPE_FIELDS, FP8_RECIPE_MIN_TE, actor_config_overrides, params_dtype
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
 
 
@@ -14,8 +18,12 @@ def _train(**fields) -> TrainConfig:
     return TrainConfig(steps=1, prompts_per_step=1, **fields)
 
 
+NO_GPU = "this process sees no CUDA device"
+
+
 def _overrides(train: TrainConfig, *, te: bool = False, replay: bool = False, moe: bool = True) -> dict:
-    return actor_config_overrides(train, is_moe=moe, routing_replay=replay, transformer_engine_usable=te)
+    problem = None if te else NO_GPU
+    return actor_config_overrides(train, is_moe=moe, routing_replay=replay, transformer_engine_problem=problem)
 
 
 def test_per_token_loss_path_is_always_on():
@@ -43,7 +51,7 @@ def test_mxfp8_needs_compute_capability_10(capability, accepted):
     def overrides() -> dict:
         train = _train(precision="fp8", fp8_recipe="mxfp8")
         return actor_config_overrides(
-            train, is_moe=True, routing_replay=False, transformer_engine_usable=True, compute_capability=capability
+            train, is_moe=True, routing_replay=False, transformer_engine_problem=None, compute_capability=capability
         )
 
     if accepted:
@@ -57,7 +65,9 @@ def test_mxfp8_needs_compute_capability_10(capability, accepted):
 
 
 def test_fp8_is_refused_without_transformer_engine_naming_the_field():
-    with pytest.raises(ValueError, match=r"train.precision=fp8 needs Transformer Engine on a CUDA device"):
+    with pytest.raises(
+        ValueError, match=rf"needs Transformer Engine on a CUDA device .*: {NO_GPU}; use train.precision"
+    ):
         _overrides(_train(precision="fp8", fp8_recipe="tensorwise"), te=False)
 
 
@@ -96,3 +106,31 @@ def test_routing_replay_sets_the_megatron_flag_with_any_recompute_and_refuses_de
 def test_actor_refuses_a_temperature_it_cannot_train_at(temperature):
     with pytest.raises(ValueError, match=r"temperature must be a finite number > 0 .* got"):
         PolicyActor({}, ParallelConfig(), _train(), AlgorithmConfig(), norm_constant=1.0, temperature=temperature)
+
+
+def test_a_transformer_engine_older_than_the_recipe_needs_is_refused_naming_both():
+    train = _train(precision="fp8", fp8_recipe="blockwise")
+    fields = dict(is_moe=True, routing_replay=False, transformer_engine_problem=None)
+    with pytest.raises(ValueError, match=r"blockwise needs Transformer Engine >= 2.3.0 .* this one is 2.2.1"):
+        actor_config_overrides(train, **fields, transformer_engine_version="2.2.1")
+    assert (
+        actor_config_overrides(train, **fields, transformer_engine_version="2.3.0.dev0+1a2b")["fp8_recipe"]
+        == "blockwise"
+    )
+
+
+def test_the_te_each_recipe_needs_is_what_megatron_core_asks_and_the_gpu_lock_has_it():
+    """megatron-core 0.19.2's ``get_fp8_recipe`` gates each recipe on a TE version; the GPU lock's TE meets all."""
+    source = (Path(megatron.core.__file__).parent / "fp8_utils.py").read_text()
+    assert 'if is_te_min_version("2.1.0"):' in source  # every recipe but delayed needs at least this
+    assert 'Fp8Recipe.tensorwise and is_te_min_version("2.2.0.dev0")' in source
+    assert 'Fp8Recipe.blockwise and is_te_min_version("2.3.0.dev0")' in source
+    assert FP8_RECIPE_MIN_TE == {
+        "delayed": (2, 1, 0),
+        "tensorwise": (2, 2, 0),
+        "blockwise": (2, 3, 0),
+        "mxfp8": (2, 1, 0),
+    }
+    lock = (Path(__file__).parents[2] / "launch" / "requirements-gpu.lock").read_text()
+    (pinned,) = re.findall(r"^transformer_engine==(\d+)\.(\d+)\.(\d+)$", lock, flags=re.M)
+    assert tuple(map(int, pinned)) >= max(FP8_RECIPE_MIN_TE.values())

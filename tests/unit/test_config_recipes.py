@@ -33,7 +33,14 @@ def test_shipped_tiny_recipes_validate(recipe: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "recipe", ["qwen3_30b_a3b_dapo", "qwen3_30b_a3b_drgrpo", "qwen3_30b_a3b_dapo_async", "qwen3_30b_a3b_drgrpo_async"]
+    "recipe",
+    [
+        "qwen3_30b_a3b_dapo",
+        "qwen3_30b_a3b_drgrpo",
+        "qwen3_30b_a3b_dapo_async",
+        "qwen3_30b_a3b_drgrpo_async",
+        "qwen3_30b_a3b_dapo_fp8",
+    ],
 )
 def test_shipped_qwen3_30b_recipes_validate(recipe: str, qwen3_30b_overrides: list[str]) -> None:
     cfg, warnings = load_recipe(RECIPES / f"{recipe}.yaml", qwen3_30b_overrides, require_files=False)
@@ -449,3 +456,14 @@ def test_dapo_recipe_warms_up_over_the_papers_20_rollout_steps(qwen3_30b_overrid
 def test_over_sampling_is_a_recipe_field() -> None:
     cfg, _ = load_recipe(TINY, ["algorithm.dynamic_sampling.gen_batch_prompts=24"])
     assert cfg.algorithm.dynamic_sampling.gen_batch_prompts == 24
+
+
+def test_deterministic_inference_is_refused_on_cpu_sglang_and_a_no_op_warning_on_the_reference_engine():
+    problems = _problems(RECIPES / "tiny_moe_cpu_dapo_sglang.yaml", "rollout.deterministic_inference=true")
+    assert any(
+        p.startswith("rollout.deterministic_inference: SGLang 0.5.23 refuses --enable-deterministic-inference")
+        for p in problems
+    ), problems
+    _, warnings = load_recipe(TINY, ["rollout.deterministic_inference=true"])
+    assert [w.field for w in warnings] == ["rollout.deterministic_inference"]
+    assert "always deterministic" in warnings[0].message

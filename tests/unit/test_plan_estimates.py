@@ -28,7 +28,7 @@ from megatron_rl.plan.estimates import (
     resolved_transport,
     sync_refusal,
 )
-from megatron_rl.plan.param_count import engine_gpu_weights, hf_tensor_counts, model_params
+from megatron_rl.plan.param_count import engine_gpu_weights, hf_tensor_counts, model_params, synced_model_bytes
 from megatron_rl.plan.report import estimates_section
 from tests.unit.test_memory_plan import ARCH_30B, RECIPE, TINY_MOE
 
@@ -220,3 +220,29 @@ def test_an_async_step_is_the_longer_of_generation_and_training_plus_the_sync():
     assert pipelined.step_seconds.low == pytest.approx(max(generation, training) + pipelined.sync.seconds.low)
     assert pipelined.step_seconds.high < synchronous.step_seconds.high
     assert Range(1, 5).longer(Range(2, 3)) == Range(2, 5)
+
+
+def test_an_fp8_sync_sends_each_projection_in_one_byte_with_its_block_scales():
+    """Qwen3-30B-A3B: everything but the embedding, output layer, norms and routers is quantised; every
+    projection's sides divide 128, so the scales are 4 B per 128 x 128 elements."""
+    params = model_params(ARCH_30B).total
+    kept = 2 * 151_936 * 2_048 + 2_048 + 48 * (2 * 2_048 + 2 * 128 + 128 * 2_048)
+    quantized = params - kept
+    assert synced_model_bytes(ARCH_30B, None) == 2 * params
+    assert synced_model_bytes(ARCH_30B, (128, 128)) == 2 * kept + quantized + quantized // (128 * 128) * 4
+    bf16 = estimate_sync(_with_transport(_recipe(), "tensor"), ARCH_30B)
+    fp8 = estimate_sync(_with_transport(_recipe("rollout.quantization=fp8"), "tensor"), ARCH_30B)
+    weights = engine_gpu_weights(ARCH_30B, _recipe().rollout)
+    assert fp8.link_bytes == bf16.link_bytes - weights.gemm  # the engine copies its GEMM weights in one byte
+    # an engine rank at EP 4 loads 435 + 4,608 tensors and a scales tensor for 192 projections and 4,608 experts
+    assert fp8.terms[-1].label == f"{435 + 4_608 + 4 * 48 + 4_608:,} tensors loaded"
+
+
+def test_plan_prints_the_fp8_recipes_engines_and_sync(capsys):
+    main(["plan", str(RECIPE.with_name("qwen3_30b_a3b_dapo_fp8.yaml"))])
+    out = capsys.readouterr().out
+    cfg = _recipe("rollout.quantization=fp8", "train.precision=fp8", "train.fp8_recipe=blockwise")
+    sync = estimate_sync(cfg, ARCH_30B)
+    assert "fp8, recompute full" in out and "colocated, fp8 GEMM weights" in out
+    assert f"~ weight sync (tensor): {sync.link_bytes / 1e9:.2f} GB per GPU" in out
+    assert sync.seconds.high <= 1.5

@@ -230,6 +230,14 @@ def test_a_batch_must_repeat_one_prompt(served):
         engine.request("/generate", body)
 
 
+def test_per_sample_seeds_are_refused_the_reference_engine_seeds_a_request(served):
+    """SGLang's form of one seed per sample (a batch of sampling_params) is refused, not silently ignored."""
+    engine, _ = served
+    request = GenerateRequest([5, 17], SamplingParams(max_new_tokens=2, n=2), sample_seeds=[1, 2])
+    with pytest.raises(EngineRequestError, match="seeds a request, not each sample"):
+        engine.generate(request)
+
+
 def test_a_failed_sync_closes_the_session_and_keeps_generation_paused(served):
     """A bucket the engine refuses (an unknown tensor name) fails the sync; a retried sync can begin again."""
     engine, backend = served

@@ -219,6 +219,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/reference/slot_model.py", ""): "the model's config.json, which config/hf_config.py refuses first "
     "(RoPE scaling, sliding windows, activations other than SiLU)",
     ("rollout/reference/backend.py", "names, dtypes and shapes"): "wire-format contract of a weight update",
+    ("rollout/reference/backend.py", "seeds a request, not each sample"): "request contract: the rollout manager "
+    "sends per-sample seeds to SGLang engines only",
     ("rollout/reference/backend.py", "Unknown load_format"): "wire-format contract of a weight update (our "
     "transports send None or flattened_bucket)",
     ("rollout/reference/backend.py", "no *.safetensors"): "disk weight update contents, written by the trainer",

@@ -166,6 +166,11 @@ class ReferenceBackend:
             raise EngineStateError("the reference engine does not stream; send stream=false")
         if "weights" in self._released:
             raise EngineStateError("weights are released; call /resume_memory_occupation and update weights first")
+        if request.sample_seeds is not None:
+            raise ValueError(
+                "the reference engine seeds a request, not each sample (its samples draw from one generator, "
+                "always reproducibly): send sampling_params.sampling_seed instead of one per sample"
+            )
         self._check_lengths(request)
         params = request.sampling_params
         sample_rids = request.sample_rids() or [uuid.uuid4().hex for _ in range(params.n)]
