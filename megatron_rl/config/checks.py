@@ -544,6 +544,13 @@ def _check_fp8_rollout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
     rollout = cfg.rollout
     if rollout.quantization != "fp8":
         return
+    if cfg.cluster.gpu_arch == "blackwell":
+        yield _error(
+            "rollout.quantization",
+            "fp8 rollouts send float32 block scales; on Blackwell SGLang 0.5.23 re-quantises them to UE8M0 for "
+            "DeepGEMM once, after the first load (requant_block_scale_ue8m0_for_deepgemm, then format_ue8m0), so "
+            "every later sync's float32 scales would be read as UE8M0; use them on Hopper (cluster.gpu_arch=hopper)",
+        )
     for problem in sglang_block_problems(arch, rollout.tp, rollout.ep, rollout.fp8_block):
         yield _error(
             "rollout.fp8_block_size",

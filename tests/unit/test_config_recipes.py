@@ -467,3 +467,9 @@ def test_deterministic_inference_is_refused_on_cpu_sglang_and_a_no_op_warning_on
     _, warnings = load_recipe(TINY, ["rollout.deterministic_inference=true"])
     assert [w.field for w in warnings] == ["rollout.deterministic_inference"]
     assert "always deterministic" in warnings[0].message
+
+
+def test_fp8_rollouts_are_refused_on_blackwell_where_sglang_rereads_the_scales_as_ue8m0(qwen3_30b_overrides):
+    problems = _problems(RECIPES / "qwen3_30b_a3b_dapo_fp8.yaml", *qwen3_30b_overrides, "cluster.gpu_arch=blackwell")
+    (problem,) = [p for p in problems if p.startswith("rollout.quantization:")]
+    assert "re-quantises them to UE8M0" in problem and "cluster.gpu_arch=hopper" in problem
