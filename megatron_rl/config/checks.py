@@ -377,8 +377,8 @@ def _check_weight_sync(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
         )
     if rollout.placement != "colocated":
         return
-    transport = cfg.weight_sync.transport
-    if transport in ("auto", "tensor"):
+    transport = cfg.weight_sync.resolved(rollout.placement)
+    if transport == "tensor":
         yield from _check_colocated_feeds(cfg, arch)
     if cluster.gpus_per_node == 0:
         return

@@ -266,6 +266,13 @@ class WeightSyncConfig(Section):
     )
     bucket_size_mb: PositiveInt = Field(512, description="Size of each transfer bucket in MiB.")
 
+    def resolved(self, placement: str) -> Literal["tensor", "distributed", "disk"]:
+        """The transport a sync uses at ``placement``: ``transport``, ``auto`` as tensor when colocated, distributed
+        when disaggregated (the one place this rule lives)."""
+        if self.transport == "auto":
+            return "tensor" if placement == "colocated" else "distributed"
+        return self.transport
+
 
 class SyntheticDataConfig(Section):
     """A generated task instead of parquet files (tiny CPU recipes)."""

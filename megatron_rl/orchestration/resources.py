@@ -54,7 +54,6 @@ from megatron_rl.orchestration.preemption import handlers_kept_through_ray_init
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
-from megatron_rl.plan.estimates import resolved_transport
 from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
@@ -331,7 +330,7 @@ def _init_ray(cfg: RunConfig, network: RunNetwork) -> None:
 def feeders_of_engines(cfg: RunConfig, plan: RunPlacementPlan) -> list[tuple[int, ...]] | None:
     """Each engine's feeding trainer ranks in TP-rank order when weights go by device (colocated, tensor
     transport: :func:`~megatron_rl.weight_sync.engine_feeds.engine_feeders`), else None."""
-    if cfg.rollout.placement != "colocated" or resolved_transport(cfg) != "tensor":
+    if cfg.rollout.placement != "colocated" or cfg.weight_sync.resolved(cfg.rollout.placement) != "tensor":
         return None
     return engine_feeders(len(plan.trainer_positions), [cfg.engine_tp_ranks] * len(plan.engine_positions))
 

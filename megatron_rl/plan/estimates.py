@@ -157,14 +157,6 @@ MEAN_SEQUENCE_FRACTION = 0.5
 """Assumed mean sequence length as a fraction of ``max_prompt_length + max_response_length``."""
 
 
-def resolved_transport(cfg: RunConfig) -> str:
-    """The transport a sync uses: ``weight_sync.transport``, ``auto`` resolved as ``build_transport`` does."""
-    kind = cfg.weight_sync.transport
-    if kind == "auto":
-        return "tensor" if cfg.rollout.placement == "colocated" else "distributed"
-    return kind
-
-
 @dataclass(frozen=True)
 class SyncTerm:
     """One part of a sync's modelled seconds: what it moves or counts (``label``), and its seconds."""
@@ -258,7 +250,7 @@ def estimate_sync(cfg: RunConfig, arch: QwenArchitecture, transport: str | None 
 
     Raises ValueError for an unknown transport, and for tensor at ``parallel.pp`` > 1.
     """
-    kind = transport or resolved_transport(cfg)
+    kind = transport or cfg.weight_sync.resolved(cfg.rollout.placement)
     model_bytes = synced_model_bytes(arch, fp8_block(cfg))
     if kind == "tensor":
         return _tensor_sync(cfg, arch, model_bytes)

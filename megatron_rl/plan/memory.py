@@ -64,7 +64,6 @@ from dataclasses import dataclass
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import engine_layout, trainer_layout
 from megatron_rl.config.schema import ParallelConfig, RunConfig, TrainConfig
-from megatron_rl.plan.estimates import resolved_transport
 from megatron_rl.plan.param_count import (
     ParamCount,
     chunk_layers,
@@ -295,7 +294,7 @@ def sync_staging(cfg: RunConfig, arch: QwenArchitecture) -> tuple[Amount, ...]:
     """
     largest = largest_gathered_bytes(arch, cfg.parallel)
     bucket = cfg.weight_sync.bucket_size_mb * 2**20
-    if resolved_transport(cfg) != "tensor":
+    if cfg.weight_sync.resolved(cfg.rollout.placement) != "tensor":
         return (Amount("bucket + largest gathered tensor (bf16)", bucket + largest),)
     return (
         # a tensor larger than a bucket is a bucket of its own

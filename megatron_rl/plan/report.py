@@ -15,7 +15,6 @@ from megatron_rl.plan.estimates import (
     SyncEstimate,
     estimate_sync,
     estimate_throughput,
-    resolved_transport,
     sync_refusal,
 )
 from megatron_rl.plan.memory import GIB, Amount, EnginePlan, MemoryPlan, StagePlan, stage_layers
@@ -200,7 +199,7 @@ def _sync_lines(sync: SyncEstimate) -> list[str]:
 def estimates_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:
     """Modelled weight-sync seconds and tokens/s/GPU (:mod:`megatron_rl.plan.estimates`), with their assumptions;
     a transport :func:`~megatron_rl.plan.estimates.sync_refusal` refuses is named instead of modelled."""
-    refusal = sync_refusal(cfg, resolved_transport(cfg))
+    refusal = sync_refusal(cfg, cfg.weight_sync.resolved(cfg.rollout.placement))
     if refusal is not None:
         return ["", f"estimated GPU figures: none ({refusal})"]
     step = estimate_throughput(cfg, arch)

@@ -204,9 +204,7 @@ def build_transport(
     transport hosts its broadcast group there). Raises ValueError for ``distributed`` without
     ``master_address`` and for ``disk`` without ``disk_dir`` and ``hf_config_dir``.
     """
-    kind = config.transport
-    if kind == "auto":
-        kind = "tensor" if placement == "colocated" else "distributed"
+    kind = config.resolved(placement)
     if kind == "tensor":
         return TensorTransport(engines, engine_world_sizes, engine_ep_size=engine_ep_size)
     if kind == "distributed":

@@ -25,7 +25,6 @@ from megatron_rl.plan.estimates import (
     estimate_throughput,
     forward_flops_per_token,
     gathered_bytes_per_gpu,
-    resolved_transport,
     sync_refusal,
 )
 from megatron_rl.plan.param_count import engine_gpu_weights, hf_tensor_counts, model_params, synced_model_bytes
@@ -159,13 +158,15 @@ def test_the_report_shows_the_tensor_terms():
     assert "(tensor: colocated engines, per GPU, every node at once)" in disk
 
 
-def test_auto_transport_follows_the_placement():
-    cfg = _recipe()
-    auto = cfg.model_copy(update={"weight_sync": cfg.weight_sync.model_copy(update={"transport": "auto"})})
-    assert resolved_transport(auto) == "tensor"
-    disaggregated = auto.model_copy(update={"rollout": cfg.rollout.model_copy(update={"placement": "disaggregated"})})
-    assert resolved_transport(disaggregated) == "distributed"
-    assert resolved_transport(cfg) == "tensor"
+def test_auto_transport_follows_the_placement_for_plan_and_syncer_alike():
+    from megatron_rl.config.schema import WeightSyncConfig
+
+    auto = WeightSyncConfig(transport="auto")
+    assert auto.resolved("colocated") == "tensor" and auto.resolved("disaggregated") == "distributed"
+    assert WeightSyncConfig(transport="disk").resolved("colocated") == "disk"
+    disaggregated = _recipe("rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=auto")
+    assert estimate_sync(disaggregated, ARCH_30B).transport == "distributed"
+    assert estimate_sync(_recipe(), ARCH_30B).transport == "tensor"
 
 
 def test_throughput_of_the_30b_recipe_by_hand():
