@@ -2,9 +2,9 @@
 
 A quantised Linear weight ``W`` [out, in] is stored as ``<name>.weight`` in ``float8_e4m3fn`` and
 ``<name>.weight_scale_inv`` in float32 [ceil(out / bn), ceil(in / bk)]: per block of ``bn x bk``
-elements, the scale is the block's largest magnitude over 448 (e4m3's largest finite value), the
-FP8 value is ``W / scale`` rounded to nearest, and ``W ~ fp8 * scale`` (so "scale_inv" is the
-dequantisation multiplier, as DeepSeek-V3 and Qwen3-FP8 checkpoints name it); config.json carries
+elements, the FP8 value is ``W x 448 / max|W|`` rounded to nearest (448: e4m3's largest finite
+value), the scale is ``max|W| / 448`` and ``W ~ fp8 x scale`` (so "scale_inv" is the dequantisation
+multiplier, as DeepSeek-V3 and Qwen3-FP8 checkpoints name it); config.json carries
 :func:`~megatron_rl.config.fp8_checkpoint.quantization_config`. Torch only: the trainer's weight
 sync, the converter and the reference engine all use it.
 
