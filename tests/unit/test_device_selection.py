@@ -84,12 +84,17 @@ class _BrokenExtension(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         raise ImportError(self.ERROR)
 
 
-@pytest.mark.usefixtures("fresh_te_import")
-def test_a_broken_transformer_engine_build_is_unusable_with_its_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def _install_te_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed (empty) ``transformer_engine`` package, so the import of its ``pytorch`` module is tried."""
     package = types.ModuleType("transformer_engine")
     package.__path__ = []
     package.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None, is_package=True)
     monkeypatch.setitem(sys.modules, "transformer_engine", package)
+
+
+@pytest.mark.usefixtures("fresh_te_import")
+def test_a_broken_transformer_engine_build_is_unusable_with_its_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_te_package(monkeypatch)
     monkeypatch.setattr(sys, "meta_path", [_BrokenExtension(), *sys.meta_path])
 
     with pytest.warns(RuntimeWarning, match="undefined symbol"):
@@ -105,10 +110,7 @@ def test_a_broken_transformer_engine_build_is_unusable_with_its_import_error(mon
 
 @pytest.mark.usefixtures("fresh_te_import")
 def test_a_transformer_engine_that_imports_is_usable(monkeypatch: pytest.MonkeyPatch) -> None:
-    package = types.ModuleType("transformer_engine")
-    package.__path__ = []
-    package.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None, is_package=True)
-    monkeypatch.setitem(sys.modules, "transformer_engine", package)
+    _install_te_package(monkeypatch)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
     assert device.transformer_engine_usable()
     assert device.transformer_engine_problem() is None
