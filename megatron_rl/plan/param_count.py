@@ -130,12 +130,17 @@ def hf_tensor_counts(arch: QwenArchitecture) -> tuple[int, int]:
     return dense, expert
 
 
+def _moe_layers(arch: QwenArchitecture) -> int:
+    """How many of the layers are MoE layers."""
+    return sum(1 for layer in range(arch.num_layers) if arch.moe_layer_pattern and arch.moe_layer_pattern[layer])
+
+
 def fp8_projections(arch: QwenArchitecture) -> list[tuple[int, int, int]]:
     """(rows, columns, count) of the weights FP8 rollouts quantise (every attention projection, dense MLP
     projection and expert projection; ``weight_sync.fp8_blocks.is_quantized``), over the whole model."""
     hidden, q_out = arch.hidden_size, arch.num_attention_heads * arch.head_dim
     kv_out = arch.num_query_groups * arch.head_dim
-    moe_layers = sum(1 for layer in range(arch.num_layers) if arch.moe_layer_pattern and arch.moe_layer_pattern[layer])
+    moe_layers = _moe_layers(arch)
     dense_layers = arch.num_layers - moe_layers
     return [
         (q_out, hidden, arch.num_layers),
@@ -151,7 +156,7 @@ def fp8_projections(arch: QwenArchitecture) -> list[tuple[int, int, int]]:
 def fp8_dense_projections(arch: QwenArchitecture) -> int:
     """Tensors FP8 rollouts quantise outside the experts: 4 attention projections a layer, 3 MLP ones a dense
     layer (each gets a scales tensor)."""
-    moe_layers = sum(1 for layer in range(arch.num_layers) if arch.moe_layer_pattern and arch.moe_layer_pattern[layer])
+    moe_layers = _moe_layers(arch)
     return 4 * arch.num_layers + 3 * (arch.num_layers - moe_layers)
 
 
