@@ -35,7 +35,7 @@ class EnginePool:
         if not engines:
             raise ValueError("the rollout needs at least one engine")
         self.engines = list(engines)
-        self.recover_hook = recover
+        self._recover = recover
         self._threads = ThreadPoolExecutor(max_workers=max_concurrent_requests * len(self.engines))
         self._cycle = itertools.cycle(self.engines)
 
@@ -61,12 +61,12 @@ class EnginePool:
     def recover(self, failures: Sequence[tuple[RolloutEngine, EngineUnavailableError]]) -> int:
         """Hand each crashed engine (with its first error) to the ``recover`` hook and use the engines it
         says are ready; how many engines crashed. Without a hook, the first error is raised."""
-        if self.recover_hook is None:
+        if self._recover is None:
             raise failures[0][1]
         first_error: dict[int, tuple[RolloutEngine, EngineUnavailableError]] = {}
         for engine, error in failures:
             first_error.setdefault(id(engine), (engine, error))
-        self.use_engines(self.recover_hook(list(first_error.values())))
+        self.use_engines(self._recover(list(first_error.values())))
         return len(first_error)
 
     def close(self) -> None:

@@ -68,9 +68,7 @@ if TYPE_CHECKING:
     from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
     from megatron_rl.data import PromptDataset, PromptSampler
 
-__all__ = ["Recovery", "RolloutExhaustedError", "RolloutManager"]
-
-Crashes = dict[int, tuple[RolloutEngine, EngineUnavailableError]]
+_Crashes = dict[int, tuple[RolloutEngine, EngineUnavailableError]]
 """Positions whose window had a request fail because its engine was gone, with that engine and error."""
 
 
@@ -287,7 +285,7 @@ class _Round:
         self._generating: dict[Future[list[GenerateResult]], tuple[int, int]] = {}
         self._answers: dict[int, dict[int, list[GenerateResult]]] = {}
         self._scoring: dict[Future[list[ScoredResponse]], tuple[int, PartialGroup]] = {}
-        self._crashed: Crashes = {}
+        self._crashed: _Crashes = {}
 
     def run(self, indices: list[int], carried: list[PartialGroup]) -> list[PartialGroup]:
         """Generate the ``carried`` groups' next windows, then the prompts ``indices``; the groups still
@@ -304,7 +302,7 @@ class _Round:
                 pending = {position: sub.moved(self._pool.next_engine) for position, sub in pending.items()}
         return self._selection.finish_round({p: sub.group for p, sub in enumerate(self._all) if sub.continued})
 
-    def _generate(self, submissions: dict[int, Submission]) -> Crashes:
+    def _generate(self, submissions: dict[int, Submission]) -> _Crashes:
         """Send ``submissions`` (by position), score the groups that ended, carry the others, and decide
         each group; after each answer or score, send the next batch too if it is certain to be needed
         (added to ``submissions``). Returns once every request has answered or failed and every score is
