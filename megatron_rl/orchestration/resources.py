@@ -57,7 +57,8 @@ from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
-from megatron_rl.rollout.manager import Recovery, RolloutManager
+from megatron_rl.rollout.engine_pool import Recovery
+from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.weight_sync.engine_feeds import engine_feeders
 
 

@@ -4,7 +4,9 @@ Never imports Megatron, ``megatron_rl.models``/``actor``/``parallel`` or Ray.
 ``engine`` is the interface, ``protocol`` the SGLang HTTP subset shared by
 the client (``http_engine``, ``sglang_engine``) and the reference engine
 (the ``reference`` subpackage: its server, backend and generator), ``manager``
-turns prompts into scored groups for a training step. The reference engine
+turns prompts into scored groups for a training step, through ``engine_pool`` (requests to the
+engines), ``submissions`` (each window's requests), ``step_selection`` (which groups a step keeps)
+and ``group_assembler`` (scored, shaped training groups). The reference engine
 receives weights through ``weight_sync``'s torch-only wire modules.
 """
 

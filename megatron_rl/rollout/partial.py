@@ -92,18 +92,10 @@ class PartialSample:
         cut_by_window = capped and result.finish_reason.type == "length"
         self.finished = not (cut_by_window and len(self.output_ids) < max_response_length)
 
-    def as_result(self, prompt_tokens: int) -> GenerateResult:
-        """The whole response as one ``GenerateResult`` (weight version: its last window's)."""
-        assert self.finish_reason is not None, "a sample is merged only after its first window"
-        last_version = self.version_segments[-1][0] if self.version_segments else None
-        return GenerateResult(
-            output_ids=list(self.output_ids),
-            output_logprobs=list(self.output_logprobs),
-            finish_reason=self.finish_reason,
-            prompt_tokens=prompt_tokens,
-            weight_version=last_version,
-            routed_experts=self.routed_experts,
-        )
+    @property
+    def weight_version(self) -> str | None:
+        """The weight version of the response's last window (None before any token)."""
+        return self.version_segments[-1][0] if self.version_segments else None
 
 
 @dataclass

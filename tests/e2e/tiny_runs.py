@@ -33,17 +33,23 @@ def train_command(overrides: list[str], recipe: Path = RECIPE) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.cli", "train", str(recipe), *overrides]
 
 
-def run_env() -> dict[str, str]:
-    """This environment with the repository first on PYTHONPATH."""
-    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def run_env(code: Path = ROOT) -> dict[str, str]:
+    """This environment with ``code`` (a source tree of the project: this repository unless told) first on PYTHONPATH.
+
+    PYTHONPATH comes before the editable install's finder, so ``megatron_rl`` is imported from ``code``.
+    """
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}
 
 
-def run_train(cwd: Path, overrides: list[str], recipe: Path = RECIPE) -> str:
-    """Run the command in ``cwd`` to completion; its stdout. Fails the test with stderr's tail on a non-zero exit."""
+def run_train(cwd: Path, overrides: list[str], recipe: Path = RECIPE, code: Path = ROOT) -> str:
+    """Run the command in ``cwd`` to completion with ``code``'s megatron_rl; its stdout.
+
+    Fails the test with stderr's tail on a non-zero exit.
+    """
     result = subprocess.run(
         train_command(overrides, recipe),
         cwd=cwd,
-        env=run_env(),
+        env=run_env(code),
         capture_output=True,
         text=True,
         timeout=600,

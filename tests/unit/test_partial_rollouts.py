@@ -37,11 +37,10 @@ def test_a_response_cut_by_its_window_stays_unfinished_and_merges_its_windows_in
     assert not sample.finished
     sample.extend(_result([9, 2], STOP, "3"), capped=True, max_response_length=12)
     assert sample.finished
-    merged = sample.as_result(prompt_tokens=3)
-    assert merged.output_ids == [5, 6, 7, 8, 9, 2] and merged.output_logprobs == [-0.5] * 6
-    assert merged.finish_reason == STOP and merged.weight_version == "3"
+    assert sample.output_ids == [5, 6, 7, 8, 9, 2] and sample.output_logprobs == [-0.5] * 6
+    assert sample.finish_reason == STOP and sample.weight_version == "3"
     assert sample.version_segments == [("default", 4), ("3", 2)]
-    assert merged.routed_experts.shape == (2, 1, 1)  # the last window's routing (its prefill covers the rest)
+    assert sample.routed_experts.shape == (2, 1, 1)  # the last window's routing (its prefill covers the rest)
 
 
 def test_a_response_ends_at_its_budget_or_when_no_window_capped_it() -> None:

@@ -7,8 +7,8 @@ import torch
 
 from megatron_rl.algorithms import grpo_advantages
 from megatron_rl.config.schema import DynamicSamplingConfig
+from megatron_rl.rollout.group_assembler import group_has_signal
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
-from megatron_rl.rollout.manager import group_has_signal
 
 
 def _sample(correct: bool, penalty: float = 0.0) -> RolloutSample:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from megatron_rl.data import PromptItem
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
-from megatron_rl.rollout.manager import _OrderedSelection
 from megatron_rl.rollout.partial import PartialGroup, PartialSample
+from megatron_rl.rollout.step_selection import StepSelection
 
 SIGNAL = [False, True, False, True, True, False, True, True]  # position -> the group has signal
 FAILURES = {1: ["error"], 2: ["timeout", "error"], 6: ["timeout"]}  # position -> its responses' reward failures
@@ -22,17 +23,22 @@ def _samples(position: int) -> list[RolloutSample]:
     ]
 
 
+def _selection(size: int, needed: int) -> StepSelection:
+    """A step's selection of ``needed`` groups in its first round, of ``size`` positions."""
+    selection = StepSelection(needed)
+    selection.begin_round(size)
+    return selection
+
+
 def _select(order: tuple[int, ...], aborted_by_engine: frozenset[int] = frozenset()) -> tuple[list[str], dict]:
-    kept: list[RolloutGroup] = []
-    counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
-    selection = _OrderedSelection(len(SIGNAL), kept, [], NEEDED, counts)
+    selection = _selection(len(SIGNAL), NEEDED)
     for position in order:
         if position in aborted_by_engine or position >= selection.cutoff:
             selection.discard(position)
         else:
             selection.decide(position, RolloutGroup(f"g{position}", position, _samples(position)), SIGNAL[position])
-    selection.finish({})
-    return [g.uid for g in kept], counts
+    selection.finish_round({})
+    return [g.uid for g in selection.kept], dataclasses.asdict(selection.counts)
 
 
 def _partial(position: int) -> PartialGroup:
@@ -45,10 +51,7 @@ PARTIAL_OUTCOMES = ["keep", "carry", "keep", "drop", "carry", "keep", "keep", "c
 
 
 def _select_partial(order: tuple[int, ...], needed: int) -> tuple[list[str], list[str], dict]:
-    kept: list[RolloutGroup] = []
-    unfinished: list[PartialGroup] = []
-    counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
-    selection = _OrderedSelection(len(PARTIAL_OUTCOMES), kept, unfinished, needed, counts)
+    selection = _selection(len(PARTIAL_OUTCOMES), needed)
     for position in order:
         outcome = PARTIAL_OUTCOMES[position]
         if position >= selection.cutoff:
@@ -58,8 +61,8 @@ def _select_partial(order: tuple[int, ...], needed: int) -> tuple[list[str], lis
         else:
             group = RolloutGroup(f"g{position}", position, _samples(position))
             selection.decide(position, group, outcome == "keep")
-    selection.finish({position: _partial(position) for position in range(3)})
-    return [g.uid for g in kept], [g.uid for g in unfinished], counts
+    unfinished = selection.finish_round({position: _partial(position) for position in range(3)})
+    return [g.uid for g in selection.kept], [g.uid for g in unfinished], dataclasses.asdict(selection.counts)
 
 
 def test_every_completion_order_keeps_the_same_groups_and_counts() -> None:
@@ -99,9 +102,7 @@ def _select_extended(order: tuple[int, ...]) -> tuple[list[str], dict, int]:
     """SIGNAL's positions in two batches of 4: the second is sent (the selection extended) as soon as the
     first cannot fill the step; ``order`` is the completion order of the requests sent. Returns the kept
     uids, the counts and how many of the first batch's groups were decided when the second was sent."""
-    kept: list[RolloutGroup] = []
-    counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
-    selection = _OrderedSelection(4, kept, [], NEEDED, counts)
+    selection = _selection(4, NEEDED)
     waiting, sent, decided_when_sent = list(order), 4, -1
     while waiting:
         position = next(p for p in waiting if p < sent)
@@ -113,8 +114,8 @@ def _select_extended(order: tuple[int, ...]) -> tuple[list[str], dict, int]:
         if sent == 4 and selection.cannot_fill():
             selection.extend(4)
             sent, decided_when_sent = 8, 8 - len(waiting)
-    selection.finish({})
-    return [g.uid for g in kept], counts, decided_when_sent
+    selection.finish_round({})
+    return [g.uid for g in selection.kept], dataclasses.asdict(selection.counts), decided_when_sent
 
 
 def test_a_batch_sent_early_selects_as_one_batch_after_the_other() -> None:
@@ -129,9 +130,7 @@ def test_a_batch_sent_early_selects_as_one_batch_after_the_other() -> None:
 
 
 def test_cannot_fill_counts_only_positions_that_may_still_be_kept() -> None:
-    kept: list[RolloutGroup] = []
-    counts = {"aborted": 0, "dropped": 0, "samples": 0, "reward_errors": 0, "reward_timeouts": 0}
-    selection = _OrderedSelection(3, kept, [], 2, counts)
+    selection = _selection(3, 2)
     assert not selection.cannot_fill()
     selection.decide(2, RolloutGroup("g2", 2, _samples(2)), False)  # dropped, not yet settled
     assert not selection.cannot_fill()  # positions 0 and 1 may still both be kept

@@ -120,7 +120,7 @@ START_REFUSALS = (
         "parallel",
     ),
     Refusal("parallel/distributed.py", "not divisible by etp*ep*pp", ("cluster.cpu_trainer_ranks=3",), "parallel.ep"),
-    Refusal("rollout/manager.py", "needs at least one engine", ("cluster.cpu_engines=0",), "cluster.cpu_engines"),
+    Refusal("rollout/engine_pool.py", "needs at least one engine", ("cluster.cpu_engines=0",), "cluster.cpu_engines"),
     Refusal(
         "weight_sync/engine_feeds.py",
         "needs a trainer rank of its own",
@@ -210,7 +210,7 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("models/safetensors_reader.py", "CheckpointTensorError"): "checkpoint contents",
     ("models/weight_map.py", ""): "internal: every parameter the builder makes is mapped",
     ("rollout/manager.py", "generation batch"): "the driver sizes the sampler from train.prompts_per_step",
-    ("rollout/manager.py", "failures[0][1]"): "an engine crash at run time, re-raised by a manager without recovery",
+    ("rollout/engine_pool.py", "failures[0][1]"): "an engine crash at run time, re-raised by a pool without recovery",
     ("rollout/manager.py", "RolloutExhaustedError"): "runtime outcome of dynamic sampling (algorithm.dynamic_sampling)",
     ("rollout/reference/backend.py", "EngineStateError"): "engine state at request time",
     ("rollout/reference/backend.py", "state.error"): "a decode step that failed at run time, re-raised to its request",

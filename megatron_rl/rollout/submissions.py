@@ -1,0 +1,151 @@
+"""A group's ``/generate`` requests for one window: request ids, sampling seeds, window budgets, engines.
+
+A new prompt's first window is one ``n``-sample request; a carried group's next window is one ``n=1``
+request per unfinished response (:func:`~megatron_rl.rollout.partial.continuation_requests`).
+Request ids are ``<uid_prefix><serial>``, the serial counting the sampler's prompts over epochs, so
+they (and, with ``seed``, each request's sampling seed ``seed * 2**32 + serial``) are the same after
+a resume from the sampler's state. On SGLang the request carries one seed per sample instead,
+derived from that one (:func:`~megatron_rl.rollout.partial.sample_seeds`): SGLang seeds each sample
+on its own, and a request's one seed would make its ``n`` samples alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.partial import (
+    PartialGroup,
+    PartialSample,
+    WindowPlan,
+    continuation_requests,
+    sample_seeds,
+)
+from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+
+SEED_STRIDE = 1 << 32
+"""Request seeds are ``seed * SEED_STRIDE + serial``: distinct per prompt for any run of fewer than 2**32 prompts."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One ``/generate`` request of a group's window: the engine it goes to (again, after a crash), the
+    group's samples it fills, in order, and whether the window (not the response budget) caps it."""
+
+    engine: RolloutEngine
+    request: GenerateRequest
+    samples: list[int]
+    capped: bool
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One group's window: its requests (one ``n``-sample request for a new group, one per unfinished
+    response for a continued one); ``continued`` is True for a group carried from an earlier step."""
+
+    group: PartialGroup
+    requests: list[Request]
+    continued: bool
+
+    def moved(self, next_engine: Callable[[], RolloutEngine]) -> Submission:
+        """This window with each request moved to ``next_engine()`` (held requests after a recovery)."""
+        return dataclasses.replace(self, requests=[dataclasses.replace(r, engine=next_engine()) for r in self.requests])
+
+    def advanced(self, answers: dict[int, list[GenerateResult]], max_response_length: int) -> PartialGroup:
+        """The group with this window's ``answers`` (by request index) appended, as a copy: ``group`` stays
+        as it was, which is what a continued group that ends up past the cutoff is carried as, whether or
+        not its window had come back (so the carried state does not depend on timing)."""
+        samples = [
+            dataclasses.replace(
+                s,
+                output_ids=list(s.output_ids),
+                output_logprobs=list(s.output_logprobs),
+                version_segments=list(s.version_segments),
+            )
+            for s in self.group.samples
+        ]
+        for index, request in enumerate(self.requests):
+            for sample, result in zip(request.samples, answers[index], strict=True):
+                samples[sample].extend(result, capped=request.capped, max_response_length=max_response_length)
+        old = self.group
+        return PartialGroup(old.item, old.uid, old.first_seed, samples, old.windows + 1)
+
+
+class SubmissionPlanner:
+    """Makes the windows a step sends: new prompts' first windows and carried groups' next ones.
+
+    ``next_engine`` picks each request's engine (the engine pool's round-robin).
+    """
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        sampler: PromptSampler,
+        rollout: RolloutConfig,
+        next_engine: Callable[[], RolloutEngine],
+        *,
+        uid_prefix: str,
+        seed: int | None,
+        routing_replay: bool,
+    ) -> None:
+        self.dataset, self.sampler, self.rollout = dataset, sampler, rollout
+        self.windows = WindowPlan(
+            rollout.partial_rollout_tokens, rollout.partial_rollout_max_windows, rollout.max_response_length
+        )
+        self._next_engine = next_engine
+        self._uid_prefix, self._seed, self._routing_replay = uid_prefix, seed, routing_replay
+
+    def new(self, indices: list[int]) -> list[Submission]:
+        """The first windows of the prompts ``indices``, just taken from the sampler: their serials (request
+        ids and seeds) count from the sampler's position after the batch."""
+        serial = self._next_serial()
+        return [
+            self._first_window(self.dataset[index], f"{self._uid_prefix}{serial + offset}", serial + offset)
+            for offset, index in enumerate(indices)
+        ]
+
+    def continued(self, group: PartialGroup) -> Submission:
+        """A carried group's next window: one request per unfinished response."""
+        planned = continuation_requests(
+            group, self.windows, self._sampling(0, None), routing_replay=self._routing_replay
+        )
+        requests = [Request(self._next_engine(), request, [index], capped) for index, request, capped in planned]
+        return Submission(group, requests, True)
+
+    def _first_window(self, item: PromptItem, uid: str, serial: int) -> Submission:
+        """A new prompt's first window: one request for all its samples (with a seed per sample on SGLang)."""
+        seed = None if self._seed is None else self._seed * SEED_STRIDE + serial
+        max_new, capped = self.windows.budget(0, 0)
+        n = self.rollout.n_samples_per_prompt
+        seeds = sample_seeds(seed, n) if seed is not None and self.rollout.engine == "sglang" else None
+        request = GenerateRequest(
+            list(item.prompt_ids),
+            self._sampling(max_new, None if seeds else seed),
+            rid=uid,
+            return_routed_experts=self._routing_replay,
+            sample_seeds=seeds,
+        )
+        group = PartialGroup(item, uid, seed, [PartialSample() for _ in range(n)])
+        return Submission(group, [Request(self._next_engine(), request, list(range(n)), capped)], False)
+
+    def _sampling(self, max_new_tokens: int, seed: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=self.rollout.temperature,
+            top_p=self.rollout.top_p,
+            top_k=self.rollout.top_k,
+            n=self.rollout.n_samples_per_prompt,
+            sampling_seed=seed,
+        )
+
+    def _next_serial(self) -> int:
+        """Serial number of the sampler's next prompt (epoch * dataset size + position): resume-safe request ids."""
+        state = self.sampler.state_dict()
+        return state["epoch"] * self.sampler.dataset_size + state["position"]
