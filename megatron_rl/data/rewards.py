@@ -14,13 +14,14 @@ raises or times out during a run scores as the empty response does (see
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+
+from megatron_rl.named_functions import find_function, qualified_name, register_function
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,37 +62,13 @@ _F = TypeVar("_F", bound=Callable[..., RewardOutput])
 _REGISTRY: dict[str, Callable[..., RewardOutput]] = {}
 
 
-def qualified_name(fn: Callable[..., Any]) -> str:
-    """``module.qualname`` of a reward function, for messages."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-
-
 def register_reward(name: str) -> Callable[[_F], _F]:
     """Decorator registering a top-level reward function under ``name``; returns it unchanged.
 
     Re-registering the same function (e.g. when a worker re-imports its module) is a no-op;
     registering a different function under a taken name raises ValueError naming both.
     """
-    if not name or ":" in name:
-        raise ValueError(f"reward name {name!r} must be non-empty and contain no ':' (reserved for import paths)")
-
-    def decorator(fn: _F) -> _F:
-        qualname = getattr(fn, "__qualname__", "")
-        if "." in qualname:
-            raise RewardContractError(
-                f"reward {name!r}: {qualified_name(fn)} is nested or a method; define it at module top level "
-                "so worker processes can unpickle it"
-            )
-        existing = _REGISTRY.get(name)
-        if existing is not None and qualified_name(existing) != qualified_name(fn):
-            raise ValueError(
-                f"reward name {name!r} is already registered to {qualified_name(existing)}; "
-                f"cannot register {qualified_name(fn)} under it"
-            )
-        _REGISTRY[name] = fn
-        return fn
-
-    return decorator
+    return register_function(_REGISTRY, "reward", name, RewardContractError)
 
 
 def registered_rewards() -> tuple[str, ...]:
@@ -105,26 +82,7 @@ def get_reward(name: str) -> RewardFn:
     Raises ValueError for an unknown name (listing the registered ones), an import path whose
     module cannot be imported, or whose attribute is missing; TypeError if it is not callable.
     """
-    if ":" not in name:
-        if name not in _REGISTRY:
-            raise ValueError(
-                f"unknown reward {name!r}; registered rewards: {', '.join(registered_rewards())}; "
-                "or give an import path 'package.module:function'"
-            )
-        return _REGISTRY[name]
-    module_name, _, attribute = name.partition(":")
-    if not module_name or not attribute.isidentifier():
-        raise ValueError(f"reward import path {name!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {exc}") from exc
-    if not hasattr(module, attribute):
-        raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attribute!r}")
-    fn = getattr(module, attribute)
-    if not callable(fn):
-        raise TypeError(f"reward {name!r}: {module_name}.{attribute} is a {type(fn).__name__}, not a function")
-    return fn
+    return find_function(_REGISTRY, "reward", name)
 
 
 def check_reward_contract(

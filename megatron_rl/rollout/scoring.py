@@ -1,7 +1,8 @@
 """Reward scoring in worker processes: a slow verifier does not stall generation, a failing one does not stop the run.
 
 Each response is scored alone, by one of ``num_workers`` spawned processes (``spawn``: the parent
-runs HTTP threads, which ``fork`` must not copy), each driven over a pipe by a thread of the pool.
+runs HTTP threads, which ``fork`` must not copy), each driven over a pipe by a thread of the pool
+(:mod:`megatron_rl.rollout.worker_processes`, shared with the tool pool).
 A group's responses travel in ``num_workers`` contiguous chunks (one chunk per worker at most), each
 sent in one message; the worker scores the chunk's responses one after another and sends each
 answer as soon as it has it, so the parent applies the timeout to every response and a chunk costs
@@ -22,24 +23,18 @@ back in the responses' order, whichever worker scored them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
 import queue
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-logger = logging.getLogger(__name__)
+from megatron_rl.rollout.worker_processes import STARTUP_TIMEOUT_S, WorkerExit, WorkerProcess, WorkerSlot, stop_threads
 
-STARTUP_TIMEOUT_S = 300.0
-"""Seconds a new worker process may take to start and import the reward."""
-STOP_TIMEOUT_S = 5.0
-"""Seconds a closing worker gets to exit before it is killed."""
+logger = logging.getLogger(__name__)
 
 Failure = Literal["error", "timeout"]
 Job = tuple[str, str, Mapping[str, Any]]
@@ -56,85 +51,44 @@ class ScoredResponse:
     failure: Failure | None = None
 
 
-def _serve(conn: Connection, reward: str) -> None:
-    """A worker: import the reward, say it is ready, then score each list of jobs until the pipe sends None.
-
-    Every job of a list is answered by a message of its own, in the list's order, as soon as it is scored.
-    """
+def _load_reward(reward: str) -> Callable[[Job], Answer]:
+    """In a worker: look the reward up by name and return the function that scores one job."""
     from megatron_rl.data import RewardOutput, get_reward
 
     fn = get_reward(reward)
-    conn.send(None)
-    while (jobs := conn.recv()) is not None:
-        for job in jobs:
-            try:
-                output = fn(*job)
-                if not isinstance(output, RewardOutput):
-                    raise TypeError(f"the reward returned {type(output).__name__}, not a RewardOutput")
-                conn.send((output.score, output.correct, None))
-            except Exception as exc:
-                conn.send((0.0, False, "".join(traceback.format_exception(exc)).rstrip()))
+
+    def score(job: Job) -> Answer:
+        try:
+            output = fn(*job)
+            if not isinstance(output, RewardOutput):
+                raise TypeError(f"the reward returned {type(output).__name__}, not a RewardOutput")
+            return (output.score, output.correct, None)
+        except Exception as exc:
+            return (0.0, False, "".join(traceback.format_exception(exc)).rstrip())
+
+    return score
 
 
-class _Worker:
-    """One scoring process and the parent's end of its pipe."""
+def _start_worker(reward: str) -> WorkerProcess:
+    """A new worker process for ``reward`` (not yet ready)."""
+    return WorkerProcess(f"reward-{reward}", _load_reward, reward)
 
-    def __init__(self, reward: str) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, reward), name=f"reward-{reward}", daemon=True)
-        self.process.start()
-        child.close()
 
-    def wait_ready(self, reward: str) -> None:
-        """Return once the worker has imported the reward; RuntimeError when it died or took too long."""
-        if self._conn.poll(STARTUP_TIMEOUT_S):
-            try:
-                self._conn.recv()
-                return
-            except EOFError:
-                pass
-        self.kill()
+def _wait_ready(worker: WorkerProcess, reward: str) -> None:
+    """Return once ``worker`` has loaded the reward; RuntimeError when it died, failed or took too long."""
+    reason = worker.wait_ready(STARTUP_TIMEOUT_S)
+    if reason is not None:
         raise RuntimeError(
-            f"data.reward: a reward worker for {reward!r} did not start within {STARTUP_TIMEOUT_S:.0f} s "
-            f"(exit code {self.process.exitcode}); run `megatron-rl validate` on the recipe to see why"
+            f"data.reward: a reward worker for {reward!r} did not start within {STARTUP_TIMEOUT_S:.0f} s ({reason}); "
+            "run `megatron-rl validate` on the recipe to see why"
         )
 
-    def score(self, jobs: Sequence[Job], timeout_s: float) -> list[Answer | None]:
-        """The worker's answers to ``jobs``, in order, each awaited at most ``timeout_s`` after the one before.
 
-        Fewer answers than jobs when the worker stopped early: the last answer is then None (the job
-        ran past ``timeout_s``) or a failure naming the exit code of a worker that died (before or on
-        that job); the caller replaces the worker and sends the jobs after it again.
-        """
-        answers: list[Answer | None] = []
-        try:
-            self._conn.send(list(jobs))
-            while len(answers) < len(jobs):
-                if not self._conn.poll(timeout_s):
-                    return [*answers, None]
-                answers.append(self._conn.recv())
-        except (EOFError, OSError):
-            self.process.join(STOP_TIMEOUT_S)
-            answers.append((0.0, False, f"the reward worker process exited with code {self.process.exitcode}"))
-        return answers
-
-    def alive(self) -> bool:
-        """Whether the process still runs."""
-        return self.process.is_alive()
-
-    def kill(self) -> None:
-        """Kill the process at once (a hung reward) and wait for it."""
-        self.process.kill()
-        self.process.join()
-        self._conn.close()
-
-    def stop(self) -> None:
-        """Ask the process to exit; kill it when it does not within ``STOP_TIMEOUT_S``."""
-        with contextlib.suppress(OSError):
-            self._conn.send(None)
-        self.process.join(STOP_TIMEOUT_S)
-        self.kill()
+def _failure_detail(answer: Answer | WorkerExit) -> str:
+    """The traceback of a failed answer, or the exit code of a worker that died on the job."""
+    if isinstance(answer, WorkerExit):
+        return f"the reward worker process exited with code {answer.exitcode}"
+    return str(answer[2])
 
 
 class _GroupScores:
@@ -186,19 +140,19 @@ class RewardPool:
         from megatron_rl.data.rewards import EMPTY_RESPONSE_PROBE
 
         self.reward, self.timeout_s = reward, timeout_s
-        workers = [_Worker(reward) for _ in range(num_workers)]
+        workers = [_start_worker(reward) for _ in range(num_workers)]
         try:
             for worker in workers:
-                worker.wait_ready(reward)
-            (probe,) = workers[0].score([EMPTY_RESPONSE_PROBE], timeout_s)
+                _wait_ready(worker, reward)
+            (probe,) = workers[0].run([EMPTY_RESPONSE_PROBE], timeout_s)
         except BaseException:
             for worker in workers:
                 worker.kill()
             raise
-        if probe is None or probe[2] is not None:
+        if not isinstance(probe, tuple) or probe[2] is not None:
             for worker in workers:
                 worker.kill()
-            reason = f"ran past {timeout_s} s" if probe is None else f"failed:\n{probe[2]}"
+            reason = f"ran past {timeout_s} s" if probe is None else f"failed:\n{_failure_detail(probe)}"
             raise RuntimeError(
                 f"data.reward: {reward!r} on the empty response {EMPTY_RESPONSE_PROBE!r} {reason}; "
                 "the reward must score it (as wrong) quickly, since failed responses get that score"
@@ -206,7 +160,8 @@ class RewardPool:
         self.failed_score = probe[0]
         self.num_workers = num_workers
         self._jobs: queue.SimpleQueue[tuple[_GroupScores, int, list[Job], str] | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._serve_jobs, args=(w,), daemon=True) for w in workers]
+        slots = [WorkerSlot(self._new_worker, worker) for worker in workers]
+        self._threads = [threading.Thread(target=self._serve_jobs, args=(slot,), daemon=True) for slot in slots]
         for thread in self._threads:
             thread.start()
 
@@ -225,39 +180,33 @@ class RewardPool:
             self._jobs.put((group, start, jobs[start:end], label))
         return group.future
 
-    def _serve_jobs(self, worker: _Worker | None) -> None:
-        """One pool thread: hand chunks of jobs to its worker, replacing the worker when it hangs or dies."""
+    def _serve_jobs(self, slot: WorkerSlot) -> None:
+        """One pool thread: hand chunks of jobs to its worker, which is replaced when it hangs or dies."""
         while (item := self._jobs.get()) is not None:
             group, index, jobs, label = item
             while jobs and not group.future.done():
                 try:
-                    worker = worker if worker is not None and worker.alive() else self._new_worker()
+                    answers = slot.run(jobs, self.timeout_s)
                 except RuntimeError as exc:
-                    worker = None
                     group.fail(exc)
                     break
-                answers = worker.score(jobs, self.timeout_s)
                 for offset, (job, answer) in enumerate(zip(jobs, answers, strict=False)):
                     group.set(index + offset, self._scored(answer, label, index + offset, job))
-                if answers[-1] is None:
-                    worker.kill()
-                    worker = None
                 index, jobs = index + len(answers), jobs[len(answers) :]
-        if worker is not None:
-            worker.stop()
+        slot.stop()
 
-    def _scored(self, answer: Answer | None, label: str, index: int, job: Job) -> ScoredResponse:
+    def _scored(self, answer: Answer | WorkerExit | None, label: str, index: int, job: Job) -> ScoredResponse:
         """The score of a worker's ``answer`` (None: the job ran past the timeout and its worker is replaced)."""
         if answer is None:
             detail = f"ran past data.reward_timeout_s={self.timeout_s} s; its worker process was killed and replaced"
             return self._failed("timeout", detail, label, index, job)
-        if answer[2] is not None:
-            return self._failed("error", answer[2], label, index, job)
+        if isinstance(answer, WorkerExit) or answer[2] is not None:
+            return self._failed("error", _failure_detail(answer), label, index, job)
         return ScoredResponse(answer[0], answer[1])
 
-    def _new_worker(self) -> _Worker:
-        worker = _Worker(self.reward)
-        worker.wait_ready(self.reward)
+    def _new_worker(self) -> WorkerProcess:
+        worker = _start_worker(self.reward)
+        _wait_ready(worker, self.reward)
         return worker
 
     def _failed(self, failure: Failure, detail: str, label: str, index: int, job: Job) -> ScoredResponse:
@@ -279,14 +228,4 @@ class RewardPool:
 
     def close(self) -> None:
         """Stop the workers; scores still queued are cancelled."""
-        while True:
-            try:
-                item = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].future.cancel()
-        for _ in self._threads:
-            self._jobs.put(None)
-        for thread in self._threads:
-            thread.join()
+        stop_threads(self._jobs, self._threads, lambda item: item[0].future.cancel())

@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "algorithms": {"algorithms"},
     "config": {"config"},
     "plan": {"plan", "config"},
-    "data": {"data", "config"},
+    "data": {"data", "config", "named_functions", "tools.registry"},
     "metrics": {"metrics", "config"},
     "parallel": {"parallel"},
     "models": {"models", "parallel", "config"},
@@ -29,6 +29,8 @@ ALLOWED: dict[str, set[str]] = {
         "algorithms",
         "data",
         "config",
+        "named_functions",
+        "tools",
         "parallel.device",
         "weight_sync.dense_buckets",
         "weight_sync.fp8_blocks",
@@ -38,6 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "weight_sync": {"weight_sync", "models", "parallel", "config", "rollout.engine", "rollout.protocol"},
     "actor": {"actor", "models", "parallel", "algorithms", "data", "config"},
     "checkpoint": {"checkpoint", "models", "parallel", "config", "weight_sync.fp8_blocks"},
+    "tools": {"tools", "named_functions"},
+    "named_functions": set(),
 }
 """Per package, the megatron_rl packages (or single modules) its modules may import directly."""
 
@@ -48,6 +52,8 @@ NEVER: dict[str, set[str]] = {
     "rollout": {"megatron", "ray"},
     "data": {"megatron", "ray"},
     "metrics": {"megatron", "ray"},
+    "tools": {"megatron", "ray", "torch", "transformers"},
+    "named_functions": {"megatron", "ray", "torch", "transformers"},
 }
 """Per package, third-party roots that neither it nor anything it imports from megatron_rl may import."""
 
