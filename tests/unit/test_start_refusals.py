@@ -23,7 +23,7 @@ from tests.hf_configs import QWEN3_30B_A3B_CONFIG_FILE
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl"
 RECIPES = PACKAGE.parent / "recipes"
-SCANNED = ("actor", "models", "rollout", "weight_sync", "orchestration", "parallel")
+SCANNED = ("actor", "models", "rollout", "weight_sync", "orchestration", "parallel", "tools")
 TINY = "tiny_moe_cpu_dapo.yaml"
 QWEN_30B = "qwen3_30b_a3b_dapo.yaml"
 DENSE = "model.random_init.architectures=[Qwen3ForCausalLM]"
@@ -266,6 +266,21 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
         "rollout/scoring.py",
         "not a RewardOutput",
     ): "a reward's answer at run time, caught: the response scores as failed",
+    ("rollout/tool_pool.py", "num_workers must be >= 1"): "the schema refuses rollout.tool_num_workers < 1 "
+    "and rollout.tool_timeout_s <= 0 first (PositiveInt, PositiveFloat)",
+    ("rollout/tool_pool.py", "rollout.tools: "): "the tool pool's start-up check of rollout.tools (each tool "
+    "imports and can run on this machine), where the tools run; validate does not import tools",
+    ("rollout/tool_pool.py", "cannot run on this machine"): "the machine: a tool's requirement (the python tool's "
+    "sandbox), re-raised by the pool naming rollout.tools",
+    ("rollout/tool_pool.py", "not str"): "a tool's answer at run time, caught: the call fails with an error "
+    "the model reads",
+    ("tools/calculator.py", ""): "the calculator refusing a model's expression at run time: the model reads the error",
+    ("tools/python_tool.py", ""): "the python tool refusing a model's arguments at run time: the model reads the error",
+    ("tools/calls.py", ""): "a malformed tool call in a model's turn at run time: the model reads the error",
+    ("tools/sandbox.py", ""): "the machine (Linux, root, namespaces, mounts) where code is sandboxed, and the python "
+    "tool's fixed limits",
+    ("tools/sandbox_init.py", ""): "a libc call of the sandbox's set-up, reported as SandboxUnavailableError "
+    "naming the step",
     ("rollout/http_engine.py", ""): "engine failures and timeouts at run time",
     ("rollout/server_process.py", ""): "platform (Linux) and process state",
     ("rollout/sglang_engine.py", "must be"): "ports and GPU ids come from the placement, not the recipe",

@@ -1,0 +1,49 @@
+"""Tools a model calls in multi-turn episodes, with the same contract and lookup as rewards.
+
+Stdlib only: imports neither torch, Megatron nor Ray. Importing the package registers the built-in
+tools ``calculator`` (exact arithmetic, :mod:`megatron_rl.tools.calculator`) and ``python`` (code in a
+sandbox, :mod:`megatron_rl.tools.python_tool`). The contract: :mod:`megatron_rl.tools.registry`; the
+chat format of calls and replies: :mod:`megatron_rl.tools.calls`; tool calls run in
+:class:`megatron_rl.rollout.tool_pool.ToolPool`.
+"""
+
+from megatron_rl.tools.calculator import calculator
+from megatron_rl.tools.calls import ToolCall, ToolCallError, parse_tool_call, render_tool_response
+from megatron_rl.tools.python_tool import python
+from megatron_rl.tools.registry import (
+    ToolContractError,
+    ToolFn,
+    get_tool,
+    register_tool,
+    registered_tools,
+    tool_call_name,
+    tool_problem,
+)
+from megatron_rl.tools.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailableError,
+    run_sandboxed,
+    sandbox_problem,
+)
+
+__all__ = [
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxUnavailableError",
+    "ToolCall",
+    "ToolCallError",
+    "ToolContractError",
+    "ToolFn",
+    "calculator",
+    "get_tool",
+    "parse_tool_call",
+    "python",
+    "register_tool",
+    "registered_tools",
+    "render_tool_response",
+    "run_sandboxed",
+    "sandbox_problem",
+    "tool_call_name",
+    "tool_problem",
+]

@@ -1,0 +1,43 @@
+"""The ``python`` tool: run the model's Python source in the sandbox (:mod:`megatron_rl.tools.sandbox`).
+
+Arguments: ``{"code": "<python source>"}``. The model reads what the code printed: its stdout; and
+its stderr too when it failed (a non-zero exit: an uncaught exception's traceback); and a last line
+``[stopped: ...]`` when a limit stopped it (``SandboxLimits()``: the defaults). Code that fails is a
+normal output, not a failed call: the tool raises only for bad arguments (ValueError) and where the
+sandbox cannot be set up (SandboxUnavailableError); the tool pool then counts the call as failed.
+It runs nowhere else: the pool refuses to start it where :func:`~megatron_rl.tools.sandbox.sandbox_problem`
+reports a problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_rl.tools.registry import register_tool
+from megatron_rl.tools.sandbox import SandboxLimits, StopReason, run_sandboxed, sandbox_problem
+
+LIMITS = SandboxLimits()
+_STOP_NOTES: dict[StopReason, str] = {
+    "cpu_time": f"it used its {LIMITS.cpu_time_s:g} s of CPU time",
+    "wall_time": f"it ran past {LIMITS.wall_time_s:g} s",
+    "memory": f"it ran out of its {LIMITS.memory_bytes >> 20} MiB of memory",
+    "output": f"its output passed {LIMITS.output_bytes} bytes and is cut there",
+    "processes": f"it reached its {LIMITS.processes} processes",
+    "file_size": f"it wrote a file past {LIMITS.file_size_bytes >> 20} MiB",
+    "disk": f"it filled its {LIMITS.disk_bytes >> 20} MiB of disk",
+}
+
+
+@register_tool("python", requires=sandbox_problem)
+def python(arguments: Mapping[str, Any], context: Mapping[str, Any]) -> str:
+    """What ``arguments["code"]`` printed in the sandbox (see the module docstring); ``context`` is not used."""
+    if set(arguments) != {"code"} or not isinstance(arguments["code"], str):
+        raise ValueError(f'python takes {{"code": "<python source>"}}, got arguments {dict(arguments)!r}')
+    result = run_sandboxed(arguments["code"], LIMITS)
+    parts = [result.stdout]
+    if result.exit_code != 0:
+        parts.append(result.stderr)
+    if result.stopped is not None:
+        parts.append(f"[stopped: {_STOP_NOTES[result.stopped]}]\n")
+    return "".join(part if part.endswith("\n") or not part else part + "\n" for part in parts)

@@ -1,0 +1,99 @@
+"""Tool calls in Qwen3's (Hermes) format: the model's call is read exactly, a malformed one is named, and the
+tool's reply is the text Qwen3's chat template puts after an assistant tool call.
+
+The expected texts are built piece by piece from what Qwen3's chat template (its tokenizer_config.json
+``chat_template``, cited in :mod:`megatron_rl.tools.calls`) emits for each message, in order.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.tools.calls import ToolCall, ToolCallError, parse_tool_call, render_tool_response
+
+
+def _template_tool_call(name: str, arguments: dict[str, object]) -> str:
+    """What the template emits for one call of an assistant message: ``'<tool_call>\\n{"name": "'``, the name,
+    ``'", "arguments": '``, the arguments ``| tojson``, ``'}\\n</tool_call>'``."""
+    return '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + "}\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (_template_tool_call("calculator", {"expression": "1+2"}), ToolCall("calculator", {"expression": "1+2"})),
+        (
+            "Let me compute.\n" + _template_tool_call("python", {"code": "print(1)\nprint(2)"}),
+            ToolCall("python", {"code": "print(1)\nprint(2)"}),
+        ),
+        (
+            "<think>\nI should call <tool_call> maybe\n</think>\n\n" + _template_tool_call("search", {"q": "x"}),
+            ToolCall("search", {"q": "x"}),
+        ),
+        ('<tool_call>{"name": "clock"}</tool_call>\n', ToolCall("clock", {})),  # no arguments, white space after
+        (
+            '<tool_call>\n{"arguments": {"a": [1, {"b": null}]}, "name": "t"}\n</tool_call>',
+            ToolCall("t", {"a": [1, {"b": None}]}),
+        ),
+        ("The answer is 4.", None),
+        ("<think>\n<tool_call>{}</tool_call>\n</think>\n\nThe answer is 4.", None),  # a call inside thinking only
+        ("", None),
+    ],
+)
+def test_a_turn_ending_in_a_call_is_read(text: str, expected: ToolCall | None) -> None:
+    assert parse_tool_call(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('<tool_call>\n{"name": "calc", "arguments": {"x": 1}\n</tool_call>', "not valid JSON"),
+        ("<tool_call>\nnot json\n</tool_call>", "not valid JSON"),
+        ('<tool_call>\n["calc", {}]\n</tool_call>', "must be a JSON object"),
+        ('<tool_call>\n{"arguments": {}}\n</tool_call>', 'needs "name", a non-empty string; got None'),
+        ('<tool_call>\n{"name": "", "arguments": {}}\n</tool_call>', 'needs "name", a non-empty string'),
+        ('<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>', 'needs "name", a non-empty string; got 3'),
+        (
+            '<tool_call>\n{"name": "calc", "arguments": "{\\"x\\": 1}"}\n</tool_call>',
+            '"arguments" .* must be a JSON object',
+        ),
+        (
+            '<tool_call>\n{"name": "calc", "arguments": [1]}\n</tool_call>',
+            '"arguments" .* must be a JSON object, got \\[1\\]',
+        ),
+        ('<tool_call>\n{"name": "calc", "arguments": {}}', "not closed by </tool_call>"),
+        (_template_tool_call("a", {}) + "\nso the answer is 3", "text follows </tool_call>: 'so the answer is 3'"),
+        (
+            _template_tool_call("a", {}) + "\n" + _template_tool_call("b", {}),
+            "more than one <tool_call> in the turn; call one tool per turn",
+        ),
+    ],
+)
+def test_a_malformed_call_is_named(text: str, message: str) -> None:
+    with pytest.raises(ToolCallError, match=message):
+        parse_tool_call(text)
+
+
+def test_the_reply_is_what_qwen3s_template_renders_after_a_tool_call() -> None:
+    # The template for [user, assistant with tool_calls, tool] and add_generation_prompt, message by message:
+    user = "<|im_start|>user\nWhat is 2**10?<|im_end|>\n"
+    assistant = "<|im_start|>assistant\n" + _template_tool_call("calculator", {"expression": "2**10"}) + "<|im_end|>\n"
+    tool = "<|im_start|>user" + "\n<tool_response>\n" + "1024" + "\n</tool_response>" + "<|im_end|>\n"
+    generation_prompt = "<|im_start|>assistant\n"
+    rendered = user + assistant + tool + generation_prompt
+    # Generation stops at </tool_call> (its last token); the reply is everything the template adds after it.
+    prompt_and_turn = user + "<|im_start|>assistant\n" + _template_tool_call("calculator", {"expression": "2**10"})
+    assert rendered == prompt_and_turn + render_tool_response("1024")
+    assert parse_tool_call(prompt_and_turn.rpartition("<|im_start|>assistant\n")[2]) == ToolCall(
+        "calculator", {"expression": "2**10"}
+    )
+
+
+def test_the_reply_holds_the_text_as_is() -> None:
+    assert render_tool_response("") == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    text = "line 1\n</tool_response> <|im_end|>"
+    assert text in render_tool_response(text)
