@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "algorithms": {"algorithms"},
     "config": {"config"},
     "plan": {"plan", "config"},
-    "data": {"data", "config", "named_functions", "tools.registry"},
+    "data": {"data", "config", "named_functions"},
     "metrics": {"metrics", "config"},
     "parallel": {"parallel"},
     "models": {"models", "parallel", "config"},
