@@ -54,10 +54,12 @@ def _layout_summary(cfg: RunConfig) -> str:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from megatron_rl.data.preparation import resolve_reward
+    from megatron_rl.rollout.episodes import check_episode
 
     try:
         cfg, warnings = load_recipe(args.recipe, args.overrides, require_files=args.strict)
         resolve_reward(cfg.data)
+        check_episode(cfg.rollout)
     except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -152,7 +154,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     """Step 1 of the shrunk recipe, then a resume to step 2; exit 0 when both ran."""
     import shutil
 
-    from megatron_rl.config.smoke import SMOKE_STEPS, SMOKE_TASK, generated_data_paths, smoke_recipe
+    from megatron_rl.config.smoke import SMOKE_STEPS, generated_data_paths, smoke_recipe
     from megatron_rl.data.synthetic_task import write_synthetic_dataset
     from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
     from megatron_rl.orchestration.driver import train
@@ -166,7 +168,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
         if generated is not None:
             save_synthetic_tokenizer(generated.tokenizer_dir)
             write_synthetic_dataset(
-                Path(generated.train_file).parent, task=SMOKE_TASK, prompt_format="chat", num_train=256, num_val=8
+                Path(generated.train_file).parent, task=generated.task, prompt_format="chat", num_train=256, num_val=8
             )
         overrides = [*args.overrides, *(change.override for change in changes)]
         smoke, warnings = load_recipe(args.recipe, overrides)

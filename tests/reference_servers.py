@@ -15,14 +15,17 @@ from megatron_rl.rollout.reference.server import build_server
 
 
 @contextmanager
-def serving(backend: ReferenceBackend, name: str = "ref") -> Iterator[HttpEngine]:
-    """``backend`` behind the reference HTTP server on a free port of 127.0.0.1 (a thread of this process)."""
+def serving(
+    backend: ReferenceBackend, name: str = "ref", *, routed_experts_shape: tuple[int, int] | None = None
+) -> Iterator[HttpEngine]:
+    """``backend`` behind the reference HTTP server on a free port of 127.0.0.1 (a thread of this process);
+    ``routed_experts_shape`` (layers, top_k) decodes the routing it returns."""
     port = free_port()
     server = build_server(backend, "127.0.0.1", port)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield HttpEngine(name, "127.0.0.1", port, request_timeout_s=60)
+        yield HttpEngine(name, "127.0.0.1", port, request_timeout_s=60, routed_experts_shape=routed_experts_shape)
     finally:
         server.shutdown()
         server.server_close()

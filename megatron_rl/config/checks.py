@@ -484,6 +484,29 @@ def _check_partial_rollouts(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[
         )
 
 
+def _check_episode(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    rollout = cfg.rollout
+    if rollout.episode == "single_turn" and rollout.tools:
+        yield _error(
+            "rollout.tools",
+            f"{rollout.tools} with rollout.episode=single_turn: a single-turn response calls no tool; set "
+            "rollout.episode (tool_calls for Qwen3's format) or remove the tools",
+        )
+    if rollout.episode in ("tool_calls", "synthetic_tool_calls") and not rollout.tools:
+        yield _error(
+            "rollout.tools", f"empty with rollout.episode={rollout.episode}: name the tools the model may call"
+        )
+    synthetic = cfg.data.synthetic
+    if synthetic is not None and synthetic.task == "lookup" and rollout.episode != "synthetic_tool_calls":
+        yield _error(
+            "rollout.episode",
+            f"{rollout.episode} with data.synthetic.task=lookup: the lookup task's answer is found only by calling "
+            "its tool; set rollout.episode=synthetic_tool_calls and rollout.tools=[synthetic_lookup]",
+        )
+    if rollout.episode != "single_turn" and rollout.max_turns == 1:
+        yield _warning("rollout.max_turns", "1: the model's first turn is its last, so no tool call ever runs")
+
+
 def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     train = cfg.train
     if train.precision == "fp8":
@@ -623,6 +646,7 @@ CHECKS: tuple[Check, ...] = (
     _check_weight_sync,
     _check_staleness,
     _check_partial_rollouts,
+    _check_episode,
     _check_precision,
     _check_sources,
     _check_deterministic_inference,

@@ -250,6 +250,25 @@ class RolloutConfig(Section):
         "and resubmits its requests with their seeds; one more crash ends the run (0: the first does).",
     )
 
+    episode: str = Field(
+        "single_turn",
+        description="How a response unfolds over turns: single_turn; tool_calls (multi-turn tool use in Qwen3's "
+        "<tool_call> format); synthetic_tool_calls (the synthetic tokenizer's one-token call); or an import path "
+        "'package.module:factory' (megatron_rl.rollout.episodes).",
+    )
+    max_turns: PositiveInt = Field(
+        8, description="Multi-turn episodes: the most model turns in one response (its last turn's call is not run)."
+    )
+    tools: list[str] = Field(
+        [],
+        description="Multi-turn episodes: the tools the model may call, registered names (calculator, python) or "
+        "import paths 'package.module:function' (megatron_rl.tools).",
+    )
+    tool_timeout_s: PositiveFloat = Field(
+        30.0, description="Seconds a tool call may run; past it the call fails and the model reads an error."
+    )
+    tool_num_workers: PositiveInt = Field(4, description="Tool worker processes (calls run in parallel up to this).")
+
     @property
     def fp8_block(self) -> tuple[int, int]:
         """``fp8_block_size`` as (output rows, input columns) per scale."""
@@ -277,7 +296,9 @@ class WeightSyncConfig(Section):
 class SyntheticDataConfig(Section):
     """A generated task instead of parquet files (tiny CPU recipes)."""
 
-    task: Literal["successor", "max"] = Field(description="Synthetic task (megatron_rl.data.synthetic_task).")
+    task: Literal["successor", "max", "lookup"] = Field(
+        description="Synthetic task (megatron_rl.data.synthetic_task); lookup needs the synthetic_tool_calls episode."
+    )
     prompt_format: Literal["text", "chat"] = Field(
         "text", description="Plain-string prompts, or chat messages rendered by the task tokenizer's template."
     )

@@ -18,7 +18,9 @@ PPO epochs, placement and weight-sync transport, and every kind of parallelism i
   verl-layout parquet files with chat-message prompts (the synthetic successor task, written
   by the caller into :func:`generated_data_paths`), read through the recipe's own parquet
   path and chat-template setting, with the task's tokenizer and reward (the recipe's reward
-  cannot score the toy task); 4 prompts a step, short prompts and responses;
+  cannot score the toy task); 4 prompts a step, short prompts and responses; a multi-turn tool
+  recipe gets the synthetic ``lookup`` task instead, its tool and the toy tokenizer's call format,
+  so its episodes still call a tool between turns;
 - run: 2 steps, a checkpoint after each (the smoke runs step 1, then resumes to step 2).
 
 Imports neither torch nor Ray: the overrides are checked by ``validate`` like any others.
@@ -38,6 +40,13 @@ MAX_CPU_RANKS = 4
 SMOKE_STEPS = 2
 SMOKE_TASK = "successor"
 """The synthetic task whose prompts stand in for absent data (its files: ``<task>_train|val.parquet``)."""
+SMOKE_TOOL_TASK = "lookup"
+"""The stand-in task of a multi-turn tool recipe: one answered by a tool call in the toy tokenizer's format."""
+
+
+def smoke_task(cfg: RunConfig) -> str:
+    """The synthetic task standing in for ``cfg``'s data: a tool task when its episode calls tools."""
+    return SMOKE_TASK if cfg.rollout.episode == "single_turn" else SMOKE_TOOL_TASK
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,7 @@ class GeneratedData:
     train_file: str
     val_file: str
     tokenizer_dir: str
+    task: str
 
 
 def generated_data_paths(cfg: RunConfig) -> GeneratedData | None:
@@ -152,9 +162,9 @@ def generated_data_paths(cfg: RunConfig) -> GeneratedData | None:
     """
     if cfg.data.synthetic is not None:
         return None
-    directory = f"runs/smoke-{cfg.name}/generated"
+    directory, task = f"runs/smoke-{cfg.name}/generated", smoke_task(cfg)
     return GeneratedData(
-        f"{directory}/{SMOKE_TASK}_train.parquet", f"{directory}/{SMOKE_TASK}_val.parquet", f"{directory}/tokenizer"
+        f"{directory}/{task}_train.parquet", f"{directory}/{task}_val.parquet", f"{directory}/tokenizer", task
     )
 
 
@@ -242,6 +252,16 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
             Change("data.prompt_key", "prompt", "the generated files' column"),
             Change("data.answer_key", "reward_model.ground_truth", "the generated files' column"),
             Change("model.tokenizer", generated.tokenizer_dir, "the generated task's tokenizer"),
-            Change("data.reward", f"synthetic_{SMOKE_TASK}", "the generated task's reward"),
+            Change("data.reward", f"synthetic_{generated.task}", "the generated task's reward"),
         ]
+        if generated.task == SMOKE_TOOL_TASK:
+            changes += [
+                Change(
+                    "rollout.episode",
+                    "synthetic_tool_calls",
+                    f"multi-turn kept: the toy tokenizer's call format ({cfg.rollout.episode} needs the model's)",
+                ),
+                Change("rollout.tools", ["synthetic_lookup"], "the generated task's tool"),
+                Change("rollout.tool_num_workers", 1, "2 cores"),
+            ]
     return changes

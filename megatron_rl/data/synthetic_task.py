@@ -4,7 +4,13 @@ Each task draws single digits; the answer is one digit:
 
 - ``successor``: ``"succ d"`` -> ``(d + 1) mod 10`` (10 distinct prompts);
 - ``max``: ``"max a b"`` -> ``max(a, b)`` (100 distinct prompts; harder: the answer depends on a
-  digit that is not the last prompt token, so the model must learn attention).
+  digit that is not the last prompt token, so the model must learn attention);
+- ``lookup``: ``"ask k"`` -> entry k of a table of 10 random digits drawn for each row and never shown
+  in the prompt: only a tool call finds it (a guess is right one time in ten). The row's
+  ``extra_info["tools_kwargs"]["synthetic_lookup"]`` holds the table and the key, which the tool
+  ``synthetic_lookup`` (:mod:`megatron_rl.tools.synthetic_lookup`) reads; the ``synthetic_tool_calls`` episode calls it when the model emits
+  ``<call>`` (:mod:`megatron_rl.rollout.tool_episode`), so a solved episode reads
+  ``<call> <tool> 7 <assistant> 7 <eos>``.
 
 Prompt formats (both read by ``load_prompt_dataset``):
 
@@ -21,10 +27,14 @@ model stop right after the prompt on some digits. (An earlier plain-PyTorch GRPO
 ``max``/``text`` at 56-78% after 200 steps, 2 seeds.)
 
 Reward: registered once per task as ``synthetic_<task>`` (the rows' ``data_source``:
-``synthetic_successor``, ``synthetic_max``), one rule for all. The response text is split into
+``synthetic_successor``, ``synthetic_max``, ``synthetic_lookup``). The response text is split into
 tokens (whitespace-separated words, with ``<...>`` markers split off, so ``"4<eos>"`` reads as
 ``4 <eos>``) and trailing ``<pad>`` tokens are ignored. It is correct iff the tokens are exactly
-``[ground_truth, "<eos>"]``: score +1.0, else -1.0. A wrong digit, any extra token, or a
+``[ground_truth, "<eos>"]``: score +1.0, else -1.0. In ``lookup`` the rule reads the final answer, the
+tokens after the response's last ``<assistant>``, and accepts it only after a lookup (a ``<call>``
+answered by a ``<tool>`` reply): a guess is wrong even when it is the right digit, so accuracy measures
+tool use and a guess pays nothing (with guesses paid, one in ten, the policy settled on guessing before
+it learnt to read the tool's reply: 0.09 greedy accuracy after 150 steps). A wrong digit, any extra token, or a
 missing ``<eos>`` (a response cut at the length limit) is wrong, so long responses are always
 wrong. Responses must be decoded with ``skip_special_tokens=False``: without the ``<eos>`` text
 nothing scores +1.
@@ -36,6 +46,7 @@ Rows follow the verl layout::
     ability:      "synthetic"
     reward_model: {"style": "rule", "ground_truth": "4"}
     extra_info:   {"split": "train", "index": 0, "task": "successor"}
+                  (lookup adds "tools_kwargs": {"synthetic_lookup": {"table": "8402751396", "key": 3}})
 """
 
 from __future__ import annotations
@@ -52,23 +63,38 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megatron_rl.data.rewards import RewardOutput, register_reward
-from megatron_rl.data.synthetic_tokenizer import EOS_TOKEN, PAD_TOKEN
+from megatron_rl.data.synthetic_tokenizer import ASSISTANT_TOKEN, CALL_TOKEN, EOS_TOKEN, PAD_TOKEN, TOOL_TOKEN
 
 _RESPONSE_TOKEN = re.compile(r"<[^<>\s]+>|[^\s<]+")
 
 
-def _successor(rng: random.Random) -> tuple[str, str]:
+@dataclass(frozen=True)
+class SyntheticExample:
+    """One drawn row: the prompt text, the answer, and the tools' per-row context (``tools_kwargs``) if any."""
+
+    prompt: str
+    answer: str
+    tools_kwargs: dict[str, dict[str, Any]] | None = None
+
+
+def _successor(rng: random.Random) -> SyntheticExample:
     digit = rng.randrange(10)
-    return f"succ {digit}", str((digit + 1) % 10)
+    return SyntheticExample(f"succ {digit}", str((digit + 1) % 10))
 
 
-def _max_of_two(rng: random.Random) -> tuple[str, str]:
+def _max_of_two(rng: random.Random) -> SyntheticExample:
     first, second = rng.randrange(10), rng.randrange(10)
-    return f"max {first} {second}", str(max(first, second))
+    return SyntheticExample(f"max {first} {second}", str(max(first, second)))
 
 
-SYNTHETIC_TASKS: Mapping[str, Callable[[random.Random], tuple[str, str]]] = MappingProxyType(
-    {"successor": _successor, "max": _max_of_two}
+def _lookup(rng: random.Random) -> SyntheticExample:
+    table = "".join(str(rng.randrange(10)) for _ in range(10))
+    key = rng.randrange(10)
+    return SyntheticExample(f"ask {key}", table[key], {"synthetic_lookup": {"table": table, "key": key}})
+
+
+SYNTHETIC_TASKS: Mapping[str, Callable[[random.Random], SyntheticExample]] = MappingProxyType(
+    {"successor": _successor, "max": _max_of_two, "lookup": _lookup}
 )
 SYNTHETIC_PROMPT_FORMATS: tuple[str, ...] = ("text", "chat")
 
@@ -77,11 +103,26 @@ SYNTHETIC_PROMPT_FORMATS: tuple[str, ...] = ("text", "chat")
 @register_reward("synthetic_max")
 def synthetic_exact(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:
     """+1.0 iff ``response`` is exactly the answer then ``<eos>`` (see the module docstring), else -1.0."""
-    tokens = _RESPONSE_TOKEN.findall(response)
-    while tokens and tokens[-1] == PAD_TOKEN:
-        tokens.pop()
-    correct = tokens == [ground_truth.strip(), EOS_TOKEN]
+    correct = _final_answer(_RESPONSE_TOKEN.findall(response)) == [ground_truth.strip(), EOS_TOKEN]
     return RewardOutput(score=1.0 if correct else -1.0, correct=correct)
+
+
+@register_reward("synthetic_lookup")
+def synthetic_lookup_answer(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:
+    """+1.0 iff ``response`` looked the answer up (a ``<call>`` answered by a ``<tool>`` reply) and its final
+    answer, the tokens after the last ``<assistant>``, is exactly the answer then ``<eos>``; else -1.0."""
+    tokens = _RESPONSE_TOKEN.findall(response)
+    looked_up = CALL_TOKEN in tokens and TOOL_TOKEN in tokens and ASSISTANT_TOKEN in tokens
+    answer = tokens[len(tokens) - tokens[::-1].index(ASSISTANT_TOKEN) :] if looked_up else []
+    correct = _final_answer(answer) == [ground_truth.strip(), EOS_TOKEN]
+    return RewardOutput(score=1.0 if correct else -1.0, correct=correct)
+
+
+def _final_answer(tokens: list[str]) -> list[str]:
+    """``tokens`` without trailing ``<pad>`` tokens."""
+    while tokens and tokens[-1] == PAD_TOKEN:
+        tokens = tokens[:-1]
+    return tokens
 
 
 @dataclass(frozen=True)
@@ -107,14 +148,17 @@ def synthetic_rows(
     rng = random.Random(f"{task}/{split}/{seed}")
     rows = []
     for index in range(num_rows):
-        prompt, answer = SYNTHETIC_TASKS[task](rng)
+        example = SYNTHETIC_TASKS[task](rng)
+        extra_info: dict[str, Any] = {"split": split, "index": index, "task": task}
+        if example.tools_kwargs is not None:
+            extra_info["tools_kwargs"] = example.tools_kwargs
         rows.append(
             {
                 "data_source": f"synthetic_{task}",
-                "prompt": prompt if prompt_format == "text" else [{"role": "user", "content": prompt}],
+                "prompt": example.prompt if prompt_format == "text" else [{"role": "user", "content": example.prompt}],
                 "ability": "synthetic",
-                "reward_model": {"style": "rule", "ground_truth": answer},
-                "extra_info": {"split": split, "index": index, "task": task},
+                "reward_model": {"style": "rule", "ground_truth": example.answer},
+                "extra_info": extra_info,
             }
         )
     return rows

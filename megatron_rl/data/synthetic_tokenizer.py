@@ -2,7 +2,7 @@
 
 Token ids are positions in ``SYNTHETIC_VOCAB`` and never change: checkpoints of the tiny model
 depend on them. A model trained on the synthetic tasks needs ``vocab_size >=
-SYNTHETIC_VOCAB_SIZE`` (18); padding the embedding beyond it is fine, the tokenizer never
+SYNTHETIC_VOCAB_SIZE`` (21); padding the embedding beyond it is fine, the tokenizer never
 produces those ids.
 
 The tokenizer is a word-level model in the Hugging Face format: text is split on whitespace
@@ -13,7 +13,12 @@ encoding adds no special tokens, and decoding joins tokens with single spaces
 
     [{"role": "user", "content": "succ 3"}]  ->  "<bos> <user> succ 3 <assistant>"
 
-An assistant turn renders as ``" <assistant> {content} <eos>"``; other roles are refused.
+An assistant turn renders as ``" <assistant> {content} <eos>"``, or without ``<eos>`` when it ends in a
+tool call (``<call>``, the multi-turn ``lookup`` task's one-token call); a tool message renders as
+``" <tool> {content}"``; other roles are refused. So a whole lookup conversation renders as the ids a
+multi-turn episode sends the engine::
+
+    <bos> <user> ask 3 <assistant> <call> <tool> 7 <assistant> 7 <eos>
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ BOS_TOKEN = "<bos>"
 UNK_TOKEN = "<unk>"
 USER_TOKEN = "<user>"
 ASSISTANT_TOKEN = "<assistant>"
+CALL_TOKEN = "<call>"
+TOOL_TOKEN = "<tool>"
 
 SYNTHETIC_VOCAB: tuple[str, ...] = (
     PAD_TOKEN,
@@ -43,6 +50,9 @@ SYNTHETIC_VOCAB: tuple[str, ...] = (
     *(str(digit) for digit in range(10)),
     "succ",
     "max",
+    "ask",
+    CALL_TOKEN,
+    TOOL_TOKEN,
 )
 SYNTHETIC_VOCAB_SIZE: int = len(SYNTHETIC_VOCAB)
 PAD_TOKEN_ID: int = SYNTHETIC_VOCAB.index(PAD_TOKEN)
@@ -53,7 +63,9 @@ SYNTHETIC_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %} <user> {{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %} <assistant> {{ message['content'] }} {{ eos_token }}"
+    "{% elif message['role'] == 'assistant' %} <assistant> {{ message['content'] }}"
+    "{% if not message['content'].endswith('<call>') %} {{ eos_token }}{% endif %}"
+    "{% elif message['role'] == 'tool' %} <tool> {{ message['content'] }}"
     "{% else %}{{ raise_exception('synthetic chat template: unsupported role ' + message['role']) }}"
     "{% endif %}"
     "{% endfor %}"
@@ -76,7 +88,7 @@ def build_synthetic_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
-        additional_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN],
+        additional_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN, CALL_TOKEN, TOOL_TOKEN],
         chat_template=SYNTHETIC_CHAT_TEMPLATE,
     )
 

@@ -99,22 +99,26 @@ def _numpy(dtype: torch.dtype) -> np.dtype:
 def rollout_metrics(groups: list[RolloutGroup], *, max_response_length: int, prefix: str = "train") -> dict[str, float]:
     """Reward, accuracy and length-bias diagnostics of the samples in ``groups``, keys ``<prefix>/...``.
 
-    Keys: ``reward_mean`` (scores with any overlong penalty), ``accuracy``, ``response_length_mean``,
-    ``overlong_penalty_mean`` and :func:`~megatron_rl.algorithms.length_bias_metrics`' keys.
+    Keys: ``reward_mean`` (scores with any overlong penalty), ``accuracy``, ``response_length_mean`` (every
+    response token, environment replies included), ``overlong_penalty_mean``, ``turns_mean`` and
+    :func:`~megatron_rl.algorithms.length_bias_metrics`' keys, whose lengths are the tokens the policy
+    sampled (``length_mean``: the same as ``response_length_mean`` in single-turn episodes).
     """
     samples = _samples(groups)
     scores = torch.tensor([s.score for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    sampled = torch.tensor([s.sampled_tokens for s in samples], dtype=torch.float64)
     correct = torch.tensor([s.correct for s in samples], dtype=torch.bool)
     truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)
     diagnostics = length_bias_metrics(
-        lengths, correct, scores, max_response_length=max_response_length, truncated=truncated
+        sampled, correct, scores, max_response_length=max_response_length, truncated=truncated
     )
     metrics = {
         "reward_mean": scores.mean().item(),
         "accuracy": correct.double().mean().item(),
         "response_length_mean": lengths.mean().item(),
         "overlong_penalty_mean": sum(s.overlong_penalty for s in samples) / len(samples),
+        "turns_mean": sum(s.turns for s in samples) / len(samples),
     } | diagnostics
     return {f"{prefix}/{name}": value for name, value in metrics.items()}
 

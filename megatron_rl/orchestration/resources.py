@@ -58,6 +58,7 @@ from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_ru
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
 from megatron_rl.rollout.engine_pool import Recovery
+from megatron_rl.rollout.episodes import Episode, build_episode
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.weight_sync.engine_feeds import engine_feeders
 
@@ -76,6 +77,8 @@ class RunResources:
     engines: list[RolloutEngine] = field(default_factory=list)
     expert_dtype: torch.dtype = torch.uint8
     validation: RolloutManager | None = None
+    episode: Episode | None = None
+    """How responses unfold over turns (``rollout.episode``), shared by the training and validation rollouts."""
     deferred_recovery: DeferredEngineRecovery | None = None
     trainer_nodes: list[str] = field(default_factory=list)
     engine_feeders: list[tuple[int, ...]] | None = None
@@ -130,7 +133,7 @@ class RunResources:
         closers = [self._logger.close] if self._logger is not None else []
         closers += [self._trainers.close] if self._trainers is not None else []
         closers += [self.engine_hosts.close] if self.engine_hosts is not None else []
-        closers += [part.close for part in (self._rollout, self.validation) if part is not None]
+        closers += [part.close for part in (self._rollout, self.validation, self.episode) if part is not None]
         if self.placement is not None:
             closers.append(lambda: ray.util.remove_placement_group(self.placement))
         closers.append(ray.shutdown)
@@ -170,6 +173,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         expert_dtype=expert_dtype,
     )
     try:
+        run.episode = build_episode(cfg.rollout, data.tokenizer)  # tool workers: a missing sandbox stops here
         start_ray(cfg, network)
         plan = plan_run_placement(cfg)
         bundle = plan.bundle
@@ -207,8 +211,8 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         # With max_staleness > 0 the training rollout runs beside training, which a re-sync cannot join:
         # restarted engines wait for the next sync, the others take their requests.
         run.deferred_recovery = DeferredEngineRecovery(recovery) if cfg.train.max_staleness else None
-        run._rollout = build_rollout_manager(cfg, data, run.engines, run.deferred_recovery or recovery)
-        run.validation = build_validation_manager(cfg, data, run.engines, recovery)
+        run._rollout = build_rollout_manager(cfg, data, run.engines, run.deferred_recovery or recovery, run.episode)
+        run.validation = build_validation_manager(cfg, data, run.engines, recovery, run.episode)
         run._logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step
         )
@@ -424,10 +428,15 @@ def start_trainers(
 
 
 def build_rollout_manager(
-    cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine], recover: Recovery | None = None
+    cfg: RunConfig,
+    data: PreparedData,
+    engines: list[RolloutEngine],
+    recover: Recovery | None = None,
+    episode: Episode | None = None,
 ) -> RolloutManager:
     """The training rollout: ``dynamic_sampling.gen_batch_prompts`` (default ``prompts_per_step``) prompts per
-    generation batch, sampler seeded by ``train.seed``; ``recover`` restarts crashed engines."""
+    generation batch, sampler seeded by ``train.seed``; ``recover`` restarts crashed engines; ``episode`` (from
+    :func:`~megatron_rl.rollout.episodes.build_episode`; None: single-turn) is not closed by the manager."""
     batch = cfg.algorithm.dynamic_sampling.gen_batch_prompts or cfg.train.prompts_per_step
     sampler = PromptSampler(len(data.train), batch, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return RolloutManager(
@@ -446,6 +455,7 @@ def build_rollout_manager(
         seed=cfg.train.seed,
         recover=recover,
         max_token_lag=max_token_lag(cfg),
+        episode=episode,
     )
 
 
@@ -458,10 +468,15 @@ def max_token_lag(cfg: RunConfig) -> int:
 
 
 def build_validation_manager(
-    cfg: RunConfig, data: PreparedData, engines: list[RolloutEngine], recover: Recovery | None = None
+    cfg: RunConfig,
+    data: PreparedData,
+    engines: list[RolloutEngine],
+    recover: Recovery | None = None,
+    episode: Episode | None = None,
 ) -> RolloutManager | None:
     """The whole validation set per call, ``val_samples_per_prompt`` at ``val_temperature``, unshaped, unfiltered,
-    each response whole (no partial-rollout windows); ``recover`` restarts crashed engines."""
+    each response whole (no partial-rollout windows), in the training rollout's ``episode``; ``recover``
+    restarts crashed engines."""
     if data.val is None or cfg.train.val_interval == 0:
         return None
     rollout = cfg.rollout.model_copy(
@@ -485,4 +500,5 @@ def build_validation_manager(
         decode=data.decode,
         uid_prefix="val",
         recover=recover,
+        episode=episode,
     )

@@ -2,8 +2,9 @@
 
 A group whose responses have all ended is scored in the reward worker processes (a response whose
 reward raises or runs past ``data.reward_timeout_s`` scores as failed, see ``scoring``); each
-response then gets the DAPO overlong penalty added to its score and, with overlong filtering, a
-zero loss mask when truncated. Dynamic sampling keeps a group only when its correctness
+response then gets the DAPO overlong penalty added to its score (on its whole length, environment
+replies included, as the length budget counts them) and, with overlong filtering, a zero loss mask when
+truncated; tokens an environment appended (multi-turn episodes) always have loss mask 0. Dynamic sampling keeps a group only when its correctness
 (``metric: acc``, the default) or scores (``metric: score``) vary (:func:`group_has_signal`).
 """
 
@@ -76,6 +77,7 @@ class GroupAssembler:
             assert sample.finish_reason is not None, "a group is assembled only after its first window"
             truncated = sample.finish_reason.type == "length"
             keep_tokens = 0 if truncated and self.overlong.filter_truncated else 1
+            policy = sample.policy_mask or [1] * len(sample.output_ids)  # replies' tokens are not trained on
             samples.append(
                 RolloutSample(
                     prompt_ids=list(item.prompt_ids),
@@ -85,11 +87,16 @@ class GroupAssembler:
                     score=reward.score + penalty,
                     correct=reward.correct,
                     overlong_penalty=penalty,
-                    loss_mask=[keep_tokens] * len(sample.output_ids),
+                    loss_mask=[keep_tokens * sampled for sampled in policy],
                     weight_version=sample.weight_version,
                     routed_experts=sample.routed_experts,
                     reward_failure=reward.failure,
                     version_segments=list(sample.version_segments),
+                    policy_tokens=None if sample.policy_mask is None else sum(sample.policy_mask),
+                    turns=sample.turns,
+                    tool_calls=sample.tool_calls,
+                    tool_errors=sample.tool_errors,
+                    tool_timeouts=sample.tool_timeouts,
                 )
             )
         return RolloutGroup(uid=group.uid, prompt_index=item.index, samples=samples)

@@ -19,6 +19,11 @@ class RolloutSample:
     tokens was sampled under, in order (one segment unless a partial rollout continued the response
     under newer weights; ``weight_version`` is the last segment's); empty means all of
     ``response_ids`` came from ``weight_version``.
+
+    Multi-turn episodes: ``response_ids`` hold the model's turns and the environment's replies between
+    them; ``policy_tokens`` counts the tokens the engine sampled (None: all of them), the replies' tokens
+    have loss mask 0 and rollout log-prob 0.0; ``turns`` counts the model's turns, ``tool_calls`` its
+    calls, ``tool_errors`` and ``tool_timeouts`` the calls that failed.
     """
 
     prompt_ids: list[int]
@@ -33,6 +38,16 @@ class RolloutSample:
     routed_experts: np.ndarray | None = None
     reward_failure: str | None = None
     version_segments: list[tuple[str | None, int]] = field(default_factory=list)
+    policy_tokens: int | None = None
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+
+    @property
+    def sampled_tokens(self) -> int:
+        """How many response tokens the engine sampled (all of them unless an environment replied)."""
+        return len(self.response_ids) if self.policy_tokens is None else self.policy_tokens
 
     @property
     def truncated(self) -> bool:

@@ -41,7 +41,8 @@ Request ids and seeds are resume-safe (:mod:`submissions`). SGLang 0.5.23 uses t
 under deterministic inference (``rollout.deterministic_inference``); without it its samples are
 not reproducible. The reference engine gets one seed per request and is reproducible either way.
 Metrics: ``rollout/groups_kept``, ``groups_dropped``, ``groups_aborted``,
-``gen_batches``, ``samples``, ``reward_errors``, ``reward_timeouts``, ``engine_restarts``, ``seconds``. Rewards,
+``gen_batches``, ``samples``, ``reward_errors``, ``reward_timeouts``, ``tool_calls``, ``tool_errors``,
+``tool_timeouts``, ``engine_restarts``, ``seconds``. Rewards,
 accuracy and lengths of the kept samples are the trainer's ``train/...`` metrics (computed
 once, by the driver).
 """
@@ -56,13 +57,14 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
 from megatron_rl.rollout.engine_pool import EnginePool, Recovery
+from megatron_rl.rollout.episodes import EnvironmentReply, Episode, SingleTurn
 from megatron_rl.rollout.group_assembler import GroupAssembler
 from megatron_rl.rollout.groups import RolloutStep
 from megatron_rl.rollout.partial import PartialGroup
-from megatron_rl.rollout.protocol import GenerateResult
+from megatron_rl.rollout.protocol import FinishReason, GenerateResult
 from megatron_rl.rollout.scoring import ScoredResponse
 from megatron_rl.rollout.step_selection import StepSelection
-from megatron_rl.rollout.submissions import Submission, SubmissionPlanner
+from megatron_rl.rollout.submissions import Request, Submission, SubmissionPlanner, WindowProgress
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
@@ -118,7 +120,8 @@ class RolloutManager:
     Group uids (also the engines' request ids) are ``<uid_prefix><n>``; managers sharing engines
     need distinct prefixes, since an engine remembers an aborted id until a request of it ends.
     ``early_batches`` (without partial rollouts only) sends a generation batch as soon as it is certain
-    to be needed; False sends it after the one before has ended (the same groups, later).
+    to be needed; False sends it after the one before has ended (the same groups, later). ``episode``: how a
+    response unfolds over turns (:mod:`episodes`; None: one turn); the manager does not close it.
     """
 
     def __init__(
@@ -141,7 +144,9 @@ class RolloutManager:
         recover: Recovery | None = None,
         max_token_lag: int | None = None,
         early_batches: bool = True,
+        episode: Episode | None = None,
     ) -> None:
+        self.episode = episode or SingleTurn()
         self.pool = EnginePool(engines, rollout.max_concurrent_requests, recover)
         if sampler.batch_size < prompts_per_step:
             raise ValueError(
@@ -157,6 +162,7 @@ class RolloutManager:
             uid_prefix=uid_prefix,
             seed=seed,
             routing_replay=routing_replay,
+            stop_token_ids=self.episode.stop_token_ids,
         )
         self.assembler = GroupAssembler(
             overlong,
@@ -253,6 +259,9 @@ def _metrics(selection: StepSelection, gen_batches: int, engine_restarts: int, s
         "rollout/samples": float(counts.samples),
         "rollout/reward_errors": float(counts.reward_errors),
         "rollout/reward_timeouts": float(counts.reward_timeouts),
+        "rollout/tool_calls": float(counts.tool_calls),
+        "rollout/tool_errors": float(counts.tool_errors),
+        "rollout/tool_timeouts": float(counts.tool_timeouts),
         "rollout/engine_restarts": float(engine_restarts),
         "rollout/seconds": seconds,
     }
@@ -266,6 +275,10 @@ class _Round:
     the step (:meth:`StepSelection.cannot_fill`), while the rest of this one still generates: the
     batches, seeds and kept groups are those of one round per batch, without the engines idling
     between batches. ``restarts`` counts the engines recovered during the round.
+
+    In a multi-turn episode a sample's turn that ended at a stop token gets the episode's reply, then the
+    model's next turn goes out as a request of its own within the window (:meth:`SubmissionPlanner.follow_up`);
+    a window is over once none of its requests or replies is outstanding.
     """
 
     def __init__(
@@ -276,14 +289,15 @@ class _Round:
         take_batch: Callable[[], list[int]] | None,
     ) -> None:
         self._pool, self._planner, self._assembler = manager.pool, manager.planner, manager.assembler
+        self._episode = manager.episode
         self._max_response_length = manager.planner.rollout.max_response_length
         self._selection, self._bar, self._take_batch = selection, bar, take_batch
         self._all: list[Submission] = []
         self.restarts = 0
         # What one pass of :meth:`_generate` has in flight (reset by it).
-        self._sent: dict[int, Submission] = {}
-        self._generating: dict[Future[list[GenerateResult]], tuple[int, int]] = {}
-        self._answers: dict[int, dict[int, list[GenerateResult]]] = {}
+        self._windows: dict[int, WindowProgress] = {}
+        self._generating: dict[Future[list[GenerateResult]], tuple[int, Request]] = {}
+        self._replying: dict[Future[EnvironmentReply], tuple[int, int]] = {}
         self._scoring: dict[Future[list[ScoredResponse]], tuple[int, PartialGroup]] = {}
         self._crashed: _Crashes = {}
 
@@ -304,17 +318,19 @@ class _Round:
 
     def _generate(self, submissions: dict[int, Submission]) -> _Crashes:
         """Send ``submissions`` (by position), score the groups that ended, carry the others, and decide
-        each group; after each answer or score, send the next batch too if it is certain to be needed
-        (added to ``submissions``). Returns once every request has answered or failed and every score is
-        in; the positions with a request whose engine was gone are returned undecided."""
-        self._sent, self._generating, self._answers, self._scoring, self._crashed = submissions, {}, {}, {}, {}
+        each group; after each answer, reply or score, send the next batch too if it is certain to be needed
+        (added to ``submissions``). Returns once every request has answered or failed and every reply and
+        score is in; the positions with a request whose engine was gone are returned undecided."""
+        self._windows, self._generating, self._replying, self._scoring, self._crashed = {}, {}, {}, {}, {}
         self._send(dict(submissions))
-        while self._generating or self._scoring:
-            in_flight: list[Future[Any]] = [*self._generating, *self._scoring]
+        while self._generating or self._replying or self._scoring:
+            in_flight: list[Future[Any]] = [*self._generating, *self._replying, *self._scoring]
             done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
             for future in done:
                 if future in self._generating:
                     self._answered(future)
+                elif future in self._replying:
+                    self._replied(future)
                 else:
                     self._scored(future)
             self._send(self._next_batch())
@@ -324,11 +340,13 @@ class _Round:
         return self._crashed
 
     def _send(self, batch: dict[int, Submission]) -> None:
-        self._sent.update(batch)
         for position, sub in batch.items():
-            self._answers[position] = {}
-            for index, req in enumerate(sub.requests):
-                self._generating[self._pool.generate(req.engine, req.request)] = (position, index)
+            self._windows[position] = sub.start()
+            for request in sub.requests:
+                self._request(position, request)
+
+    def _request(self, position: int, request: Request) -> None:
+        self._generating[self._pool.generate(request.engine, request.request)] = (position, request)
 
     def _next_batch(self) -> dict[int, Submission]:
         """The next generation batch's first windows (by position), when it is certain to be needed."""
@@ -340,25 +358,77 @@ class _Round:
         return dict(enumerate(self._all[first:], start=first))
 
     def _answered(self, future: Future[list[GenerateResult]]) -> None:
-        position, index = self._generating.pop(future)
-        sub = self._sent[position]
+        position, request = self._generating.pop(future)
+        window = self._windows[position]
+        window.outstanding -= 1
         try:
-            self._answers[position][index] = future.result()
+            results = future.result()
         except EngineUnavailableError as error:
-            self._crashed.setdefault(position, (sub.requests[index].engine, error))
-        if len(self._answers[position]) == len(sub.requests):
-            self._window_done(position, sub, self._answers.pop(position))
+            self._crashed.setdefault(position, (request.engine, error))
+            results = []
+        if any(result.aborted for result in results):
+            window.aborted = True
+        elif results and not self._abandoned(position):
+            window.add(request, results, self._max_response_length)
+            for sample in request.samples:
+                self._ask_episode(position, sample)
+        self._window_ended(position)
 
-    def _window_done(self, position: int, sub: Submission, answers: dict[int, list[GenerateResult]]) -> None:
-        """Every request of ``sub`` answered: score its group if it ended, carry it if not (a continued
-        group an engine aborted, or past the cutoff, stays as it was; a new one is discarded)."""
-        if any(r.aborted for results in answers.values() for r in results) or position >= self._selection.cutoff:
+    def _ask_episode(self, position: int, sample: int) -> None:
+        """After a model turn of ``sample`` that ended at a stop token, ask the episode for its reply."""
+        state = self._windows[position].samples[sample]
+        if not state.finished or state.finish_reason is None or state.finish_reason.type != "stop":
+            return
+        item = self._windows[position].submission.group.item
+        reply = self._episode.reply(item, state.output_ids[state.turn_start :], state.turns)
+        if reply is not None:
+            self._windows[position].outstanding += 1
+            self._replying[reply] = (position, sample)
+
+    def _replied(self, future: Future[EnvironmentReply]) -> None:
+        """Append the environment's reply and send the model's next turn (when the window has tokens left)."""
+        position, sample = self._replying.pop(future)
+        window = self._windows[position]
+        window.outstanding -= 1
+        reply = future.result()
+        if not self._abandoned(position) and not window.aborted:
+            state = window.samples[sample]
+            state.tool_calls += reply.tool is not None
+            state.tool_errors += reply.failure == "error"
+            state.tool_timeouts += reply.failure == "timeout"
+            if len(state.output_ids) + len(reply.ids) >= self._max_response_length:
+                # No room for the model's next turn: the response ends at its budget, the reply left out
+                # (so every token trained on was fed to the engine and has its routing).
+                state.finish_reason = FinishReason("length")
+            else:
+                state.append_reply(reply.ids)
+                request = self._planner.follow_up(window, sample)
+                if request is not None:
+                    window.outstanding += 1
+                    self._request(position, request)
+        self._window_ended(position)
+
+    def _abandoned(self, position: int) -> bool:
+        """Whether ``position``'s window will not be used: a request of it found its engine gone (the window
+        goes again after the recovery), or it is past the cutoff (surplus)."""
+        return position in self._crashed or position >= self._selection.cutoff
+
+    def _window_ended(self, position: int) -> None:
+        """Once nothing of ``position``'s window is outstanding: score its group if it ended, carry it if not
+        (a continued group an engine aborted, or past the cutoff, stays as it was; a new one is discarded).
+        A window with a crashed request stays undecided (:meth:`_generate` returns it)."""
+        window = self._windows[position]
+        if window.outstanding or position in self._crashed:
+            return
+        del self._windows[position]
+        sub = window.submission
+        if window.aborted or position >= self._selection.cutoff:
             if sub.continued:
                 self._selection.carry(position, sub.group)
             else:
                 self._selection.discard(position)
             return
-        group = sub.advanced(answers, self._max_response_length)
+        group = window.group()
         if not group.finished:
             self._selection.carry(position, group)
             return
@@ -374,9 +444,8 @@ class _Round:
     def _abort_surplus(self) -> None:
         """Abort the requests in flight at or past the cutoff (an engine found gone has nothing to abort)."""
         gone = {id(engine) for engine, _ in self._crashed.values()}
-        for position in {position for position, _ in self._generating.values()}:
-            if position < self._selection.cutoff:
+        for position, request in self._generating.values():
+            if position < self._selection.cutoff or id(request.engine) in gone:
                 continue
-            for req in self._sent[position].requests:
-                if id(req.engine) not in gone and isinstance(req.request.rid, str):  # ours are str (rid=uid)
-                    self._pool.abort(req.engine, req.request.rid)
+            if isinstance(request.request.rid, str):  # ours are str (rid=uid)
+                self._pool.abort(request.engine, request.request.rid)

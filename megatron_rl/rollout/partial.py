@@ -45,14 +45,17 @@ if TYPE_CHECKING:
 _SEED_MASK = (1 << 63) - 1
 
 
-def continuation_seed(first_seed: int, sample: int, window: int) -> int:
+def continuation_seed(first_seed: int, sample: int, window: int, turn: int = 0) -> int:
     """Sampling seed of window ``window`` of sample ``sample`` of a group whose first request had
     ``first_seed``: a 63-bit hash, so it fits SGLang's int64 and differs across samples and windows.
+    ``turn`` > 0: the ``turn``-th model turn the window starts after an environment reply (multi-turn
+    episodes, :mod:`~megatron_rl.rollout.episodes`), distinct from the window's first request.
 
     Window 0 is a sample's first window where the engine seeds samples one by one (SGLang,
     :func:`sample_seeds`); the reference engine draws a first window's ``n`` samples from one generator
     seeded with ``first_seed`` itself."""
-    digest = hashlib.blake2b(f"{first_seed}:{sample}:{window}".encode(), digest_size=8).digest()
+    key = f"{first_seed}:{sample}:{window}" + (f":{turn}" if turn else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _SEED_MASK
 
 
@@ -69,8 +72,14 @@ class PartialSample:
     """One response so far: its tokens, their rollout log-probs and the weight version of each window.
 
     ``version_segments`` is ``[(weight_version, tokens), ...]`` in order, the counts summing to
-    ``len(output_ids)``; ``routed_experts`` and ``finish_reason`` are the last window's (its routing
-    covers the prompt and every response token, prefilled again under the last window's weights).
+    ``len(output_ids)``; ``routed_experts`` and ``finish_reason`` are the last request's (its routing
+    covers the prompt and every response token, prefilled again under the last request's weights).
+
+    Multi-turn episodes (:mod:`~megatron_rl.rollout.episodes`) interleave the model's turns with what the
+    environment appends: ``policy_mask`` is 1 for each token the engine sampled and 0 for an appended one
+    (whose log-prob entry is 0.0), None while every token is sampled (fields added since keep their class
+    defaults, so groups carried in older checkpoints load); ``turns`` counts the model's turns, ``turn_start`` is where the current
+    one began in ``output_ids``; ``tool_calls``, ``tool_errors`` and ``tool_timeouts`` count the replies.
     """
 
     output_ids: list[int] = field(default_factory=list)
@@ -79,18 +88,53 @@ class PartialSample:
     finish_reason: FinishReason | None = None
     routed_experts: np.ndarray | None = None
     finished: bool = False
+    policy_mask: list[int] | None = None
+    turns: int = 1
+    turn_start: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
 
     def extend(self, result: GenerateResult, *, capped: bool, max_response_length: int) -> None:
-        """Append one window's answer; the response stays unfinished only when the window's cap
+        """Append one request's answer; the response stays unfinished only when the window's cap
         (``capped``: the request's max_new_tokens was the window, not the response's remaining budget)
         ended it before a stop token and before ``max_response_length`` tokens."""
         self.output_ids += result.output_ids
         self.output_logprobs += result.output_logprobs
+        if self.policy_mask is not None:
+            self.policy_mask += [1] * len(result.output_ids)
         if result.output_ids:
             self.version_segments.append((result.weight_version, len(result.output_ids)))
         self.finish_reason, self.routed_experts = result.finish_reason, result.routed_experts
         cut_by_window = capped and result.finish_reason.type == "length"
         self.finished = not (cut_by_window and len(self.output_ids) < max_response_length)
+
+    def append_reply(self, ids: list[int]) -> None:
+        """Append an environment reply (never trained on) after a finished model turn and start the next turn.
+
+        The reply's tokens count under the weight version of the turn before; the response is unfinished
+        until the model's next turn ends."""
+        assert self.version_segments, "a reply follows a model turn"
+        version, count = self.version_segments[-1]
+        self.version_segments[-1] = (version, count + len(ids))
+        if self.policy_mask is None:
+            self.policy_mask = [1] * len(self.output_ids)
+        self.output_ids += ids
+        self.output_logprobs += [0.0] * len(ids)
+        self.policy_mask += [0] * len(ids)
+        self.turns += 1
+        self.turn_start = len(self.output_ids)
+        self.finished = False
+
+    def copy(self) -> PartialSample:
+        """A copy whose token lists can grow without changing this sample."""
+        return dataclasses.replace(
+            self,
+            output_ids=list(self.output_ids),
+            output_logprobs=list(self.output_logprobs),
+            version_segments=list(self.version_segments),
+            policy_mask=None if self.policy_mask is None else list(self.policy_mask),
+        )
 
     @property
     def weight_version(self) -> str | None:
@@ -131,13 +175,15 @@ class WindowPlan:
     max_windows: int
     max_response_length: int
 
-    def budget(self, generated: int, window: int) -> tuple[int, bool]:
-        """max_new_tokens for window ``window`` (0-based) of a response with ``generated`` tokens, and
-        whether the window (not the response's remaining budget) is what caps it."""
+    def budget(self, generated: int, window: int, used: int = 0) -> tuple[int, bool]:
+        """max_new_tokens for the next request in window ``window`` (0-based) of a response with ``generated``
+        tokens, ``used`` of them sampled earlier in this window (a multi-turn episode's later turns), and
+        whether the window (not the response's remaining budget) is what caps it. 0 with True: the window
+        is spent; the response goes on in the next one."""
         remaining = self.max_response_length - generated
-        if self.tokens is None or window + 1 >= self.max_windows or self.tokens >= remaining:
+        if self.tokens is None or window + 1 >= self.max_windows or self.tokens - used >= remaining:
             return remaining, False
-        return self.tokens, True
+        return self.tokens - used, True
 
 
 def continuation_requests(

@@ -26,6 +26,12 @@ class SelectionCounts:
     """Responses of settled groups whose reward raised (or killed its worker)."""
     reward_timeouts: int = 0
     """Responses of settled groups whose reward ran past its timeout."""
+    tool_calls: int = 0
+    """Tool calls the responses of settled groups made (multi-turn episodes)."""
+    tool_errors: int = 0
+    """Of those, calls that were malformed, named no known tool, or whose tool raised or died."""
+    tool_timeouts: int = 0
+    """Of those, calls whose tool ran past ``rollout.tool_timeout_s``."""
 
 
 class StepSelection:
@@ -118,9 +124,12 @@ class StepSelection:
                     self.cutoff = self._settled
 
     def _count(self, group: RolloutGroup) -> None:
-        """Count a settled group's responses and their reward failures."""
+        """Count a settled group's responses, their tool calls and their reward failures."""
         self.counts.samples += len(group.samples)
         for sample in group.samples:
+            self.counts.tool_calls += sample.tool_calls
+            self.counts.tool_errors += sample.tool_errors
+            self.counts.tool_timeouts += sample.tool_timeouts
             if sample.reward_failure == "error":
                 self.counts.reward_errors += 1
             elif sample.reward_failure == "timeout":

@@ -22,6 +22,7 @@ from megatron_rl.rollout.partial import (
     PartialSample,
     WindowPlan,
     continuation_requests,
+    continuation_seed,
     sample_seeds,
 )
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
@@ -58,24 +59,37 @@ class Submission:
         """This window with each request moved to ``next_engine()`` (held requests after a recovery)."""
         return dataclasses.replace(self, requests=[dataclasses.replace(r, engine=next_engine()) for r in self.requests])
 
-    def advanced(self, answers: dict[int, list[GenerateResult]], max_response_length: int) -> PartialGroup:
-        """The group with this window's ``answers`` (by request index) appended, as a copy: ``group`` stays
-        as it was, which is what a continued group that ends up past the cutoff is carried as, whether or
-        not its window had come back (so the carried state does not depend on timing)."""
-        samples = [
-            dataclasses.replace(
-                s,
-                output_ids=list(s.output_ids),
-                output_logprobs=list(s.output_logprobs),
-                version_segments=list(s.version_segments),
-            )
-            for s in self.group.samples
-        ]
-        for index, request in enumerate(self.requests):
-            for sample, result in zip(request.samples, answers[index], strict=True):
-                samples[sample].extend(result, capped=request.capped, max_response_length=max_response_length)
-        old = self.group
-        return PartialGroup(old.item, old.uid, old.first_seed, samples, old.windows + 1)
+    def start(self) -> WindowProgress:
+        """This window's progress before any answer: copies of the group's samples, so ``group`` stays as it
+        was, which is what a continued group that ends up past the cutoff is carried as, whether or not its
+        window had come back (so the carried state does not depend on timing)."""
+        samples = [sample.copy() for sample in self.group.samples]
+        return WindowProgress(self, samples, [0] * len(samples), [0] * len(samples), len(self.requests))
+
+
+@dataclass
+class WindowProgress:
+    """A window while it runs: the group's samples with the answers so far (copies), the model tokens each
+    sampled in this window (``used``), the later turns each started in it (``follow_ups``), the requests and
+    replies still ``outstanding``, and whether an engine aborted one of its requests."""
+
+    submission: Submission
+    samples: list[PartialSample]
+    used: list[int]
+    follow_ups: list[int]
+    outstanding: int
+    aborted: bool = False
+
+    def add(self, request: Request, results: list[GenerateResult], max_response_length: int) -> None:
+        """Append a request's answers (one per sample it fills) to those samples."""
+        for sample, result in zip(request.samples, results, strict=True):
+            self.samples[sample].extend(result, capped=request.capped, max_response_length=max_response_length)
+            self.used[sample] += len(result.output_ids)
+
+    def group(self) -> PartialGroup:
+        """The group after this window (a new :class:`PartialGroup`; the submission's is unchanged)."""
+        old = self.submission.group
+        return PartialGroup(old.item, old.uid, old.first_seed, self.samples, old.windows + 1)
 
 
 class SubmissionPlanner:
@@ -94,6 +108,7 @@ class SubmissionPlanner:
         uid_prefix: str,
         seed: int | None,
         routing_replay: bool,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.dataset, self.sampler, self.rollout = dataset, sampler, rollout
         self.windows = WindowPlan(
@@ -101,6 +116,7 @@ class SubmissionPlanner:
         )
         self._next_engine = next_engine
         self._uid_prefix, self._seed, self._routing_replay = uid_prefix, seed, routing_replay
+        self._stop_token_ids = list(stop_token_ids) or None
 
     def new(self, indices: list[int]) -> list[Submission]:
         """The first windows of the prompts ``indices``, just taken from the sampler: their serials (request
@@ -118,6 +134,26 @@ class SubmissionPlanner:
         )
         requests = [Request(self._next_engine(), request, [index], capped) for index, request, capped in planned]
         return Submission(group, requests, True)
+
+    def follow_up(self, progress: WindowProgress, sample: int) -> Request | None:
+        """The request of the model's next turn of ``sample`` in this window, after an environment reply
+        (token-in/token-out: the prompt ids and every response id so far), or None when the window's tokens
+        are spent (the response goes on in the next window). Its rid is ``<uid>.<window>.<sample>.<k>`` and
+        its seed :func:`continuation_seed` with turn k, the k-th later turn of the sample in this window."""
+        group, state = progress.submission.group, progress.samples[sample]
+        max_new, capped = self.windows.budget(len(state.output_ids), group.windows, progress.used[sample])
+        if max_new <= 0:
+            return None
+        progress.follow_ups[sample] += 1
+        turn = progress.follow_ups[sample]
+        seed = None if group.first_seed is None else continuation_seed(group.first_seed, sample, group.windows, turn)
+        request = GenerateRequest(
+            list(group.item.prompt_ids) + state.output_ids,
+            dataclasses.replace(self._sampling(max_new, seed), n=1),
+            rid=f"{group.uid}.{group.windows}.{sample}.{turn}",
+            return_routed_experts=self._routing_replay,
+        )
+        return Request(self._next_engine(), request, [sample], capped)
 
     def _first_window(self, item: PromptItem, uid: str, serial: int) -> Submission:
         """A new prompt's first window: one request for all its samples (with a seed per sample on SGLang)."""
@@ -142,6 +178,7 @@ class SubmissionPlanner:
             top_p=self.rollout.top_p,
             top_k=self.rollout.top_k,
             n=self.rollout.n_samples_per_prompt,
+            stop_token_ids=self._stop_token_ids,
             sampling_seed=seed,
         )
 

@@ -2,7 +2,8 @@
 
 Stdlib only: imports neither torch, Megatron nor Ray. Importing the package registers the built-in
 tools ``calculator`` (exact arithmetic, :mod:`megatron_rl.tools.calculator`) and ``python`` (code in a
-sandbox, :mod:`megatron_rl.tools.python_tool`). The contract: :mod:`megatron_rl.tools.registry`; the
+sandbox, :mod:`megatron_rl.tools.python_tool`) and ``synthetic_lookup`` (the tiny multi-turn recipe's table
+lookup, :mod:`megatron_rl.tools.synthetic_lookup`). The contract: :mod:`megatron_rl.tools.registry`; the
 chat format of calls and replies: :mod:`megatron_rl.tools.calls`; tool calls run in
 :class:`megatron_rl.rollout.tool_pool.ToolPool`.
 """
@@ -26,6 +27,7 @@ from megatron_rl.tools.sandbox import (
     run_sandboxed,
     sandbox_problem,
 )
+from megatron_rl.tools.synthetic_lookup import synthetic_lookup
 
 __all__ = [
     "SandboxLimits",
@@ -44,6 +46,7 @@ __all__ = [
     "render_tool_response",
     "run_sandboxed",
     "sandbox_problem",
+    "synthetic_lookup",
     "tool_call_name",
     "tool_problem",
 ]

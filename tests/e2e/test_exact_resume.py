@@ -4,7 +4,9 @@ Both runs: the tiny DAPO recipe, 4 steps, a checkpoint every 2 steps; again with
 (``train.max_staleness: 1``, disaggregated), whose checkpoints also hold the rollout generated
 ahead (``carried_over.pt``), which the resumed run trains on; and again with partial rollouts
 (4-token windows, dynamic sampling on score variance so that steps fill and groups still generating
-are carried), whose checkpoints also hold the unfinished groups, which the resumed run continues. The second run's
+are carried), whose checkpoints also hold the unfinished groups, which the resumed run continues; and that
+once more in multi-turn tool episodes (the synthetic lookup task), windows cutting turns and tool
+replies. The second run's
 process group is killed as soon as ``latest`` exists; the same command runs again, resumes
 from it, and is killed while the step-4 checkpoint is being written (its staging directory
 holds Megatron's shard directory); ``latest`` must still name the step-2 checkpoint. The
@@ -44,10 +46,19 @@ PARTIAL = [
     "algorithm.dynamic_sampling.metric=score",
     "algorithm.dynamic_sampling.gen_batch_prompts=8",
 ]
+TOOLS = [
+    "rollout.episode=synthetic_tool_calls",
+    "rollout.tools=[synthetic_lookup]",
+    "rollout.max_turns=2",
+    "rollout.tool_num_workers=1",
+    "data.synthetic.task=lookup",
+    "data.reward=synthetic_lookup",
+]
 RECIPES = {
     "sync": (RECIPE, Path("runs") / "tiny-moe-cpu-dapo", []),
     "async": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", []),
     "async-partial": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL),
+    "async-partial-tools": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL + TOOLS),
 }
 
 OVERRIDES = [
@@ -98,7 +109,7 @@ def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path, loop: s
     assert latest.read_text().strip() == "step_000002"
     carried_file = checkpoints / "step_000002" / "carried_over.pt"
     assert carried_file.exists() == (loop != "sync")
-    if loop == "async-partial":
+    if loop.startswith("async-partial"):
         assert torch.load(carried_file, weights_only=False)["unfinished"], "no group was still generating"
     run_train(resumed, overrides, recipe)
 
@@ -109,9 +120,11 @@ def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path, loop: s
         assert actual == expected, f"step {expected['step']} differs"
     if loop == "async":  # steps 2..4 trained on samples of the weights one step older
         assert [r["async/staleness_max"] for r in straight_metrics[1:]] == [0.0, 1.0, 1.0, 1.0]
-    if loop == "async-partial":  # responses continued under newer weights hold tokens two versions old
+    if loop.startswith("async-partial"):  # responses continued under newer weights hold tokens two versions old
         assert max(r["async/partial_samples"] for r in straight_metrics[1:]) > 0
         assert max(r["async/token_staleness_max"] for r in straight_metrics[1:]) == 2.0
+    if loop == "async-partial-tools":  # multi-turn episodes whose tool replies sit in carried groups too
+        assert sum(r["rollout/tool_calls"] for r in straight_metrics[1:]) > 0
     final = [megatron_contents(root / run / "checkpoints" / "step_000004", tmp_path) for root in (straight, resumed)]
     assert final[0].keys() == final[1].keys()
     for key, expected in final[0].items():

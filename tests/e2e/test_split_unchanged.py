@@ -173,6 +173,16 @@ def same(a: object, b: object) -> bool:
     return bool(a == b)
 
 
+ADDED_SINCE_BASE = {
+    "train/turns_mean": 1.0,
+    "val/turns_mean": 1.0,
+    "rollout/tool_calls": 0.0,
+    "rollout/tool_errors": 0.0,
+    "rollout/tool_timeouts": 0.0,
+}
+"""Metrics logged since :data:`BASE` (multi-turn episodes), with the value every single-turn step must have."""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_dapo_run_equals_the_base_commits_run(tmp_path: Path, base_tree: Path, case: str) -> None:
@@ -183,6 +193,8 @@ def test_tiny_dapo_run_equals_the_base_commits_run(tmp_path: Path, base_tree: Pa
         assert any(record.get(counter, 0) > 0 for record in base.metrics), f"the base run never had {counter} > 0"
     assert [r["step"] for r in this.metrics] == [r["step"] for r in base.metrics]
     for want, got in zip(base.metrics, this.metrics, strict=True):
+        added = {key: got.pop(key) for key in ADDED_SINCE_BASE if key in got and key not in want}
+        assert all(added[key] == ADDED_SINCE_BASE[key] for key in added), f"step {want['step']}: {added}"
         differing = sorted(k for k in want.keys() | got.keys() if not same(want.get(k), got.get(k)))
         assert not differing, f"step {want['step']}: " + ", ".join(
             f"{k}: {want.get(k)} -> {got.get(k)}" for k in differing

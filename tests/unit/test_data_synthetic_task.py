@@ -39,7 +39,7 @@ def answer_of(prompt: str) -> str:
 
 
 def test_vocabulary_is_small_and_fixed() -> None:
-    assert SYNTHETIC_VOCAB_SIZE == len(SYNTHETIC_VOCAB) == 18
+    assert SYNTHETIC_VOCAB_SIZE == len(SYNTHETIC_VOCAB) == 21
     assert (PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID) == (0, 1, 2)
     assert SYNTHETIC_VOCAB[6:16] == tuple("0123456789")
 

@@ -269,7 +269,16 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/tool_pool.py", "num_workers must be >= 1"): "the schema refuses rollout.tool_num_workers < 1 "
     "and rollout.tool_timeout_s <= 0 first (PositiveInt, PositiveFloat)",
     ("rollout/tool_pool.py", "rollout.tools: "): "the tool pool's start-up check of rollout.tools (each tool "
-    "imports and can run on this machine), where the tools run; validate does not import tools",
+    "imports and can run on this machine), where the tools run; `validate` makes the same check first "
+    "(episodes.check_episode)",
+    ("rollout/episodes.py", "rollout.episode: "): "rollout.episode resolved by name or import path; `validate` "
+    "resolves it first (episodes.check_episode), as it resolves data.reward",
+    ("rollout/episodes.py", "rollout.tools: "): "`validate`'s own check of rollout.tools (episodes.check_episode): "
+    "each tool imports and can run on this machine",
+    ("rollout/tool_episode.py", "rollout.tools: "): "config/checks.py refuses tool episodes without tools first "
+    "(rollout.tools); the one-tool rule of the synthetic format is the episode's own",
+    ("rollout/tool_episode.py", "which the tokenizer does not"): "the tokenizer's chat format (the model's files), "
+    "checked when the run builds its episode, before Ray starts",
     ("rollout/tool_pool.py", "cannot run on this machine"): "the machine: a tool's requirement (the python tool's "
     "sandbox), re-raised by the pool naming rollout.tools",
     ("rollout/tool_pool.py", "not str"): "a tool's answer at run time, caught: the call fails with an error "
