@@ -34,11 +34,12 @@ if TYPE_CHECKING:
 class EnvironmentReply:
     """What the environment appends after a model turn: ``ids`` (the rendered tool message and the header
     of the model's next turn), the ``tool`` it ran (None: no tool ran, e.g. a malformed call) and why the
-    tool gave no result (``failure``; ``ids`` then render an error message the model reads)."""
+    tool gave no result (``failure``: ``error`` or ``timeout``, ``ids`` then render an error message the
+    model reads; ``limit``: a limit of the tool stopped the work, ``ids`` render what it output until then)."""
 
     ids: list[int]
     tool: str | None = None
-    failure: Literal["error", "timeout"] | None = None
+    failure: Literal["error", "timeout", "limit"] | None = None
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ class GroupAssembler:
                     tool_calls=sample.tool_calls,
                     tool_errors=sample.tool_errors,
                     tool_timeouts=sample.tool_timeouts,
+                    tool_limit_stops=sample.tool_limit_stops,
                 )
             )
         return RolloutGroup(uid=group.uid, prompt_index=item.index, samples=samples)

@@ -23,7 +23,8 @@ class RolloutSample:
     Multi-turn episodes: ``response_ids`` hold the model's turns and the environment's replies between
     them; ``policy_tokens`` counts the tokens the engine sampled (None: all of them), the replies' tokens
     have loss mask 0 and rollout log-prob 0.0; ``turns`` counts the model's turns, ``tool_calls`` its
-    calls, ``tool_errors`` and ``tool_timeouts`` the calls that failed.
+    calls, ``tool_errors`` and ``tool_timeouts`` the calls that failed, ``tool_limit_stops`` those a limit
+    of the tool stopped (the python tool's sandbox).
     """
 
     prompt_ids: list[int]
@@ -43,6 +44,7 @@ class RolloutSample:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    tool_limit_stops: int = 0
 
     @property
     def sampled_tokens(self) -> int:

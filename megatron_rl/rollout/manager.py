@@ -42,7 +42,7 @@ under deterministic inference (``rollout.deterministic_inference``); without it 
 not reproducible. The reference engine gets one seed per request and is reproducible either way.
 Metrics: ``rollout/groups_kept``, ``groups_dropped``, ``groups_aborted``,
 ``gen_batches``, ``samples``, ``reward_errors``, ``reward_timeouts``, ``tool_calls``, ``tool_errors``,
-``tool_timeouts``, ``engine_restarts``, ``seconds``. Rewards,
+``tool_timeouts``, ``tool_limit_stops``, ``engine_restarts``, ``seconds``. Rewards,
 accuracy and lengths of the kept samples are the trainer's ``train/...`` metrics (computed
 once, by the driver).
 """
@@ -262,6 +262,7 @@ def _metrics(selection: StepSelection, gen_batches: int, engine_restarts: int, s
         "rollout/tool_calls": float(counts.tool_calls),
         "rollout/tool_errors": float(counts.tool_errors),
         "rollout/tool_timeouts": float(counts.tool_timeouts),
+        "rollout/tool_limit_stops": float(counts.tool_limit_stops),
         "rollout/engine_restarts": float(engine_restarts),
         "rollout/seconds": seconds,
     }
@@ -396,6 +397,7 @@ class _Round:
             state.tool_calls += reply.tool is not None
             state.tool_errors += reply.failure == "error"
             state.tool_timeouts += reply.failure == "timeout"
+            state.tool_limit_stops += reply.failure == "limit"
             if len(state.output_ids) + len(reply.ids) >= self._max_response_length:
                 # No room for the model's next turn: the response ends at its budget, the reply left out
                 # (so every token trained on was fed to the engine and has its routing).

@@ -79,7 +79,8 @@ class PartialSample:
     environment appends: ``policy_mask`` is 1 for each token the engine sampled and 0 for an appended one
     (whose log-prob entry is 0.0), None while every token is sampled (fields added since keep their class
     defaults, so groups carried in older checkpoints load); ``turns`` counts the model's turns, ``turn_start`` is where the current
-    one began in ``output_ids``; ``tool_calls``, ``tool_errors`` and ``tool_timeouts`` count the replies.
+    one began in ``output_ids``; ``tool_calls``, ``tool_errors``, ``tool_timeouts`` and ``tool_limit_stops``
+    count the replies.
     """
 
     output_ids: list[int] = field(default_factory=list)
@@ -94,6 +95,7 @@ class PartialSample:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    tool_limit_stops: int = 0
 
     def extend(self, result: GenerateResult, *, capped: bool, max_response_length: int) -> None:
         """Append one request's answer; the response stays unfinished only when the window's cap

@@ -32,6 +32,8 @@ class SelectionCounts:
     """Of those, calls that were malformed, named no known tool, or whose tool raised or died."""
     tool_timeouts: int = 0
     """Of those, calls whose tool ran past ``rollout.tool_timeout_s``."""
+    tool_limit_stops: int = 0
+    """Of those, calls a limit of the tool stopped (the python tool's sandbox: CPU, wall time, memory, ...)."""
 
 
 class StepSelection:
@@ -130,6 +132,7 @@ class StepSelection:
             self.counts.tool_calls += sample.tool_calls
             self.counts.tool_errors += sample.tool_errors
             self.counts.tool_timeouts += sample.tool_timeouts
+            self.counts.tool_limit_stops += sample.tool_limit_stops
             if sample.reward_failure == "error":
                 self.counts.reward_errors += 1
             elif sample.reward_failure == "timeout":

@@ -132,11 +132,11 @@ class SyntheticToolEpisode(ToolEpisode):
         return f" {SYNTHETIC_TOOL_TOKEN} {output} <assistant>"
 
 
-def _failure(output: ToolOutput) -> Literal["error", "timeout"] | None:
-    """The reply's failure: a timeout, or an error (the tool raised, died, or does not exist)."""
-    if output.failure is None:
-        return None
-    return "timeout" if output.failure == "timeout" else "error"
+def _failure(output: ToolOutput) -> Literal["error", "timeout", "limit"] | None:
+    """The reply's failure: a timeout, a limit's stop, or an error (the tool raised, died, or does not exist)."""
+    if output.failure is None or output.failure in ("timeout", "limit"):
+        return output.failure
+    return "error"
 
 
 def _done(reply: EnvironmentReply) -> Future[EnvironmentReply]:

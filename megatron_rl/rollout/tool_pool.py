@@ -11,8 +11,10 @@ travels to the workers as the import path of its function, so a tool registered 
 A call never raises: its :class:`ToolOutput` is the tool's text, or, on a failure, a short message
 the model reads as the tool's output, with ``failure`` saying which: ``"error"`` (the tool raised,
 returned something other than a string, or killed its worker process), ``"timeout"`` (it ran past
-``timeout_s``: its worker is killed and a fresh one takes the next call) or ``"unknown_tool"`` (the
-model called a tool the pool does not have). Each failure is logged once, with the call and, for an
+``timeout_s``: its worker is killed and a fresh one takes the next call), ``"unknown_tool"`` (the
+model called a tool the pool does not have) or ``"limit"`` (one of the tool's own limits stopped the work,
+a :class:`~megatron_rl.tools.registry.LimitedOutput`: the text is the tool's, e.g. the python tool's output
+up to its sandbox's stop). Each failure is logged once, with the call and, for an
 error, the traceback.
 """
 
@@ -30,11 +32,11 @@ from typing import Any, Literal
 from megatron_rl.named_functions import import_path
 from megatron_rl.rollout.worker_processes import STARTUP_TIMEOUT_S, WorkerExit, WorkerProcess, WorkerSlot, stop_threads
 from megatron_rl.tools.calls import ToolCall
-from megatron_rl.tools.registry import get_tool, tool_call_name, tool_problem
+from megatron_rl.tools.registry import LimitedOutput, get_tool, tool_call_name, tool_problem
 
 logger = logging.getLogger(__name__)
 
-ToolFailure = Literal["error", "timeout", "unknown_tool"]
+ToolFailure = Literal["error", "timeout", "unknown_tool", "limit"]
 ToolJob = tuple[str, dict[str, Any], dict[str, Any]]
 """A call as a worker gets it: the tool's recipe entry, the arguments, the context."""
 ToolAnswer = tuple[str | None, str | None]
@@ -164,6 +166,8 @@ class ToolPool:
             last_line = failed.rpartition("\n")[2]  # the exception's type and message
             return self._failed(call, "error", f"error: {last_line}", failed)
         assert text is not None, "an answer holds the text or the failure"
+        if isinstance(text, LimitedOutput):  # the model reads the output as it is; the stop is counted
+            return self._failed(call, "limit", str(text), "a limit of the tool stopped the work")
         return ToolOutput(text)
 
     def _new_worker(self) -> WorkerProcess:

@@ -3,7 +3,8 @@
 Arguments: ``{"code": "<python source>"}``. The model reads what the code printed: its stdout; and
 its stderr too when it failed (a non-zero exit: an uncaught exception's traceback); and a last line
 ``[stopped: ...]`` when a limit stopped it (``SandboxLimits()``: the defaults). Code that fails is a
-normal output, not a failed call: the tool raises only for bad arguments (ValueError) and where the
+normal output, not a failed call (a limit's stop is counted apart: the text is a
+:class:`~megatron_rl.tools.registry.LimitedOutput`): the tool raises only for bad arguments (ValueError) and where the
 sandbox cannot be set up (SandboxUnavailableError); the tool pool then counts the call as failed.
 It runs nowhere else: the pool refuses to start it where :func:`~megatron_rl.tools.sandbox.sandbox_problem`
 reports a problem.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_rl.tools.registry import register_tool
+from megatron_rl.tools.registry import LimitedOutput, register_tool
 from megatron_rl.tools.sandbox import SandboxLimits, StopReason, run_sandboxed, sandbox_problem
 
 LIMITS = SandboxLimits()
@@ -40,4 +41,5 @@ def python(arguments: Mapping[str, Any], context: Mapping[str, Any]) -> str:
         parts.append(result.stderr)
     if result.stopped is not None:
         parts.append(f"[stopped: {_STOP_NOTES[result.stopped]}]\n")
-    return "".join(part if part.endswith("\n") or not part else part + "\n" for part in parts)
+    text = "".join(part if part.endswith("\n") or not part else part + "\n" for part in parts)
+    return text if result.stopped is None else LimitedOutput(text)

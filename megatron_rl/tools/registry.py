@@ -35,6 +35,13 @@ class ToolFn(Protocol):
     def __call__(self, arguments: Mapping[str, Any], context: Mapping[str, Any]) -> str: ...
 
 
+class LimitedOutput(str):
+    """A tool's text when one of its limits stopped the work (the python tool's sandbox): the model reads it as
+    the output, as any other; the call counts as stopped by a limit (``rollout/tool_limit_stops``)."""
+
+    __slots__ = ()
+
+
 class ToolContractError(TypeError):
     """A tool violates the contract; the message says which part and how to fix it."""
 

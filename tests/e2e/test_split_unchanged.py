@@ -179,6 +179,7 @@ ADDED_SINCE_BASE = {
     "rollout/tool_calls": 0.0,
     "rollout/tool_errors": 0.0,
     "rollout/tool_timeouts": 0.0,
+    "rollout/tool_limit_stops": 0.0,
 }
 """Metrics logged since :data:`BASE` (multi-turn episodes), with the value every single-turn step must have."""
 

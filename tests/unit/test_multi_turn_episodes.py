@@ -26,7 +26,7 @@ from tests.tiny_checkpoints import save_tiny_moe
 
 REWARD = "tests.rollout_rewards:first_token_parity"
 STOPS = tuple(range(10, 40))
-MAX_TURNS = 3
+MAX_TURNS = 4
 
 
 def _reply_ids(turns: int) -> list[int]:
@@ -48,7 +48,8 @@ class ReplyingEpisode(Episode):
         if turns >= MAX_TURNS or turn_ids[-1] not in STOPS:
             return None
         future: Future[EnvironmentReply] = Future()
-        future.set_result(EnvironmentReply(_reply_ids(turns), tool="echo", failure="error" if turns == 2 else None))
+        failure = {2: "limit", 3: "error"}.get(turns)
+        future.set_result(EnvironmentReply(_reply_ids(turns), tool="echo", failure=failure))
         return future
 
 
@@ -150,7 +151,7 @@ def test_trained_ids_are_the_engines_ids_turn_by_turn_and_replies_are_masked(mod
             assert sample.loss_mask == [int(kind == "engine") for kind, ids, _ in pieces for _ in ids]
             replies = sum(kind == "reply" for kind, *_ in pieces)
             assert sample.turns == replies + 1 and sample.tool_calls == replies
-            assert sample.tool_errors == (replies >= 2)
+            assert sample.tool_limit_stops == (replies >= 2) and sample.tool_errors == (replies >= 3)
             assert sample.policy_tokens == (None if not replies else sum(sample.loss_mask))
             assert sample.turns <= MAX_TURNS
             # Routing covers every token fed to the engine: the last request's prompt plus its answer.

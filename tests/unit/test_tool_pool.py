@@ -120,11 +120,12 @@ def test_an_import_path_tool_answers_to_its_full_entry_too(pool: ToolPool) -> No
         ("import socket\nsocket.create_connection(('1.1.1.1', 80))", "OSError: [Errno 101] Network is unreachable\n"),
     ],
 )
-def test_code_the_sandbox_stops_is_a_result_the_model_reads_not_a_failure(
+def test_code_the_sandbox_stops_is_a_result_the_model_reads_and_a_stop_is_counted(
     pool: ToolPool, code: str, expected: str
 ) -> None:
     output = _call(pool, "python", code=code)
-    assert output.failure is None and output.text.endswith(expected), output.text[-300:]
+    assert output.failure == ("limit" if "[stopped:" in expected else None), output
+    assert output.text.endswith(expected), output.text[-300:]
     assert _call(pool, "calculator", expression="1+1") == ToolOutput("2")
 
 
