@@ -155,7 +155,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     import shutil
 
     from megatron_rl.config.smoke import SMOKE_STEPS, generated_data_paths, smoke_recipe
-    from megatron_rl.data.synthetic_task import write_synthetic_dataset
+    from megatron_rl.data.synthetic_task import TOOL_TASKS, write_synthetic_dataset
     from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
     from megatron_rl.orchestration.driver import train
 
@@ -166,7 +166,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
         shutil.rmtree(f"runs/smoke-{cfg.name}", ignore_errors=True)
         generated = generated_data_paths(cfg)
         if generated is not None:
-            save_synthetic_tokenizer(generated.tokenizer_dir)
+            save_synthetic_tokenizer(generated.tokenizer_dir, tools=generated.task in TOOL_TASKS)
             write_synthetic_dataset(
                 Path(generated.train_file).parent, task=generated.task, prompt_format="chat", num_train=256, num_val=8
             )

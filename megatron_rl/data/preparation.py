@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from megatron_rl.config.schema import DataConfig
 from megatron_rl.data.parquet_dataset import PromptDataset, load_prompt_dataset
 from megatron_rl.data.rewards import RewardFn, check_reward_contract, get_reward
-from megatron_rl.data.synthetic_task import write_synthetic_dataset
+from megatron_rl.data.synthetic_task import TOOL_TASKS, write_synthetic_dataset
 from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
 
 
@@ -79,7 +79,7 @@ def prepare_data(
     work_dir = Path(work_dir)
     train_files, val_files = list(data.train_files), list(data.val_files)
     if data.synthetic is not None:
-        tokenizer_dir = save_synthetic_tokenizer(work_dir / "tokenizer")
+        tokenizer_dir = save_synthetic_tokenizer(work_dir / "tokenizer", tools=data.synthetic.task in TOOL_TASKS)
         files = write_synthetic_dataset(
             work_dir / "data",
             task=data.synthetic.task,

@@ -96,6 +96,8 @@ def _lookup(rng: random.Random) -> SyntheticExample:
 SYNTHETIC_TASKS: Mapping[str, Callable[[random.Random], SyntheticExample]] = MappingProxyType(
     {"successor": _successor, "max": _max_of_two, "lookup": _lookup}
 )
+TOOL_TASKS: frozenset[str] = frozenset({"lookup"})
+"""Tasks answered by a tool call: their tokenizer has the tool tokens (``build_synthetic_tokenizer(tools=True)``)."""
 SYNTHETIC_PROMPT_FORMATS: tuple[str, ...] = ("text", "chat")
 
 

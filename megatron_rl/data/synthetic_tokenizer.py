@@ -2,7 +2,7 @@
 
 Token ids are positions in ``SYNTHETIC_VOCAB`` and never change: checkpoints of the tiny model
 depend on them. A model trained on the synthetic tasks needs ``vocab_size >=
-SYNTHETIC_VOCAB_SIZE`` (21); padding the embedding beyond it is fine, the tokenizer never
+SYNTHETIC_VOCAB_SIZE`` (18; 21 for the ``lookup`` task's, :data:`TOOL_TASK_TOKENS` appended); padding the embedding beyond it is fine, the tokenizer never
 produces those ids.
 
 The tokenizer is a word-level model in the Hugging Face format: text is split on whitespace
@@ -50,11 +50,11 @@ SYNTHETIC_VOCAB: tuple[str, ...] = (
     *(str(digit) for digit in range(10)),
     "succ",
     "max",
-    "ask",
-    CALL_TOKEN,
-    TOOL_TOKEN,
 )
 SYNTHETIC_VOCAB_SIZE: int = len(SYNTHETIC_VOCAB)
+TOOL_TASK_TOKENS: tuple[str, ...] = ("ask", CALL_TOKEN, TOOL_TOKEN)
+"""The tool task's tokens, ids 18-20 of its tokenizer only: in the other tasks' tokenizer those ids stay unknown
+and decode to nothing, as they always have (a model samples them: adding them would change its rewards)."""
 PAD_TOKEN_ID: int = SYNTHETIC_VOCAB.index(PAD_TOKEN)
 EOS_TOKEN_ID: int = SYNTHETIC_VOCAB.index(EOS_TOKEN)
 BOS_TOKEN_ID: int = SYNTHETIC_VOCAB.index(BOS_TOKEN)
@@ -73,9 +73,11 @@ SYNTHETIC_CHAT_TEMPLATE = (
 )
 
 
-def build_synthetic_tokenizer() -> PreTrainedTokenizerFast:
-    """A fresh tokenizer with ``len(tokenizer) == SYNTHETIC_VOCAB_SIZE``, pad/eos/bos set and the chat template."""
-    model = models.WordLevel({token: index for index, token in enumerate(SYNTHETIC_VOCAB)}, unk_token=UNK_TOKEN)
+def build_synthetic_tokenizer(*, tools: bool = False) -> PreTrainedTokenizerFast:
+    """A fresh tokenizer with ``len(tokenizer) == SYNTHETIC_VOCAB_SIZE``, pad/eos/bos set and the chat template;
+    ``tools``: the ``lookup`` task's, with :data:`TOOL_TASK_TOKENS` after them."""
+    vocab = SYNTHETIC_VOCAB + TOOL_TASK_TOKENS if tools else SYNTHETIC_VOCAB
+    model = models.WordLevel({token: index for index, token in enumerate(vocab)}, unk_token=UNK_TOKEN)
     backend = Tokenizer(model)
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
@@ -88,14 +90,15 @@ def build_synthetic_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
-        additional_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN, CALL_TOKEN, TOOL_TOKEN],
+        additional_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN, *([CALL_TOKEN, TOOL_TOKEN] if tools else [])],
         chat_template=SYNTHETIC_CHAT_TEMPLATE,
     )
 
 
-def save_synthetic_tokenizer(directory: str | Path) -> Path:
-    """Write the tokenizer to ``directory`` (created if needed) for ``AutoTokenizer.from_pretrained``; return it."""
+def save_synthetic_tokenizer(directory: str | Path, *, tools: bool = False) -> Path:
+    """Write the tokenizer (``tools``: the ``lookup`` task's) to ``directory`` (created if needed) for
+    ``AutoTokenizer.from_pretrained``; return it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    build_synthetic_tokenizer().save_pretrained(directory)
+    build_synthetic_tokenizer(tools=tools).save_pretrained(directory)
     return directory

@@ -296,6 +296,7 @@ class _Round:
         self._all: list[Submission] = []
         self.restarts = 0
         # What one pass of :meth:`_generate` has in flight (reset by it).
+        self._submissions: dict[int, Submission] = {}
         self._windows: dict[int, WindowProgress] = {}
         self._generating: dict[Future[list[GenerateResult]], tuple[int, Request]] = {}
         self._replying: dict[Future[EnvironmentReply], tuple[int, int]] = {}
@@ -323,6 +324,7 @@ class _Round:
         (added to ``submissions``). Returns once every request has answered or failed and every reply and
         score is in; the positions with a request whose engine was gone are returned undecided."""
         self._windows, self._generating, self._replying, self._scoring, self._crashed = {}, {}, {}, {}, {}
+        self._submissions = submissions
         self._send(dict(submissions))
         while self._generating or self._replying or self._scoring:
             in_flight: list[Future[Any]] = [*self._generating, *self._replying, *self._scoring]
@@ -341,6 +343,8 @@ class _Round:
         return self._crashed
 
     def _send(self, batch: dict[int, Submission]) -> None:
+        """Send ``batch``'s windows; they join the pass's submissions (what a crash sends again)."""
+        self._submissions.update(batch)
         for position, sub in batch.items():
             self._windows[position] = sub.start()
             for request in sub.requests:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Literal
 
+from megatron_rl.data.synthetic_tokenizer import ASSISTANT_TOKEN, CALL_TOKEN, TOOL_TOKEN
 from megatron_rl.rollout.episodes import EnvironmentReply, Episode, EpisodeSetup, register_episode
 from megatron_rl.rollout.tool_pool import ToolOutput, ToolPool
 from megatron_rl.tools.calls import ToolCall, ToolCallError, parse_tool_call, render_tool_response
@@ -108,10 +109,6 @@ class HermesToolEpisode(ToolEpisode):
         return render_tool_response(output)
 
 
-SYNTHETIC_CALL_TOKEN = "<call>"
-SYNTHETIC_TOOL_TOKEN = "<tool>"
-
-
 @register_episode("synthetic_tool_calls")
 class SyntheticToolEpisode(ToolEpisode):
     """The synthetic tokenizer's one-token call of the recipe's one tool (see the module docstring)."""
@@ -121,7 +118,7 @@ class SyntheticToolEpisode(ToolEpisode):
             raise ValueError(
                 f"rollout.tools: the synthetic_tool_calls episode calls one tool; got {setup.rollout.tools}"
             )
-        super().__init__(setup, SYNTHETIC_CALL_TOKEN)
+        super().__init__(setup, CALL_TOKEN)
 
     def parse(self, turn_text: str) -> ToolCall | None:
         """The recipe's tool, without arguments (the turn ended at ``<call>``)."""
@@ -129,7 +126,7 @@ class SyntheticToolEpisode(ToolEpisode):
 
     def render(self, output: str) -> str:
         """``" <tool> {output} <assistant>"``: the synthetic chat template's tool message and next turn."""
-        return f" {SYNTHETIC_TOOL_TOKEN} {output} <assistant>"
+        return f" {TOOL_TOKEN} {output} {ASSISTANT_TOKEN}"
 
 
 def _failure(output: ToolOutput) -> Literal["error", "timeout", "limit"] | None:

@@ -2,8 +2,9 @@
 
 ``recipes/tiny_moe_cpu_dapo_tools.yaml`` (the synthetic ``lookup`` task: the answer is in a table the prompt
 never shows; the model's turn ends at ``<call>``, the table lookup's output is appended as tokens and the model
-answers in its next turn). Greedy validation accuracy starts at 0 and must reach 0.9 within the recipe's 200
-steps (measured: 0.97 at step 200, about 2.5 minutes on 2 cores; docs/algorithm-comparison.md). The fp32
+answers in its next turn). Greedy validation accuracy starts at 0 and must reach 0.9 within the recipe's 300
+steps (measured, seeds 1234, 1, 2: 0.97, 0.97, 1.00 at step 300, first at or above 0.9 at steps 200, 275, 225;
+docs/algorithm-comparison.md). The fp32
 trainer and the fp32 reference engine agree exactly on every sampled token (mismatch 0, as in the single-turn
 recipe), which holds only if every token trained on is the engine's own, at its own position, with its own
 log-prob, and the tool's tokens are left out.
@@ -26,9 +27,9 @@ def test_the_tiny_tool_recipe_learns_to_call_its_tool(tmp_path: Path) -> None:
     run_train(tmp_path, ["checkpoint.interval=0", "logging.sinks=[jsonl]"], RECIPE)
     records = read_metrics(tmp_path / RUN)
     accuracy = {int(r["step"]): r["val/accuracy"] for r in records if "val/accuracy" in r}
-    assert accuracy[0] <= 0.1 and accuracy[200] >= 0.9, accuracy
+    assert accuracy[0] <= 0.1 and accuracy[300] >= 0.9, accuracy
     steps = [r for r in records if "actor/mismatch_abs_max" in r]
-    assert len(steps) == 200 and all(r["actor/mismatch_abs_max"] == 0.0 for r in steps)
+    assert len(steps) == 300 and all(r["actor/mismatch_abs_max"] == 0.0 for r in steps)
     last = steps[-1]
     assert last["train/turns_mean"] > 1.9 and last["rollout/tool_calls"] > 0 and last["rollout/tool_errors"] == 0
     # The replies' tokens are in the responses but not among the tokens the policy sampled.

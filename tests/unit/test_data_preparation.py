@@ -36,7 +36,7 @@ def test_no_prompt_within_the_length_limit_is_an_error(tmp_path: Path) -> None:
 
 def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path: Path) -> None:
     cfg, _ = load_recipe(TINY)
-    with pytest.raises(ValueError, match="tokenizer has 21 tokens but the model's vocab_size is 10"):
+    with pytest.raises(ValueError, match="tokenizer has 18 tokens but the model's vocab_size is 10"):
         prepare_data(cfg.data, tokenizer_path=None, model_vocab_size=10, max_prompt_length=16, work_dir=tmp_path)
 
 

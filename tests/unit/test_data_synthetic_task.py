@@ -17,6 +17,7 @@ from megatron_rl.data import (
     SYNTHETIC_TASKS,
     SYNTHETIC_VOCAB,
     SYNTHETIC_VOCAB_SIZE,
+    build_synthetic_tokenizer,
     check_reward_contract,
     get_reward,
     load_prompt_dataset,
@@ -25,6 +26,7 @@ from megatron_rl.data import (
     synthetic_rows,
     write_synthetic_dataset,
 )
+from megatron_rl.data.synthetic_task import synthetic_lookup_answer
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +34,18 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return AutoTokenizer.from_pretrained(save_synthetic_tokenizer(tmp_path_factory.mktemp("tokenizer")))
 
 
-def answer_of(prompt: str) -> str:
+def answer_of(prompt: str, extra_info: dict[str, Any]) -> str:
     operator, *digits = prompt.split()
     values = [int(digit) for digit in digits]
+    if operator == "ask":  # the row's own table, which only the tool reads
+        lookup = extra_info["tools_kwargs"]["synthetic_lookup"]
+        assert lookup["key"] == values[0] and len(lookup["table"]) == 10
+        return lookup["table"][values[0]]
     return str((values[0] + 1) % 10) if operator == "succ" else str(max(values))
 
 
 def test_vocabulary_is_small_and_fixed() -> None:
-    assert SYNTHETIC_VOCAB_SIZE == len(SYNTHETIC_VOCAB) == 21
+    assert SYNTHETIC_VOCAB_SIZE == len(SYNTHETIC_VOCAB) == 18
     assert (PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID) == (0, 1, 2)
     assert SYNTHETIC_VOCAB[6:16] == tuple("0123456789")
 
@@ -73,9 +79,11 @@ def test_rows_are_seeded_and_answers_follow_the_task_rule(task: str) -> None:
     assert rows != synthetic_rows(task, 1000, seed=2, split="train")
     assert rows != synthetic_rows(task, 1000, seed=1, split="val")
     for row in rows:
-        assert row["reward_model"]["ground_truth"] == answer_of(row["prompt"])
+        assert row["reward_model"]["ground_truth"] == answer_of(row["prompt"], row["extra_info"])
         assert row["data_source"] == f"synthetic_{task}"
-    assert len({row["prompt"] for row in rows}) == (10 if task == "successor" else 100)
+    assert len({row["prompt"] for row in rows}) == (100 if task == "max" else 10)
+    if task == "lookup":  # the answers of one prompt differ from row to row: no prompt tells its answer
+        assert len({row["reward_model"]["ground_truth"] for row in rows if row["prompt"] == "ask 3"}) == 10
     chat = synthetic_rows(task, 1000, seed=1, split="train", prompt_format="chat")
     assert [row["prompt"] for row in chat] == [[{"role": "user", "content": row["prompt"]}] for row in rows]
 
@@ -133,9 +141,37 @@ def test_reward_requires_exactly_the_answer_then_eos(response: str, correct: boo
 
 def test_every_task_has_its_reward_registered_under_its_data_source() -> None:
     check_reward_contract(synthetic_exact)
+    check_reward_contract(synthetic_lookup_answer)
     for task in SYNTHETIC_TASKS:
         (row,) = synthetic_rows(task, 1, seed=0, split="train")
-        assert get_reward(row["data_source"]) is synthetic_exact
+        expected = synthetic_lookup_answer if task == "lookup" else synthetic_exact
+        assert get_reward(row["data_source"]) is expected
+
+
+@pytest.mark.parametrize(
+    ("response", "correct"),
+    [
+        ("<call> <tool> 4 <assistant> 4 <eos>", True),
+        ("<call> <tool> 4 <assistant> 4 <eos> <pad>", True),
+        ("<call> <tool> 4 <assistant> 5 <eos>", False),
+        ("4 <eos>", False),  # a guess, right or not, is no lookup
+        ("<call> <tool> 4 <assistant> 4", False),
+        ("<call> <tool> 4 <assistant> <call>", False),
+        ("<call> <tool> 4 <assistant> 4 4 <eos>", False),
+        ("<tool> 4 <assistant> 4 <eos>", False),
+        ("", False),
+    ],
+)
+def test_the_lookup_reward_takes_the_final_answer_only_after_a_lookup(response: str, correct: bool) -> None:
+    output = synthetic_lookup_answer(response, "4", {})
+    assert output.correct is correct and output.score == (1.0 if correct else -1.0)
+
+
+def test_the_tool_tokens_are_in_the_lookup_tokenizer_only() -> None:
+    plain, tools = build_synthetic_tokenizer(), build_synthetic_tokenizer(tools=True)
+    assert len(plain) == SYNTHETIC_VOCAB_SIZE and len(tools) == SYNTHETIC_VOCAB_SIZE + 3
+    assert tools.convert_ids_to_tokens([18, 19, 20]) == ["ask", "<call>", "<tool>"]
+    assert plain.decode([SYNTHETIC_VOCAB.index("4"), 19, EOS_TOKEN_ID]) == "4 <eos>"  # as it always decoded
 
 
 def test_unknown_task_or_format_lists_the_available_ones(tmp_path: Path) -> None:

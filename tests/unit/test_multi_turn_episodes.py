@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+from megatron_rl.rollout.engine import EngineUnavailableError
 from megatron_rl.rollout.episodes import EnvironmentReply, Episode
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult
@@ -54,14 +55,21 @@ class ReplyingEpisode(Episode):
 
 
 class RecordingEngine:
-    """Delegates to an engine and records each ``/generate`` request with its answers."""
+    """Delegates to an engine and records each ``/generate`` request with its answers; with ``crash_at_follow_up``,
+    the first request of a later turn fails as if the engine process were gone."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, *, crash_at_follow_up: bool = False) -> None:
         self._engine = engine
         self.calls: list[tuple[GenerateRequest, list[GenerateResult]]] = []
         self._lock = threading.Lock()
+        self.crash_pending = crash_at_follow_up
 
     def generate(self, request: GenerateRequest, **kwargs) -> list[GenerateResult]:
+        with self._lock:
+            crash = self.crash_pending and request.rid.count(".") == 3
+            self.crash_pending = self.crash_pending and not crash
+        if crash:
+            raise EngineUnavailableError("engine ref: /generate failed: the process is gone (test)")
         results = self._engine.generate(request, **kwargs)
         with self._lock:
             self.calls.append((request, results))
@@ -77,7 +85,7 @@ def model(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def _run(model, *, partial_tokens: int | None = None, steps: int = 1, seed: int = 7):
+def _run(model, *, partial_tokens: int | None = None, steps: int = 1, seed: int = 7, crash: bool = False):
     """``steps`` rollout steps of 3 prompts x 4 samples in ReplyingEpisode; the groups, the engine's calls, the episode."""
     rollout = RolloutConfig(
         engine="reference",
@@ -90,7 +98,13 @@ def _run(model, *, partial_tokens: int | None = None, steps: int = 1, seed: int 
     dataset = PromptDataset([PromptItem(i, [i + 1, 3, 5], "mixed", "test") for i in range(3)], 0)
     episode = ReplyingEpisode()
     with serving(ReferenceBackend(model), routed_experts_shape=(4, 2)) as http:
-        engine = RecordingEngine(http)
+        engine = RecordingEngine(http, crash_at_follow_up=crash)
+        recoveries: list[int] = []
+
+        def recover(failures):
+            recoveries.append(len(failures))
+            return [engine]
+
         manager = RolloutManager(
             [engine],
             dataset,
@@ -106,11 +120,13 @@ def _run(model, *, partial_tokens: int | None = None, steps: int = 1, seed: int 
             routing_replay=True,
             seed=seed,
             episode=episode,
+            recover=recover,
         )
         try:
             groups = [group for step in range(steps) for group in manager.generate_step(step + 1).groups]
         finally:
             manager.close()
+    assert recoveries == ([1] if crash else [])
     return groups, engine.calls, episode
 
 
@@ -188,3 +204,11 @@ def test_episodes_are_repeatable_and_span_partial_rollout_windows(model):
             pieces = _pieces(sample, calls, sample.prompt_ids)
             assert [t for _, ids, _ in pieces for t in ids] == sample.response_ids
             assert sample.loss_mask == [int(kind == "engine") for kind, ids, _ in pieces for _ in ids]
+
+
+def test_a_crash_in_a_later_turn_sends_the_window_again_and_keeps_the_groups_of_a_run_without_it(model):
+    expected, _, _ = _run(model)
+    groups, calls, _ = _run(model, crash=True)
+    assert [(g.uid, [(s.response_ids, s.loss_mask) for s in g.samples]) for g in groups] == [
+        (g.uid, [(s.response_ids, s.loss_mask) for s in g.samples]) for g in expected
+    ]

@@ -93,7 +93,7 @@ def test_turns_without_a_call_or_past_max_turns_end_the_episode_and_bad_calls_ge
 
 
 def test_the_synthetic_episode_reply_is_the_chat_template_rendering_of_the_tool_message():
-    tokenizer = build_synthetic_tokenizer()
+    tokenizer = build_synthetic_tokenizer(tools=True)
     rollout = RolloutConfig(episode="synthetic_tool_calls", tools=["synthetic_lookup"], max_turns=2, tool_num_workers=1)
     episode = build_episode(rollout, tokenizer)
     try:
