@@ -380,6 +380,14 @@ def _colocated_problems(
     return problems
 
 
+def _kv_cache_knobs(cfg: RunConfig) -> str:
+    """The knobs that give an engine more KV cache, less those the recipe has already turned all the way: a
+    larger rollout.tp only while the engine stays within its node, FP8 only when the rollouts are not FP8."""
+    rollout, per_node = cfg.rollout, cfg.cluster.gpus_per_node
+    knobs = "rollout.mem_fraction or rollout.tp" if 2 * rollout.tp * rollout.dp <= per_node else "rollout.mem_fraction"
+    return f"raise {knobs}" + (", or use rollout.quantization=fp8" if rollout.quantization != "fp8" else "")
+
+
 def _notes(cfg: RunConfig, engine: EnginePlan | None) -> list[str]:
     notes = []
     if engine is not None and engine.tokens_fit < engine.tokens_needed:
@@ -387,7 +395,7 @@ def _notes(cfg: RunConfig, engine: EnginePlan | None) -> list[str]:
         notes.append(
             f"KV cache holds {share:.0%} of an engine's share of one generation batch at full length "
             f"({engine.tokens_fit // engine.sequence_tokens} full-length sequences at once): SGLang queues the rest "
-            "(slower, not an error); raise rollout.mem_fraction or rollout.tp, or use rollout.quantization=fp8"
+            f"(slower, not an error); {_kv_cache_knobs(cfg)}"
         )
     if cfg.train.precision == "fp8":
         notes.append("fp8: Transformer Engine's cached FP8 weight copies are not counted")

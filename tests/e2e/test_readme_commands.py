@@ -31,6 +31,7 @@ RUN_HERE = [
     ".venv/bin/megatron-rl validate recipes/tiny_moe_cpu_dapo.yaml train.lr=1e-3 parallel.ep=3",
     ".venv/bin/megatron-rl plan recipes/qwen3_30b_a3b_dapo.yaml",
     ".venv/bin/megatron-rl plan recipes/qwen3_30b_a3b_dapo.yaml parallel.ep=2",
+    ".venv/bin/megatron-rl plan recipes/qwen3_235b_a22b_dapo.yaml",
     ".venv/bin/megatron-rl check-parity --hf checkpoints/my-qwen3-moe --tp 2 --ep 2 --etp 1",
     ".venv/bin/megatron-rl convert hf-to-mcore --hf checkpoints/my-qwen3-moe --out checkpoints/my-qwen3-moe-mcore "
     "--tp 2 --ep 2",

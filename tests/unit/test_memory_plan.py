@@ -22,7 +22,7 @@ from megatron_rl.plan.memory import (
     sync_staging,
 )
 from megatron_rl.plan.param_count import ParamCount, engine_gpu_weights, model_params, stage_params
-from tests.hf_configs import QWEN3_30B_A3B
+from tests.hf_configs import QWEN3_30B_A3B, QWEN3_235B_A22B_CONFIG_FILE
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen3_30b_a3b_dapo.yaml"
 ARCH_30B = parse_hf_config(QWEN3_30B_A3B)
@@ -188,3 +188,25 @@ def test_the_tensor_sync_holds_two_buffers_a_bucket_and_the_largest_tensor_twice
         update={"weight_sync": tensor_cfg.weight_sync.model_copy(update={"bucket_size_mb": 1024})}
     )
     assert sync_staging(large, ARCH_30B)[0].nbytes == 4 * 1024 * 2**20  # buffers follow the bucket when larger
+
+
+def test_plan_235b_recipe_fits_on_16_nodes_and_names_only_the_kv_knobs_left(
+    tmp_path: Path, qwen3_30b_overrides: list[str], capsys
+) -> None:
+    recipe = RECIPE.parent / "qwen3_235b_a22b_dapo.yaml"
+    overrides = [f"model.path={tmp_path / 'Qwen3-235B-A22B'}", f"model.config_fallback={QWEN3_235B_A22B_CONFIG_FILE}"]
+    assert main(["plan", str(recipe), *overrides]) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "235.09B parameters (dense 8.00B, expert 227.10B), 94 layers (94 MoE)",  # Qwen's card: 235B in total
+        "trainer: 128 ranks = tp 4 x pp 1 x vpp 1 x cp 1 x dp 32; experts etp 1 x ep 64 x edp 2",
+        "engines: 16 x sglang tp 8 ep 8 dp 1 (8 GPUs each), colocated, fp8 GEMM weights",
+        "KV bytes per token per GPU          48,128 = 2 (K,V) x 94 layers x 1 KV head(s) x 128 x 2 B",
+        "FITS",
+    ):
+        assert line in out, line
+    # The engine already spans its node (tp 8) and serves FP8: only mem_fraction is left to raise.
+    assert "SGLang queues the rest (slower, not an error); raise rollout.mem_fraction\n" in out
+    # The 30B recipe (tp 4 engines, bf16) still gets all three knobs.
+    assert main(["plan", str(RECIPE), *qwen3_30b_overrides]) == 0
+    assert "raise rollout.mem_fraction or rollout.tp, or use rollout.quantization=fp8" in capsys.readouterr().out
