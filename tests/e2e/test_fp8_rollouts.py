@@ -24,7 +24,8 @@ def _mismatch(records: list[dict[str, float]]) -> list[float]:
 
 def test_fp8_rollouts_learn_with_their_mismatch_logged(tmp_path: Path) -> None:
     """80 steps (about 5 minutes on 2 cores); greedy validation before, at 40 and at 80. The fp32 trainer and an
-    fp32 engine agree exactly (mismatch 0), so every non-zero mismatch here is FP8's."""
+    fp32 engine agree to fp32 rounding (mean mismatch at most 2e-7 on the default run), so what FP8 adds is
+    the mismatch here, from 1e-3 up."""
     stdout = run_train(tmp_path, [*FP8, "train.steps=80", "train.val_interval=40", "checkpoint.interval=0"])
     assert "# FP8 rollouts: converting" in stdout and (tmp_path / RUN / "rollout_fp8" / "config.json").is_file()
     records = read_metrics(tmp_path / RUN)
