@@ -94,10 +94,7 @@ class GroupAssembler:
                     version_segments=list(sample.version_segments),
                     policy_tokens=None if sample.policy_mask is None else sum(sample.policy_mask),
                     turns=sample.turns,
-                    tool_calls=sample.tool_calls,
-                    tool_errors=sample.tool_errors,
-                    tool_timeouts=sample.tool_timeouts,
-                    tool_limit_stops=sample.tool_limit_stops,
+                    tools=sample.tools,
                 )
             )
         return RolloutGroup(uid=group.uid, prompt_index=item.index, samples=samples)

@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class ToolCounts:
+    """Tool calls and how many failed: ``errors`` (malformed, an unknown tool, a tool that raised or died),
+    ``timeouts`` (past ``rollout.tool_timeout_s``), ``limit_stops`` (a limit of the tool stopped the work: the
+    python tool's sandbox). Counts add up with ``+`` (a step's over its responses)."""
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    limit_stops: int = 0
+
+    def after(self, tool: str | None, failure: str | None) -> ToolCounts:
+        """These counts and one environment reply: a call of ``tool`` (None: no tool ran) that met ``failure``
+        (``error``, ``timeout``, ``limit`` or None)."""
+        return self + ToolCounts(tool is not None, failure == "error", failure == "timeout", failure == "limit")
+
+    def __add__(self, other: ToolCounts) -> ToolCounts:
+        return ToolCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
 
 
 @dataclass
@@ -22,9 +43,7 @@ class RolloutSample:
 
     Multi-turn episodes: ``response_ids`` hold the model's turns and the environment's replies between
     them; ``policy_tokens`` counts the tokens the engine sampled (None: all of them), the replies' tokens
-    have loss mask 0 and rollout log-prob 0.0; ``turns`` counts the model's turns, ``tool_calls`` its
-    calls, ``tool_errors`` and ``tool_timeouts`` the calls that failed, ``tool_limit_stops`` those a limit
-    of the tool stopped (the python tool's sandbox).
+    have loss mask 0 and rollout log-prob 0.0; ``turns`` counts the model's turns, ``tools`` its tool calls.
     """
 
     prompt_ids: list[int]
@@ -41,10 +60,7 @@ class RolloutSample:
     version_segments: list[tuple[str | None, int]] = field(default_factory=list)
     policy_tokens: int | None = None
     turns: int = 1
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_timeouts: int = 0
-    tool_limit_stops: int = 0
+    tools: ToolCounts = ToolCounts()
 
     @property
     def sampled_tokens(self) -> int:

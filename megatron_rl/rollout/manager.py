@@ -259,10 +259,10 @@ def _metrics(selection: StepSelection, gen_batches: int, engine_restarts: int, s
         "rollout/samples": float(counts.samples),
         "rollout/reward_errors": float(counts.reward_errors),
         "rollout/reward_timeouts": float(counts.reward_timeouts),
-        "rollout/tool_calls": float(counts.tool_calls),
-        "rollout/tool_errors": float(counts.tool_errors),
-        "rollout/tool_timeouts": float(counts.tool_timeouts),
-        "rollout/tool_limit_stops": float(counts.tool_limit_stops),
+        "rollout/tool_calls": float(counts.tools.calls),
+        "rollout/tool_errors": float(counts.tools.errors),
+        "rollout/tool_timeouts": float(counts.tools.timeouts),
+        "rollout/tool_limit_stops": float(counts.tools.limit_stops),
         "rollout/engine_restarts": float(engine_restarts),
         "rollout/seconds": seconds,
     }
@@ -398,10 +398,7 @@ class _Round:
         reply = future.result()
         if not self._abandoned(position) and not window.aborted:
             state = window.samples[sample]
-            state.tool_calls += reply.tool is not None
-            state.tool_errors += reply.failure == "error"
-            state.tool_timeouts += reply.failure == "timeout"
-            state.tool_limit_stops += reply.failure == "limit"
+            state.tools = state.tools.after(reply.tool, reply.failure)
             if len(state.output_ids) + len(reply.ids) >= self._max_response_length:
                 # No room for the model's next turn: the response ends at its budget, the reply left out
                 # (so every token trained on was fed to the engine and has its routing).

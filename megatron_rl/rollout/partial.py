@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_rl.rollout.groups import weight_version_number
+from megatron_rl.rollout.groups import ToolCounts, weight_version_number
 from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 if TYPE_CHECKING:
@@ -79,8 +79,7 @@ class PartialSample:
     environment appends: ``policy_mask`` is 1 for each token the engine sampled and 0 for an appended one
     (whose log-prob entry is 0.0), None while every token is sampled (fields added since keep their class
     defaults, so groups carried in older checkpoints load); ``turns`` counts the model's turns, ``turn_start`` is where the current
-    one began in ``output_ids``; ``tool_calls``, ``tool_errors``, ``tool_timeouts`` and ``tool_limit_stops``
-    count the replies.
+    one began in ``output_ids``; ``tools`` counts the replies' tool calls.
     """
 
     output_ids: list[int] = field(default_factory=list)
@@ -92,10 +91,7 @@ class PartialSample:
     policy_mask: list[int] | None = None
     turns: int = 1
     turn_start: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    tool_timeouts: int = 0
-    tool_limit_stops: int = 0
+    tools: ToolCounts = ToolCounts()
 
     def extend(self, result: GenerateResult, *, capped: bool, max_response_length: int) -> None:
         """Append one request's answer; the response stays unfinished only when the window's cap

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.rollout.groups import RolloutGroup
+from megatron_rl.rollout.groups import RolloutGroup, ToolCounts
 from megatron_rl.rollout.partial import PartialGroup
 
 
@@ -26,14 +26,8 @@ class SelectionCounts:
     """Responses of settled groups whose reward raised (or killed its worker)."""
     reward_timeouts: int = 0
     """Responses of settled groups whose reward ran past its timeout."""
-    tool_calls: int = 0
-    """Tool calls the responses of settled groups made (multi-turn episodes)."""
-    tool_errors: int = 0
-    """Of those, calls that were malformed, named no known tool, or whose tool raised or died."""
-    tool_timeouts: int = 0
-    """Of those, calls whose tool ran past ``rollout.tool_timeout_s``."""
-    tool_limit_stops: int = 0
-    """Of those, calls a limit of the tool stopped (the python tool's sandbox: CPU, wall time, memory, ...)."""
+    tools: ToolCounts = ToolCounts()
+    """The tool calls the responses of settled groups made (multi-turn episodes), and their failures."""
 
 
 class StepSelection:
@@ -129,10 +123,7 @@ class StepSelection:
         """Count a settled group's responses, their tool calls and their reward failures."""
         self.counts.samples += len(group.samples)
         for sample in group.samples:
-            self.counts.tool_calls += sample.tool_calls
-            self.counts.tool_errors += sample.tool_errors
-            self.counts.tool_timeouts += sample.tool_timeouts
-            self.counts.tool_limit_stops += sample.tool_limit_stops
+            self.counts.tools += sample.tools
             if sample.reward_failure == "error":
                 self.counts.reward_errors += 1
             elif sample.reward_failure == "timeout":

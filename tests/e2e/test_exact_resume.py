@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.e2e.tiny_runs import (
+    PARTIAL_ROLLOUTS,
     RECIPE,
     ROOT,
     megatron_contents,
@@ -39,13 +40,6 @@ from tests.e2e.tiny_runs import (
 )
 
 ASYNC_RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_async.yaml"
-PARTIAL = [
-    "rollout.partial_rollout_tokens=4",
-    "rollout.partial_rollout_max_windows=3",
-    "algorithm.preset=custom",
-    "algorithm.dynamic_sampling.metric=score",
-    "algorithm.dynamic_sampling.gen_batch_prompts=8",
-]
 TOOLS = [
     "rollout.episode=synthetic_tool_calls",
     "rollout.tools=[synthetic_lookup]",
@@ -57,8 +51,8 @@ TOOLS = [
 RECIPES = {
     "sync": (RECIPE, Path("runs") / "tiny-moe-cpu-dapo", []),
     "async": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", []),
-    "async-partial": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL),
-    "async-partial-tools": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL + TOOLS),
+    "async-partial": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL_ROLLOUTS),
+    "async-partial-tools": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL_ROLLOUTS + TOOLS),
 }
 
 OVERRIDES = [

@@ -40,7 +40,15 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from tests.e2e.tiny_runs import ROOT, full_tensors, read_metrics, run_env, run_train, without_wall_clock
+from tests.e2e.tiny_runs import (
+    PARTIAL_ROLLOUTS,
+    ROOT,
+    full_tensors,
+    read_metrics,
+    run_env,
+    run_train,
+    without_wall_clock,
+)
 
 BASE = "4ffb843afd5d773cf31b0712aee42598488a1daf"
 """The commit the rollout manager split was made from (main before issue 28)."""
@@ -54,17 +62,14 @@ OVERRIDES = [
     "checkpoint.interval=3",
     "logging.sinks=[jsonl]",
 ]
-PARTIAL = [
-    "rollout.partial_rollout_tokens=4",
-    "rollout.partial_rollout_max_windows=3",
-    "algorithm.preset=custom",
-    "algorithm.dynamic_sampling.metric=score",
-    "algorithm.dynamic_sampling.gen_batch_prompts=8",
-]
 
 CASES = {
     "sync": ("tiny_moe_cpu_dapo.yaml", Path("runs") / "tiny-moe-cpu-dapo", OVERRIDES),
-    "async-partial": ("tiny_moe_cpu_dapo_async.yaml", Path("runs") / "tiny-moe-cpu-dapo-async", OVERRIDES + PARTIAL),
+    "async-partial": (
+        "tiny_moe_cpu_dapo_async.yaml",
+        Path("runs") / "tiny-moe-cpu-dapo-async",
+        OVERRIDES + PARTIAL_ROLLOUTS,
+    ),
 }
 """Each case: its recipe (in ``recipes/`` of the tree that runs it), its run directory, its overrides."""
 

@@ -26,6 +26,15 @@ TWO_STEPS = [
     "checkpoint.interval=0",
 ]
 """Overrides for a short run of the tiny recipe: 2 steps of 4 groups, validated before and after, no checkpoint."""
+PARTIAL_ROLLOUTS = [
+    "rollout.partial_rollout_tokens=4",
+    "rollout.partial_rollout_max_windows=3",
+    "algorithm.preset=custom",
+    "algorithm.dynamic_sampling.metric=score",
+    "algorithm.dynamic_sampling.gen_batch_prompts=8",
+]
+"""Partial rollouts on the tiny recipe: 4-token windows over its 12-token responses, at most 3; dynamic sampling on
+score variance, so steps fill and groups still generating are carried to the next step."""
 
 
 def train_command(overrides: list[str], recipe: Path = RECIPE) -> list[str]:

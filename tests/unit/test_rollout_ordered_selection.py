@@ -6,22 +6,22 @@ import dataclasses
 import itertools
 
 from megatron_rl.data import PromptItem
-from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
+from megatron_rl.rollout.groups import RolloutGroup, RolloutSample, ToolCounts
 from megatron_rl.rollout.partial import PartialGroup, PartialSample
 from megatron_rl.rollout.step_selection import StepSelection
 
 SIGNAL = [False, True, False, True, True, False, True, True]  # position -> the group has signal
 FAILURES = {1: ["error"], 2: ["timeout", "error"], 6: ["timeout"]}  # position -> its responses' reward failures
-TOOL_FAILURES = {0: "tool_errors", 1: "tool_limit_stops", 2: "tool_timeouts"}  # position -> what each response's
+TOOL_FAILURES = {0: "errors", 1: "limit_stops", 2: "timeouts"}  # position -> what each response's
 # second tool call met (every response makes two calls)
 NEEDED = 3
 
 
 def _samples(position: int) -> list[RolloutSample]:
     failures = FAILURES.get(position, [])
-    tools = {"tool_calls": 2} | ({TOOL_FAILURES[position]: 1} if position in TOOL_FAILURES else {})
+    tools = ToolCounts(calls=2, **({TOOL_FAILURES[position]: 1} if position in TOOL_FAILURES else {}))
     return [
-        RolloutSample([1], [2], [0.0], "stop", -1.0, False, 0.0, [1], None, reward_failure=failure, **tools)
+        RolloutSample([1], [2], [0.0], "stop", -1.0, False, 0.0, [1], None, reward_failure=failure, tools=tools)
         for failure in [*failures, *[None] * (4 - len(failures))]
     ]
 
@@ -76,10 +76,7 @@ def test_every_completion_order_keeps_the_same_groups_and_counts() -> None:
     # Positions 0 and 2 were dropped (their 8 responses counted with the kept 12); 5..7 are surplus,
     # so the reward failure at position 6 is not counted.
     assert counts == {"aborted": 3, "dropped": 2, "samples": 20, "reward_errors": 2, "reward_timeouts": 1} | {
-        "tool_calls": 40,
-        "tool_errors": 4,
-        "tool_timeouts": 4,
-        "tool_limit_stops": 4,
+        "tools": {"calls": 40, "errors": 4, "timeouts": 4, "limit_stops": 4},
     }
 
 
@@ -87,10 +84,7 @@ def test_a_request_the_engine_aborted_before_the_cutoff_counts_as_aborted() -> N
     kept, counts = _select(tuple(reversed(range(8))), aborted_by_engine=frozenset({3}))
     assert kept == ["g1", "g4", "g6"]
     assert counts == {"aborted": 2, "dropped": 3, "samples": 24, "reward_errors": 2, "reward_timeouts": 2} | {
-        "tool_calls": 48,
-        "tool_errors": 4,
-        "tool_timeouts": 4,
-        "tool_limit_stops": 4,
+        "tools": {"calls": 48, "errors": 4, "timeouts": 4, "limit_stops": 4},
     }
 
 
@@ -102,10 +96,7 @@ def test_carried_groups_keep_their_order_whatever_the_completion_order() -> None
     assert unfinished == ["g1", "g4"]  # 6 and 7 are past the cutoff: new prompts, aborted
     # Position 1 is carried: its responses' tool calls are counted when its group settles in a later round.
     assert counts == {"aborted": 2, "dropped": 1, "samples": 16, "reward_errors": 1, "reward_timeouts": 1} | {
-        "tool_calls": 32,
-        "tool_errors": 4,
-        "tool_timeouts": 4,
-        "tool_limit_stops": 0,
+        "tools": {"calls": 32, "errors": 4, "timeouts": 4, "limit_stops": 0},
     }
 
 
