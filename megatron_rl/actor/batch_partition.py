@@ -12,7 +12,8 @@ schedule:
    ``variable_seq_lengths`` need one shape per schedule call; padding rows
    carry no loss token. ``S`` is a multiple of ``seq_multiple``
    (``packing.padded_sequence_multiple``: the TP size for sequence parallelism,
-   times the FP8 token alignment when training in FP8).
+   times the FP8 token alignment when training in FP8, times ``2 * cp`` with
+   context parallelism).
 
 :func:`local_micro_batches` does both for the actor.
 """
@@ -70,11 +71,16 @@ def local_micro_batches(
     """This DP rank's rows ``local`` as (plan, padded micro-batches), steps 1 and 2 above.
 
     The count and the padded shape are agreed over the data-parallel group; the length is a
-    multiple of the TP size times the FP8 token alignment (``fp8_recipe``, None without FP8).
+    multiple of the TP size times the FP8 token alignment (``fp8_recipe``, None without FP8),
+    times ``2 * cp`` with context parallelism.
     """
     dp_group = parallel_state.get_data_parallel_group()
     plan = plan_micro_batches(local.lengths.tolist(), max_tokens_per_micro_batch, dp_group)
-    multiple = padded_sequence_multiple(tp=parallel_state.get_tensor_model_parallel_world_size(), fp8_recipe=fp8_recipe)
+    multiple = padded_sequence_multiple(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        fp8_recipe=fp8_recipe,
+        cp=parallel_state.get_context_parallel_world_size(),
+    )
     return plan, padded_micro_batches(local, plan, dp_group, seq_multiple=multiple)
 
 

@@ -10,10 +10,11 @@ the loss of the whole step and the gradient does not depend on the split.
 
 Megatron contract: with ``calculate_per_token_loss`` the schedule sums the
 returned losses and ``finalize_model_grads`` divides the gradients by the
-returned token counts summed over micro-batches and DP. :func:`megatron_loss`
+returned token counts summed over micro-batches and DP (x CP). :func:`megatron_loss`
 therefore returns ``(share * N_tok, local tokens)``: the division gives back
 exactly the share's gradient (the schedule's loss function adds Megatron's third
-item, the log dict).
+item, the log dict). Under context parallelism every CP rank holds whole rows'
+log-probs (gathered), so the loss and its metrics are computed as without CP.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megatron_rl.algorithms import (
     kl_estimate,
 )
 from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.parallel.context_parallel import split_sequence
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,16 @@ def _token_mean(values_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
     return selected.sum() / mask_BS.sum().clamp(min=1)
 
 
-def megatron_loss(loss: torch.Tensor, micro_batch: ActorBatch, counts: StepCounts) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss * N_tok, local token count)`` for Megatron's per-token-loss path (see the module docstring)."""
-    local_tokens = micro_batch.response_mask.sum().to(torch.int)
-    return loss * counts.num_tokens.clamp(min=1).to(loss.dtype), local_tokens
+def megatron_loss(
+    loss: torch.Tensor, micro_batch: ActorBatch, counts: StepCounts, cp_group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss * N_tok, local token count)`` for Megatron's per-token-loss path (see the module docstring).
+
+    With context parallelism every CP rank computes the whole rows' loss, and its backward reaches
+    the model through this rank's positions only; Megatron sums the token counts over DP x CP, so
+    each CP rank counts the loss tokens at its own positions (together: the micro-batch's).
+    """
+    mask_BS = micro_batch.response_mask
+    if cp_group is not None and cp_group.size() > 1:
+        mask_BS = split_sequence(mask_BS, 1, cp_group)
+    return loss * counts.num_tokens.clamp(min=1).to(loss.dtype), mask_BS.sum().to(torch.int)

@@ -27,8 +27,9 @@ Padding rule (Megatron + TE, context parallelism off):
 * FP8 GEMMs need each TP rank's token count aligned (16; 32 for mxfp8; 128
   for blockwise), so T is a multiple of ``alignment * tp`` (with SP);
 * context parallelism would need every segment padded to ``2 * cp * tp`` and
-  split into ``2 * cp`` load-balanced chunks; the actor does not split
-  sequences for CP, so ``cp > 1`` is refused.
+  split into ``2 * cp`` load-balanced chunks per segment; the actor does not
+  pack under CP: it runs the padded layout, whose rows CP splits whole
+  (:func:`select_packing`).
 
 The packed stream only exists inside the forward step: log-probs and entropies
 computed on it are unpacked (:func:`unpack_predictions`) to the padded
@@ -65,13 +66,13 @@ def packing_rule(*, tp: int, cp: int, sequence_parallel: bool, fp8_recipe: str |
     """The padding rule of the module docstring for these parallel sizes and FP8 recipe (None: no FP8).
 
     Raises:
-        NotImplementedError: ``cp > 1``.
+        NotImplementedError: ``cp > 1`` (:func:`select_packing` pads rows under context parallelism).
     """
     if cp > 1:
         raise NotImplementedError(
-            f"packed sequences with context parallelism (parallel.cp={cp}) would need every sequence padded to "
-            f"2*cp*tp={2 * cp * tp} tokens and split into 2*cp chunks; the actor does not split sequences for "
-            "context parallelism: use parallel.cp=1"
+            f"packed sequences with context parallelism (cp={cp}) would need every sequence padded to "
+            f"2*cp*tp={2 * cp * tp} tokens and split into 2*cp chunks each; context parallelism runs padded rows "
+            "(select_packing)"
         )
     sequence_multiple = tp if sequence_parallel else 1
     alignment = FP8_TOKEN_ALIGNMENT[fp8_recipe] if fp8_recipe is not None else 1
@@ -91,28 +92,28 @@ def select_packing(
     """The single choice between packed and padded micro-batches: a rule to pack with, or None to pad.
 
     Packs iff the recipe allows it (``train.pack_sequences``), the model runs
-    on CUDA and uses the Transformer Engine layer spec: Megatron's local
-    ``DotProductAttention`` asserts ``packed_seq_params is None`` ("Packed
-    sequence is not supported by DotProductAttention."). A pure function of
+    on CUDA and uses the Transformer Engine layer spec (Megatron's local
+    ``DotProductAttention`` asserts ``packed_seq_params is None``: "Packed
+    sequence is not supported by DotProductAttention."), and there is no
+    context parallelism (CP splits padded rows into load-balanced chunks;
+    Transformer Engine's CP attention takes them as BSHD). A pure function of
     its arguments.
-
-    Raises:
-        NotImplementedError: packing with ``cp > 1`` (see :func:`packing_rule`).
     """
-    if not (pack_sequences and cuda and transformer_engine_spec):
+    if not (pack_sequences and cuda and transformer_engine_spec) or cp > 1:
         return None
     return packing_rule(tp=tp, cp=cp, sequence_parallel=sequence_parallel, fp8_recipe=fp8_recipe)
 
 
-def padded_sequence_multiple(*, tp: int, fp8_recipe: str | None) -> int:
+def padded_sequence_multiple(*, tp: int, fp8_recipe: str | None, cp: int = 1) -> int:
     """The multiple ``S`` of padded ``[rows, S]`` micro-batches is rounded up to (the path without packing).
 
     ``tp`` (sequence parallelism splits every row's tokens over the TP ranks), times the FP8
     token alignment of ``fp8_recipe`` (None: no FP8), so that each TP rank's token rows, ``rows x
     S / tp``, meet Transformer Engine's FP8 GEMM alignment (16; 32 for mxfp8; 128 for blockwise)
-    whatever the row count.
+    whatever the row count; times ``2 * cp`` with context parallelism (each CP rank holds two of
+    the row's ``2 * cp`` equal chunks, and its share is split over TP again).
     """
-    return tp * (FP8_TOKEN_ALIGNMENT[fp8_recipe] if fp8_recipe is not None else 1)
+    return tp * (FP8_TOKEN_ALIGNMENT[fp8_recipe] if fp8_recipe is not None else 1) * (2 * cp if cp > 1 else 1)
 
 
 def _round_up(value: int, multiple: int) -> int:

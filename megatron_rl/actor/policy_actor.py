@@ -77,7 +77,7 @@ class PolicyActor:
     Raises:
         ValueError: ``temperature`` is not a finite number > 0 (greedy
             decoding samples from no distribution whose log-probs could be trained on).
-        RuntimeError: the parallel state is not initialised.
+        RuntimeError: the parallel state is not initialised, or at other sizes than ``parallel``.
     """
 
     def __init__(
@@ -96,6 +96,17 @@ class PolicyActor:
             raise ValueError(f"temperature must be a finite number > 0 to train on sampled rollouts; got {temperature}")
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("call initialize_parallel(parallel_sizes(parallel)) before building a PolicyActor")
+        initialized = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        if initialized != (parallel.tp, parallel.pp, parallel.cp, parallel.ep):
+            raise RuntimeError(
+                f"the parallel state was initialised at (tp, pp, cp, ep) = {initialized}, the actor is asked for "
+                f"{(parallel.tp, parallel.pp, parallel.cp, parallel.ep)}: initialize_parallel(parallel_sizes(parallel))"
+            )
         self.arch = parse_hf_config(hf_config)
         self._algorithm = algorithm
         te_problem, dtype = transformer_engine_problem(), params_dtype(train)

@@ -9,8 +9,10 @@ each one its slice of the batch's ``routed_experts`` [B, S, L, K]:
 
 * layer: the router's global layer number (1-based) selects ``[:, :, number - 1]``;
 * tokens: Megatron's router sees hidden states [S_local, B] flattened
-  sequence-major; with sequence parallelism TP rank r holds positions
-  ``[r * S / tp, (r + 1) * S / tp)``. The slice is laid out the same way.
+  sequence-major; with context parallelism a CP rank holds its load-balanced
+  share of the row (``parallel.context_parallel``), of which, with sequence
+  parallelism, TP rank r holds positions ``[r * S_cp / tp, (r + 1) * S_cp / tp)``.
+  The slice is laid out the same way.
   A packed micro-batch is the stream [1, T] (``packing``): the experts are
   packed like the tokens (pad tokens get experts ``0..K-1``) and sliced along T.
 
@@ -38,6 +40,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.packing import PackedLayout, pack_tokens
+from megatron_rl.parallel.context_parallel import split_sequence
 
 
 class RoutingReplay:
@@ -103,6 +106,9 @@ class RoutingReplay:
         return self._by_chunk[id(chunk)]
 
     def _local_positions(self, experts_BSLK: torch.Tensor) -> torch.Tensor:
+        cp_group = parallel_state.get_context_parallel_group()
+        if cp_group.size() > 1:
+            experts_BSLK = split_sequence(experts_BSLK, 1, cp_group)
         if not self._sequence_parallel:
             return experts_BSLK
         tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -15,7 +15,9 @@ Two input layouts, chosen once by :func:`~megatron_rl.actor.packing.select_packi
 
 * padded (``options.packing=None``): the micro-batch's ``[B, S]`` ids, positions
   0..S-1 for every row, causal attention (right padding never influences the
-  positions before it); all micro-batches share one ``[B, S]`` shape;
+  positions before it); all micro-batches share one ``[B, S]`` shape; with
+  context parallelism each CP rank runs its load-balanced ``[B, S / cp]`` share
+  (``parallel.context_parallel``) and the log-probs are gathered into whole rows;
 * packed (a :class:`~megatron_rl.actor.packing.PackingRule`): each
   micro-batch becomes one ``[1, T]`` THD stream with ``PackedSeqParams``
   (Transformer Engine attention only), T the same for all micro-batches of
@@ -46,6 +48,7 @@ from megatron_rl.actor.packing import (
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.token_logprobs import TokenLogProbs, packed_token_log_probs, token_log_probs
 from megatron_rl.models.forward import run_pipeline_schedule
+from megatron_rl.parallel.context_parallel import split_sequence
 
 # loss_fn(micro_batch, its token log-probs and entropies [B, S]) -> Megatron's loss_func result.
 LossFn = Callable[[ActorBatch, TokenLogProbs], Any]
@@ -66,6 +69,12 @@ def _model_inputs(micro_batches: Sequence[ActorBatch], packing: PackingRule | No
     first = micro_batches[0].input_ids
     if packing is None:
         positions = torch.arange(first.shape[1], device=first.device).expand(first.shape[0], -1)
+        cp_group = parallel_state.get_context_parallel_group()
+        if cp_group.size() > 1:
+            return [
+                _ModelInput(mb, split_sequence(mb.input_ids, 1, cp_group), split_sequence(positions, 1, cp_group))
+                for mb in micro_batches
+            ]
         return [_ModelInput(mb, mb.input_ids, positions) for mb in micro_batches]
     layouts = plan_micro_batch_packing([mb.lengths.tolist() for mb in micro_batches], first.shape[1], packing)
     return [
@@ -124,6 +133,7 @@ def run_schedule(
     replay = options.replay
     inputs = _model_inputs(micro_batches, options.packing)
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    cp_group = parallel_state.get_context_parallel_group()
 
     def forward_step(
         data_iterator: Iterator[_ModelInput], model: torch.nn.Module
@@ -139,11 +149,12 @@ def run_schedule(
             if item.layout is None:
                 current = token_log_probs(
                     output,
-                    item.input_ids,
+                    item.micro_batch.input_ids,
                     options.vocab_size,
                     tp_group,
                     temperature=options.temperature,
                     chunk_tokens=options.chunk_tokens,
+                    cp_group=cp_group,
                 )
             else:
                 current = packed_token_log_probs(
@@ -161,7 +172,8 @@ def run_schedule(
 
     for model in models:
         model.eval() if forward_only else model.train()
-    batch_size, seq_length = inputs[0].input_ids.shape
+    batch_size, local_length = inputs[0].input_ids.shape
+    seq_length = local_length * cp_group.size()  # Megatron sizes pipeline messages from whole rows; it divides by cp
     with replay.replaying() if replay is not None else contextlib.nullcontext():
         return run_pipeline_schedule(
             models, forward_step, inputs, micro_batch_size=batch_size, seq_length=seq_length, forward_only=forward_only

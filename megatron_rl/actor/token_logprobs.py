@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.packing import PackedLayout, unpack_predictions
+from megatron_rl.parallel.context_parallel import gather_sequence, split_sequence
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
@@ -40,19 +41,32 @@ def token_log_probs(
     *,
     temperature: float,
     chunk_tokens: int = 0,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> TokenLogProbs:
     """From padded logits [B, S, V/tp] of ``input_ids_BS``; ``group``: the TP group holding the slices.
 
     Positions t >= a row's length hold values computed on pad tokens (mask them).
+    With context parallelism (``cp_group`` of size > 1) the logits are this CP rank's
+    [B, S / cp, V/tp] (its load-balanced positions) of the whole rows ``input_ids_BS``, and
+    the result is the whole rows' [B, S], the same on every CP rank; the gradient of a loss
+    that every CP rank computes alike on those rows flows back through each rank's own
+    positions (``gather_sequence(grads="own")``).
     """
+    next_tokens_BS = _next_tokens(input_ids_BS)
+    cp = cp_group if cp_group is not None and cp_group.size() > 1 else None
+    if cp is not None:
+        next_tokens_BS = split_sequence(next_tokens_BS, 1, cp)
     log_probs_BS, entropy_BS = vocab_parallel_logprobs_entropy(
         logits_BSV,
-        _next_tokens(input_ids_BS),
+        next_tokens_BS,
         vocab_size=vocab_size,
         group=group,
         temperature=temperature,
         chunk_tokens=chunk_tokens,
     )
+    if cp is not None:
+        log_probs_BS = gather_sequence(log_probs_BS, 1, cp, grads="own")
+        entropy_BS = gather_sequence(entropy_BS, 1, cp, grads="own")
     first_BS = log_probs_BS.new_zeros((log_probs_BS.shape[0], 1))
     return TokenLogProbs(
         torch.cat([first_BS, log_probs_BS[:, :-1]], dim=1), torch.cat([first_BS, entropy_BS[:, :-1]], dim=1)

@@ -76,9 +76,9 @@ def update_on_mini_batch(context: StepContext, local: ActorBatch) -> dict[str, f
 
     def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs) -> tuple[torch.Tensor, torch.Tensor, dict]:
         loss, shares, means = actor_loss(current, micro_batch, counts, context.algorithm, context.norm_constant)
-        scaled_loss, local_tokens = megatron_loss(loss, micro_batch, counts)
-        accumulator.add(shares, means, local_tokens)
-        return scaled_loss, local_tokens, {}
+        scaled_loss, own_tokens = megatron_loss(loss, micro_batch, counts, parallel_state.get_context_parallel_group())
+        accumulator.add(shares, means, micro_batch.response_mask.sum())
+        return scaled_loss, own_tokens, {}
 
     for model in context.models:
         model.zero_grad_buffer()

@@ -76,12 +76,6 @@ def _check_attention_vs_tp(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[F
             f"{cfg.parallel.sequence_parallel}: the trainer runs sequence parallelism exactly when tp > 1 "
             f"(tp is {tp}); set it to {str(tp > 1).lower()}",
         )
-    if cfg.parallel.cp > 1:
-        yield _error(
-            "parallel.cp",
-            f"{cfg.parallel.cp}: context parallelism is not supported (the actor does not split sequences over CP "
-            "ranks, and seq-mean losses need whole rows on a rank); use parallel.cp=1",
-        )
 
 
 def _check_expert_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:

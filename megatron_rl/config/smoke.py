@@ -9,7 +9,7 @@ PPO epochs, placement and weight-sync transport, and every kind of parallelism i
 - model: the same architecture at toy width (hidden 64, 4 heads over 2 KV heads, the same
   layer kinds: dense layers stay dense, MoE layers MoE), experts reduced to 4 (or 2 x ep),
   top-k kept where it fits (at most half the experts), enough layers for pp x vpp;
-- layout: tp, pp, vpp, ep, etp each kept at 2 when the recipe uses them (tp > 1 with
+- layout: tp, pp, vpp, cp, ep, etp each kept at 2 when the recipe uses them (tp > 1 with
   sequence parallelism), data parallelism 2 when the recipe has it and the ranks stay <= 4;
 - hardware: CPU ranks, one reference engine instead of SGLang, fp32 training instead of bf16 / fp8 (FP8
   rollouts stay, at a block the toy model's projections fill);
@@ -84,6 +84,7 @@ class _Layout(TypedDict):
     tp: int
     pp: int
     vpp: int | None
+    cp: int
     ep: int
     etp: int | None
     world: int
@@ -94,15 +95,16 @@ def _shrunk_layout(cfg: RunConfig) -> _Layout:
     tp = 2 if par.tp > 1 else 1
     pp = 2 if par.pp > 1 else 1
     vpp = 2 if par.vpp is not None else None
+    cp = 2 if par.cp > 1 else 1
     ep = 2 if par.ep > 1 else 1
     etp = None if par.etp is None else (2 if par.etp > 1 else 1)
-    model_parallel = tp * pp
+    model_parallel = tp * pp * cp
     expert_parallel = (tp if etp is None else etp) * ep * pp
     had_dp = trainer_layout(par, cfg.cluster, cfg.rollout).dp > 1
     world = model_parallel * (2 if had_dp and model_parallel * 2 <= MAX_CPU_RANKS else 1)
     while world % expert_parallel:
         world *= 2
-    return {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp, "world": world}
+    return {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "world": world}
 
 
 TOY_FP8_BLOCK = (32, 32)
@@ -189,6 +191,7 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
         Change("parallel.sequence_parallel", layout["tp"] > 1, "with tp > 1"),
         Change("parallel.pp", layout["pp"], "kept if used"),
         Change("parallel.vpp", layout["vpp"], "kept if used"),
+        Change("parallel.cp", layout["cp"], "kept if used"),
         Change("parallel.ep", layout["ep"], "kept if used"),
         Change("parallel.etp", layout["etp"], "kept if used"),
         Change("rollout.engine", "reference", "the fast CPU engine (SGLang on CPU is slower; see tests/sglang)"),

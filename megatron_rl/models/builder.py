@@ -23,20 +23,23 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size, parse_hf_config
+from megatron_rl.models.context_parallel_attention import AllGatherContextAttention
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.norm import RMSNorm
 from megatron_rl.parallel.device import select_device, transformer_engine_usable
 from megatron_rl.parallel.distributed import ParallelSizes
 
 
-def _with_local_norms(layer_spec: ModuleSpec) -> ModuleSpec:
+def _local_layer(layer_spec: ModuleSpec, context_parallel: bool) -> ModuleSpec:
     attention = layer_spec.submodules.self_attention
-    qk_norms = {
+    replaced: dict[str, Any] = {
         name: RMSNorm
         for name in ("q_layernorm", "k_layernorm")
         if getattr(attention.submodules, name) is not IdentityOp
     }
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **qk_norms))
+    if context_parallel:
+        replaced["core_attention"] = AllGatherContextAttention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **replaced))
     submodules = dataclasses.replace(
         layer_spec.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attention
     )
@@ -50,7 +53,8 @@ def build_block_spec(
 
     Dense and MoE layers follow ``config.moe_layer_freq``. The local spec's
     norms are all :class:`RMSNorm` (Megatron's torch-norm wrapper rejects
-    sequence parallelism).
+    sequence parallelism); with context parallelism its core attention is
+    :class:`AllGatherContextAttention` (Megatron's local attention has no CP).
     """
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm", vp_stage=vp_stage
@@ -58,7 +62,8 @@ def build_block_spec(
     if use_transformer_engine:
         return block
     return TransformerBlockSubmodules(
-        layer_specs=[_with_local_norms(spec) for spec in block.layer_specs], layer_norm=RMSNorm
+        layer_specs=[_local_layer(spec, config.context_parallel_size > 1) for spec in block.layer_specs],
+        layer_norm=RMSNorm,
     )
 
 

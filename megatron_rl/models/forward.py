@@ -10,6 +10,9 @@ Every micro-batch must have the same shape ``[B, S]`` (CPU runs use fixed
 sequence lengths per call), and with sequence parallelism ``S`` must be a
 multiple of the TP size. Attention is causal; right padding is harmless to
 the positions before it (padded positions' outputs are garbage, mask them).
+With context parallelism each CP rank runs its load-balanced share of every
+row (``S`` a multiple of ``2 * cp``, times the TP size with sequence
+parallelism) and the logits are gathered back into whole rows.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_rl.parallel.context_parallel import gather_sequence, split_sequence
 
 
 def _forward_step(
@@ -64,18 +69,21 @@ def forward_logits(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[to
     """Vocab-parallel logits of each micro-batch ``[B, S]`` (last pipeline stage only).
 
     With virtual pipeline parallelism Megatron needs at least ``pp``
-    micro-batches. Context parallelism is not supported here yet (the
-    sequence would have to be split across CP ranks): NotImplementedError.
+    micro-batches. With context parallelism every CP rank returns the whole rows' logits.
     """
-    if parallel_state.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("forward_logits does not split sequences for context parallelism (cp > 1)")
     batch_size, seq_length = micro_batches[0].shape
     if any(tuple(mb.shape) != (batch_size, seq_length) for mb in micro_batches):
         raise ValueError("all micro-batches must have the same [batch, sequence] shape")
     position_ids = torch.arange(seq_length, device=micro_batches[0].device).expand(batch_size, -1)
+    cp_group = parallel_state.get_context_parallel_group()
+    context_parallel = cp_group.size() > 1
+    if context_parallel:
+        position_ids = split_sequence(position_ids, 1, cp_group)
+        micro_batches = [split_sequence(mb, 1, cp_group) for mb in micro_batches]
     batches = [{"input_ids": mb, "position_ids": position_ids} for mb in micro_batches]
     for chunk in chunks:
         chunk.eval()
-    return run_pipeline_schedule(
+    logits = run_pipeline_schedule(
         chunks, _forward_step, batches, micro_batch_size=batch_size, seq_length=seq_length, forward_only=True
     )
+    return [gather_sequence(part, 1, cp_group, grads="own") for part in logits] if context_parallel else logits

@@ -14,9 +14,11 @@ applies exactly these patches, process-wide and idempotently:
    thread-local: autograd backward and worker threads run without it, hence
    (1)), rewrites every CUDA device argument (``"cuda"``, ``"cuda:N"``,
    ``torch.device("cuda")``, an int ordinal) to ``"cpu"`` in torch calls, and
-   makes ``Tensor.cuda()`` return the tensor unchanged. This covers the
-   ``device="cuda"`` literals (pipeline schedules' token counters, the MoE
-   dispatcher's budget flag) and ``.to(torch.cuda.current_device())``. It
+   makes ``Tensor.cuda()`` return the tensor unchanged and ``pin_memory=True``
+   a plain allocation. This covers the ``device="cuda"`` literals (pipeline
+   schedules' token counters, the MoE dispatcher's budget flag), the RoPE
+   table's context-parallel slice (a pinned index moved with ``.cuda()``)
+   and ``.to(torch.cuda.current_device())``. It
    also makes ``Tensor.type()`` (no argument) name CPU tensors as CUDA ones
    (``torch.cuda.FloatTensor``): Megatron's optimizers and gradient clipping
    select fp32 / fp16 parameter groups by comparing these strings.
@@ -101,6 +103,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return _cuda_type_name(func(*args))
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinning needs a CUDA driver
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

@@ -21,7 +21,10 @@ Estimated (labelled so in the report):
   counted as the tensors saved for backward (Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models", adapted to Qwen3: GQA, SwiGLU, q/k norms, no
   dropout, flash attention so no ``s^2`` term), in activation-dtype elements per token, divided
-  by ``t = tp`` (sequence parallelism is on whenever tp > 1, :mod:`megatron_rl.models.megatron_config`):
+  by ``t = tp`` (sequence parallelism is on whenever tp > 1, :mod:`megatron_rl.models.megatron_config`);
+  with context parallelism a rank holds ``T / cp`` of the micro-batch's tokens (its load-balanced
+  share of every row; Transformer Engine's ring attention keeps no other rank's keys and values
+  for backward):
 
   - attention: ``3h + 3(a + g)d`` (two norm inputs and the QKV input; q/k-norm inputs; q, k, v
     and output kept by flash attention);
@@ -36,7 +39,7 @@ Estimated (labelled so in the report):
     chunks Megatron's interleaved warm-up ``2 (pp - p - 1) + (vpp - 1) pp + 1`` chunk
     micro-batches (``pp (1 + (pp - 1)/(pp vpp))`` stages' worth on stage 0); an upper
     bound when a step has fewer micro-batches.
-- log-prob working set on the last stage: logits ``[T, V_padded / tp]`` in the activation dtype
+- log-prob working set on the last stage: logits ``[T / cp, V_padded / tp]`` in the activation dtype
   plus :data:`LOGPROB_WORKSPACE_BYTES` per element of one chunk of ``train.logprob_chunk_tokens``
   tokens (fp32 copy, the max-shifted and exp tensors, the entropy terms of
   ``parallel/vocab_parallel.py``; 21.1 measured on CPU at the forward peak, the same with and
@@ -151,7 +154,7 @@ def stage_layers(arch: QwenArchitecture, parallel: ParallelConfig, pp_rank: int)
 
 def activation_bytes(arch: QwenArchitecture, parallel: ParallelConfig, train: TrainConfig, pp_rank: int) -> float:
     """Estimated activation bytes stage ``pp_rank`` holds at its peak (module docstring)."""
-    tokens, width = train.max_tokens_per_micro_batch, activation_dtype_bytes(train)
+    tokens, width = train.max_tokens_per_micro_batch / parallel.cp, activation_dtype_bytes(train)
     per_layer = [
         layer_activation_elements(arch, layer, parallel) * tokens * width
         for layer in stage_layers(arch, parallel, pp_rank)
@@ -167,10 +170,11 @@ def logprob_bytes(arch: QwenArchitecture, parallel: ParallelConfig, train: Train
     """Estimated log-prob working set of the last stage, bytes: the logits and one chunk's softmax workspace.
 
     ``T x V_padded/tp x dtype`` for the logits plus ``min(T, chunk) x V_padded/tp x workspace``
-    (``train.logprob_chunk_tokens``; 0: the whole micro-batch), T the micro-batch token budget.
+    (``train.logprob_chunk_tokens``; 0: the whole micro-batch), T the micro-batch token budget
+    divided by ``cp`` (a CP rank's share of the rows).
     """
     local_vocab = padded_vocab_size(arch.vocab_size, parallel.tp) // parallel.tp
-    tokens = train.max_tokens_per_micro_batch
+    tokens = math.ceil(train.max_tokens_per_micro_batch / parallel.cp)
     chunk = min(tokens, train.logprob_chunk_tokens or tokens)
     return local_vocab * (tokens * activation_dtype_bytes(train) + chunk * LOGPROB_WORKSPACE_BYTES)
 
@@ -399,8 +403,6 @@ def _notes(cfg: RunConfig, engine: EnginePlan | None) -> list[str]:
         )
     if cfg.train.precision == "fp8":
         notes.append("fp8: Transformer Engine's cached FP8 weight copies are not counted")
-    if cfg.parallel.cp > 1:
-        notes.append("cp > 1: activations are not divided by cp here (context parallelism is not supported yet)")
     return notes
 
 

@@ -1,8 +1,8 @@
 """One training step gives the same parameters however the batch is split (DESIGN.md section 3).
 
 The same batch is trained one step (``train_step``, each DP rank on its shard, two PPO epochs)
-at (DP1, one micro-batch), (DP2 with EP2, three micro-batches per rank) and (TP2 x PP2, two
-micro-batches), for each loss aggregation mode; the exported Hugging Face weights must agree to
+at (DP1, one micro-batch), (DP2 with EP2, three micro-batches per rank), (TP2 x PP2, two
+micro-batches), (CP2 x DP2 with EP2, three) and (TP2 x CP2, two), for each loss aggregation mode; the exported Hugging Face weights must agree to
 fp32 tolerance. The same runs check the actor's log-probs and entropies against transformers,
 and that the step's reported metrics agree across splits.
 """
@@ -38,6 +38,8 @@ SPLITS = {
     "dp1-mb1": (ParallelSizes(), 1, 256, 1),
     "dp2-ep2-mb3": (ParallelSizes(ep=2), 2, 24, 3),
     "tp2-pp2-mb2": (ParallelSizes(tp=2, pp=2), 4, 60, 2),
+    "cp2-dp2-ep2-mb3": (ParallelSizes(cp=2, ep=2), 4, 24, 3),
+    "tp2-cp2-mb2": (ParallelSizes(tp=2, cp=2), 4, 60, 2),
 }
 
 

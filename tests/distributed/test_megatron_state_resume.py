@@ -183,6 +183,16 @@ def test_resume_moving_expert_parallel_between_1_and_2_keeps_the_optimizer_state
     _assert_resumed_like_straight(straight, resumed)
 
 
+def test_resume_from_context_parallel_2_to_1_keeps_the_optimizer_state(setup, tmp_path: Path) -> None:
+    """CP shards no parameter, but the distributed optimizer shards its state over DP x CP: CP2 x DP1 -> DP2."""
+    hf_dir, batch = setup
+    original, resaved = tmp_path / "original", tmp_path / "resaved"
+    straight = _all_ranks(run_distributed(_train_save_train, 2, ParallelSizes(cp=2, ep=2), hf_dir, original, batch))
+    resumed = _all_ranks(run_distributed(_load_train, 2, ParallelSizes(ep=2), hf_dir, original, batch, resaved))
+    _assert_same_optimizer_state(original, resaved, tmp_path)
+    _assert_resumed_like_straight(straight, resumed)
+
+
 def test_loading_a_checkpoint_without_training_state_names_the_missing_part(setup, tmp_path: Path) -> None:
     hf_dir, _ = setup
     with pytest.raises(Exception, match="holds no Megatron training state"):

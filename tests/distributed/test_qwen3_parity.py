@@ -49,6 +49,8 @@ LAYOUTS = [
     pytest.param(ParallelSizes(tp=2, pp=2, ep=2, etp=1), 4, id="tp2-pp2-ep2-etp1"),
     pytest.param(ParallelSizes(tp=2, ep=2, etp=2), 4, id="tp2-pp1-ep2-etp2"),
     pytest.param(ParallelSizes(tp=2, pp=2, vpp=2), 4, id="tp2-pp2-vpp2-ep1-etp1"),
+    pytest.param(ParallelSizes(cp=2), 2, id="cp2"),
+    pytest.param(ParallelSizes(tp=2, cp=2, ep=2), 4, id="tp2-cp2-ep2-etp2"),
 ]
 
 

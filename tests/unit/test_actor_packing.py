@@ -78,8 +78,8 @@ def test_padded_fp8_micro_batches_give_every_tp_rank_aligned_token_rows(tp, reci
             assert seq_length >= 11 and seq_length % tp == 0 and (rows * seq_length // tp) % alignment == 0
 
 
-def test_context_parallel_packing_is_refused_naming_the_field():
-    with pytest.raises(NotImplementedError, match=r"parallel.cp=2.*2\*cp\*tp=8.*use parallel.cp=1"):
+def test_no_packing_rule_splits_sequences_for_context_parallelism():
+    with pytest.raises(NotImplementedError, match=r"cp=2.*2\*cp\*tp=8.*padded rows"):
         packing_rule(tp=2, cp=2, sequence_parallel=True, fp8_recipe=None)
 
 
@@ -97,12 +97,18 @@ def test_selection_packs_only_with_recipe_cuda_and_te(pack, cuda, te):
     assert rule == (PackingRule(2, 2) if pack and cuda and te else None)
 
 
-def test_selection_on_this_cpu_box_pads_even_with_cp():
-    assert not torch.cuda.is_available()
+def test_context_parallelism_pads_rows_on_cpu_and_with_transformer_engine():
     args = dict(tp=2, cp=2, sequence_parallel=True, fp8_recipe=None)
     assert select_packing(pack_sequences=True, cuda=False, transformer_engine_spec=False, **args) is None
-    with pytest.raises(NotImplementedError):
-        select_packing(pack_sequences=True, cuda=True, transformer_engine_spec=True, **args)
+    assert select_packing(pack_sequences=True, cuda=True, transformer_engine_spec=True, **args) is None
+
+
+@pytest.mark.parametrize(("tp", "cp", "recipe"), [(1, 2, None), (2, 2, None), (2, 4, "blockwise"), (4, 1, "mxfp8")])
+def test_padded_rows_split_into_cp_chunks_that_tp_splits_again(tp, cp, recipe):
+    """S is a multiple of 2*cp (two chunks per CP rank) and each CP share S/cp of tp x FP8 alignment."""
+    multiple = padded_sequence_multiple(tp=tp, fp8_recipe=recipe, cp=cp)
+    alignment = FP8_TOKEN_ALIGNMENT[recipe] if recipe else 1
+    assert multiple % (2 * cp if cp > 1 else 1) == 0 and (multiple // cp) % (tp * alignment) == 0
 
 
 def test_local_attention_cannot_run_thd():

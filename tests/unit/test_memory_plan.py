@@ -12,9 +12,11 @@ from megatron_rl.config.hf_config import parse_hf_config
 from megatron_rl.config.schema import ParallelConfig, RolloutConfig, TrainConfig
 from megatron_rl.plan.memory import (
     GIB,
+    activation_bytes,
     engine_plan,
     largest_gathered_bytes,
     layer_activation_elements,
+    logprob_bytes,
     micro_batches_in_flight,
     optimizer_state_bytes,
     plan_memory,
@@ -74,6 +76,15 @@ def test_activation_elements_by_hand() -> None:
     moe = 2 * 32 + 2 * 4 + 2 * (2 * 32 + 3 * 16)  # router; 2 routed copies: expert in/out, SwiGLU
     assert layer_activation_elements(TINY_MOE, 0, ParallelConfig()) == attention + moe
     assert layer_activation_elements(TINY_MOE, 0, ParallelConfig(tp=2, etp=1)) == (attention + moe) / 2
+
+
+def test_a_context_parallel_rank_holds_its_share_of_the_activations_and_logits() -> None:
+    """Each CP rank holds T / cp tokens of every micro-batch: activations and logits divide by cp, state does not."""
+    train = TrainConfig(steps=1, prompts_per_step=1, max_tokens_per_micro_batch=4096, logprob_chunk_tokens=0)
+    single = ParallelConfig(tp=2, etp=1, sequence_parallel=True)
+    split = ParallelConfig(tp=2, cp=4, etp=1, sequence_parallel=True)
+    assert activation_bytes(TINY_MOE, split, train, 0) == activation_bytes(TINY_MOE, single, train, 0) / 4
+    assert logprob_bytes(TINY_MOE, split, train) == logprob_bytes(TINY_MOE, single, train) / 4
 
 
 def test_micro_batches_in_flight() -> None:
@@ -199,7 +210,7 @@ def test_plan_235b_recipe_fits_on_16_nodes_and_names_only_the_kv_knobs_left(
     out = capsys.readouterr().out
     for line in (
         "235.09B parameters (dense 8.00B, expert 227.10B), 94 layers (94 MoE)",  # Qwen's card: 235B in total
-        "trainer: 128 ranks = tp 4 x pp 1 x vpp 1 x cp 1 x dp 32; experts etp 1 x ep 64 x edp 2",
+        "trainer: 128 ranks = tp 4 x pp 1 x vpp 1 x cp 2 x dp 16; experts etp 1 x ep 64 x edp 2",
         "engines: 16 x sglang tp 8 ep 8 dp 1 (8 GPUs each), colocated, fp8 GEMM weights",
         "KV bytes per token per GPU          48,128 = 2 (K,V) x 94 layers x 1 KV head(s) x 128 x 2 B",
         "FITS",

@@ -55,3 +55,10 @@ def test_pipeline_and_virtual_stages_are_kept() -> None:
 def test_a_recipe_with_its_data_here_keeps_it() -> None:
     cfg, smoke, changed = _smoke("tiny_moe_cpu_dapo.yaml", [])
     assert smoke.data.synthetic == cfg.data.synthetic and "data.synthetic" not in changed
+
+
+def test_context_parallelism_is_kept_beside_tensor_and_expert_parallelism(qwen3_30b_overrides: list[str]) -> None:
+    cfg, smoke, _ = _smoke("qwen3_30b_a3b_dapo_long.yaml", qwen3_30b_overrides)
+    assert cfg.parallel.cp == 4
+    par = smoke.parallel
+    assert (par.tp, par.cp, par.ep, par.pp, smoke.cluster.cpu_trainer_ranks) == (2, 2, 2, 1, 4)
