@@ -35,7 +35,6 @@ from megatron_rl.algorithms import (
     kl_estimate,
 )
 from megatron_rl.config.schema import AlgorithmConfig
-from megatron_rl.parallel.context_parallel import split_sequence
 
 
 @dataclass(frozen=True)
@@ -162,10 +161,10 @@ def megatron_loss(
     """``(loss * N_tok, local token count)`` for Megatron's per-token-loss path (see the module docstring).
 
     With context parallelism every CP rank computes the whole rows' loss, and its backward reaches
-    the model through this rank's positions only; Megatron sums the token counts over DP x CP, so
-    each CP rank counts the loss tokens at its own positions (together: the micro-batch's).
+    the model through this rank's positions only. Megatron only uses the token counts summed over
+    DP x CP, so CP rank 0 counts the micro-batch's tokens and the other CP ranks 0.
     """
-    mask_BS = micro_batch.response_mask
-    if cp_group is not None and cp_group.size() > 1:
-        mask_BS = split_sequence(mask_BS, 1, cp_group)
-    return loss * counts.num_tokens.clamp(min=1).to(loss.dtype), mask_BS.sum().to(torch.int)
+    tokens = micro_batch.response_mask.sum().to(torch.int)
+    if cp_group is not None and cp_group.rank() > 0:
+        tokens = torch.zeros_like(tokens)
+    return loss * counts.num_tokens.clamp(min=1).to(loss.dtype), tokens

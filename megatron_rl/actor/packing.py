@@ -16,20 +16,21 @@ RoPE positions restart at 0 at every boundary (Megatron's
 sees exactly what it sees in the padded layout: its own row's prefix at
 positions ``0..t``. Pad tokens after a row's valid tokens are never attended
 to by them. The same tensor serves as ``cu_seqlens_q`` and ``cu_seqlens_kv``;
-the ``*_padded`` variants stay unset (no padding *between* what TE treats as
-sequences), as slime and NeMo-RL do for non-CP packing.
+without context parallelism the ``*_padded`` variants stay unset (no padding
+*between* what TE treats as sequences), as slime and NeMo-RL do for non-CP packing.
 
-Padding rule (Megatron + TE, context parallelism off):
+Padding rule (Megatron + TE):
 
 * with sequence parallelism the stream is split into ``tp`` equal chunks
   along T, so every segment is padded to a multiple of ``tp`` (NeMo-RL's
   rule; it also makes T a multiple of ``tp``);
 * FP8 GEMMs need each TP rank's token count aligned (16; 32 for mxfp8; 128
   for blockwise), so T is a multiple of ``alignment * tp`` (with SP);
-* context parallelism would need every segment padded to ``2 * cp * tp`` and
-  split into ``2 * cp`` load-balanced chunks per segment; the actor does not
-  pack under CP: it runs the padded layout, whose rows CP splits whole
-  (:func:`select_packing`).
+* with context parallelism every segment is padded to a multiple of
+  ``2 * cp`` (times ``tp`` with sequence parallelism) and each CP rank runs
+  its load-balanced chunks of every segment (``parallel.context_parallel``,
+  Transformer Engine's ``thd_get_partitioned_indices``); ``cu_seqlens`` then
+  also serve as the ``*_padded`` boundaries TE's CP attention splits by.
 
 The packed stream only exists inside the forward step: log-probs and entropies
 computed on it are unpacked (:func:`unpack_predictions`) to the padded
@@ -38,6 +39,7 @@ computed on it are unpacked (:func:`unpack_predictions`) to the padded
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -65,18 +67,13 @@ class PackingRule:
 def packing_rule(*, tp: int, cp: int, sequence_parallel: bool, fp8_recipe: str | None) -> PackingRule:
     """The padding rule of the module docstring for these parallel sizes and FP8 recipe (None: no FP8).
 
-    Raises:
-        NotImplementedError: ``cp > 1`` (:func:`select_packing` pads rows under context parallelism).
+    T is a multiple of the segment multiple and of ``cp * tp * alignment`` (with sequence
+    parallelism), so that every TP rank of every CP rank gets FP8-aligned token rows.
     """
-    if cp > 1:
-        raise NotImplementedError(
-            f"packed sequences with context parallelism (cp={cp}) would need every sequence padded to "
-            f"2*cp*tp={2 * cp * tp} tokens and split into 2*cp chunks each; context parallelism runs padded rows "
-            "(select_packing)"
-        )
-    sequence_multiple = tp if sequence_parallel else 1
+    split = tp if sequence_parallel else 1
+    sequence_multiple = split * (2 * cp if cp > 1 else 1)
     alignment = FP8_TOKEN_ALIGNMENT[fp8_recipe] if fp8_recipe is not None else 1
-    return PackingRule(sequence_multiple=sequence_multiple, total_multiple=sequence_multiple * alignment)
+    return PackingRule(sequence_multiple, math.lcm(sequence_multiple, split * cp * alignment))
 
 
 def select_packing(
@@ -92,14 +89,12 @@ def select_packing(
     """The single choice between packed and padded micro-batches: a rule to pack with, or None to pad.
 
     Packs iff the recipe allows it (``train.pack_sequences``), the model runs
-    on CUDA and uses the Transformer Engine layer spec (Megatron's local
-    ``DotProductAttention`` asserts ``packed_seq_params is None``: "Packed
-    sequence is not supported by DotProductAttention."), and there is no
-    context parallelism (CP splits padded rows into load-balanced chunks;
-    Transformer Engine's CP attention takes them as BSHD). A pure function of
+    on CUDA and uses the Transformer Engine layer spec: Megatron's local
+    ``DotProductAttention`` asserts ``packed_seq_params is None`` ("Packed
+    sequence is not supported by DotProductAttention."). A pure function of
     its arguments.
     """
-    if not (pack_sequences and cuda and transformer_engine_spec) or cp > 1:
+    if not (pack_sequences and cuda and transformer_engine_spec):
         return None
     return packing_rule(tp=tp, cp=cp, sequence_parallel=sequence_parallel, fp8_recipe=fp8_recipe)
 
@@ -238,14 +233,21 @@ def unpack_predictions(values: torch.Tensor, layout: PackedLayout) -> torch.Tens
     return torch.cat([by_target.new_zeros((by_target.shape[0], 1)), by_target[:, 1:]], dim=1)
 
 
-def packed_seq_params(layout: PackedLayout, device: torch.device | str) -> PackedSeqParams:
+def packed_seq_params(
+    layout: PackedLayout, device: torch.device | str, *, context_parallel: bool = False
+) -> PackedSeqParams:
     """Megatron's THD parameters of ``layout``: ``qkv_format='thd'``, int32 ``cu_seqlens_q`` = ``cu_seqlens_kv``
-    on ``device`` (one tensor), ``max_seqlen_q`` = ``max_seqlen_kv`` (int); every other field None."""
+    on ``device`` (one tensor), ``max_seqlen_q`` = ``max_seqlen_kv`` (int, the whole segment's length); with
+    ``context_parallel`` the same tensor as ``cu_seqlens_q_padded`` = ``cu_seqlens_kv_padded`` (TE's CP attention
+    and Megatron's THD RoPE split each segment by them); every other field None."""
     cu_seqlens = torch.tensor(layout.cu_seqlens, dtype=torch.int32, device=device)
+    padded = cu_seqlens if context_parallel else None
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
         cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
         max_seqlen_q=layout.max_seqlen,
         max_seqlen_kv=layout.max_seqlen,
     )

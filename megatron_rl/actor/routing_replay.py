@@ -14,7 +14,8 @@ each one its slice of the batch's ``routed_experts`` [B, S, L, K]:
   parallelism, TP rank r holds positions ``[r * S_cp / tp, (r + 1) * S_cp / tp)``.
   The slice is laid out the same way.
   A packed micro-batch is the stream [1, T] (``packing``): the experts are
-  packed like the tokens (pad tokens get experts ``0..K-1``) and sliced along T.
+  packed like the tokens (pad tokens get experts ``0..K-1``), split per segment
+  for context parallelism and sliced along T.
 
 Recomputation (``train.recompute: full``) runs each layer's forward again
 during the backward pass, when pipelined schedules have already given the
@@ -90,7 +91,7 @@ class RoutingReplay:
         if layout is not None:
             distinct_K = torch.arange(experts_BSLK.shape[-1], dtype=experts_BSLK.dtype, device=experts_BSLK.device)
             experts_BSLK = pack_tokens(experts_BSLK, layout, fill=distinct_K)
-        local_BSLK = self._local_positions(experts_BSLK)
+        local_BSLK = self._local_positions(experts_BSLK, layout)
         for layer, replay in replays:
             replay.set_target_indices(local_BSLK[:, :, layer].transpose(0, 1).reshape(-1, local_BSLK.shape[-1]))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -105,10 +106,11 @@ class RoutingReplay:
             self._by_chunk[id(chunk)] = _router_replays([chunk])
         return self._by_chunk[id(chunk)]
 
-    def _local_positions(self, experts_BSLK: torch.Tensor) -> torch.Tensor:
+    def _local_positions(self, experts_BSLK: torch.Tensor, layout: PackedLayout | None) -> torch.Tensor:
         cp_group = parallel_state.get_context_parallel_group()
         if cp_group.size() > 1:
-            experts_BSLK = split_sequence(experts_BSLK, 1, cp_group)
+            segments = layout.cu_seqlens if layout is not None else None
+            experts_BSLK = split_sequence(experts_BSLK, 1, cp_group, segments=segments)
         if not self._sequence_parallel:
             return experts_BSLK
         tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -21,7 +21,8 @@ Two input layouts, chosen once by :func:`~megatron_rl.actor.packing.select_packi
 * packed (a :class:`~megatron_rl.actor.packing.PackingRule`): each
   micro-batch becomes one ``[1, T]`` THD stream with ``PackedSeqParams``
   (Transformer Engine attention only), T the same for all micro-batches of
-  the call; the log-probs are unpacked back to ``[B, S]`` before ``loss_fn``.
+  the call; with context parallelism each CP rank runs its chunks of every
+  segment; the log-probs are gathered and unpacked back to ``[B, S]`` before ``loss_fn``.
 
 Either way ``loss_fn`` sees the same [B, S] tensors.
 """
@@ -67,26 +68,26 @@ class _ModelInput:
 
 def _model_inputs(micro_batches: Sequence[ActorBatch], packing: PackingRule | None) -> list[_ModelInput]:
     first = micro_batches[0].input_ids
+    cp_group = parallel_state.get_context_parallel_group()
+    context_parallel = cp_group.size() > 1
     if packing is None:
         positions = torch.arange(first.shape[1], device=first.device).expand(first.shape[0], -1)
-        cp_group = parallel_state.get_context_parallel_group()
-        if cp_group.size() > 1:
+        if context_parallel:
             return [
                 _ModelInput(mb, split_sequence(mb.input_ids, 1, cp_group), split_sequence(positions, 1, cp_group))
                 for mb in micro_batches
             ]
         return [_ModelInput(mb, mb.input_ids, positions) for mb in micro_batches]
     layouts = plan_micro_batch_packing([mb.lengths.tolist() for mb in micro_batches], first.shape[1], packing)
-    return [
-        _ModelInput(
-            mb,
-            pack_tokens(mb.input_ids, layout),
-            layout.position_ids(first.device),
-            layout,
-            packed_seq_params(layout, first.device),
-        )
-        for mb, layout in zip(micro_batches, layouts, strict=True)
-    ]
+    inputs = []
+    for mb, layout in zip(micro_batches, layouts, strict=True):
+        stream, positions = pack_tokens(mb.input_ids, layout), layout.position_ids(first.device)
+        if context_parallel:
+            stream = split_sequence(stream, 1, cp_group, segments=layout.cu_seqlens)
+            positions = split_sequence(positions, 1, cp_group, segments=layout.cu_seqlens)
+        params = packed_seq_params(layout, first.device, context_parallel=context_parallel)
+        inputs.append(_ModelInput(mb, stream, positions, layout, params))
+    return inputs
 
 
 @dataclass(frozen=True)
@@ -159,12 +160,13 @@ def run_schedule(
             else:
                 current = packed_token_log_probs(
                     output,
-                    item.input_ids,
+                    pack_tokens(item.micro_batch.input_ids, item.layout),
                     item.layout,
                     options.vocab_size,
                     tp_group,
                     temperature=options.temperature,
                     chunk_tokens=options.chunk_tokens,
+                    cp_group=cp_group,
                 )
             return loss_fn(item.micro_batch, current)
 

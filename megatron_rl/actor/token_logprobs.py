@@ -87,20 +87,30 @@ def packed_token_log_probs(
     *,
     temperature: float,
     chunk_tokens: int = 0,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> TokenLogProbs:
     """From packed logits [1, T, V/tp] of the stream ``input_ids_1T``, unpacked to [B, S] by ``layout``.
 
     Positions t >= a row's length hold 0. No value crosses a row boundary (see
-    :func:`~megatron_rl.actor.packing.unpack_predictions`).
+    :func:`~megatron_rl.actor.packing.unpack_predictions`). With context parallelism the logits
+    are this CP rank's [1, T / cp, V/tp] (its chunks of every segment) of the whole stream
+    ``input_ids_1T``, gathered back as in :func:`token_log_probs`.
     """
+    next_tokens_1T = _next_tokens(input_ids_1T)
+    cp = cp_group if cp_group is not None and cp_group.size() > 1 else None
+    if cp is not None:
+        next_tokens_1T = split_sequence(next_tokens_1T, 1, cp, segments=layout.cu_seqlens)
     log_probs_1T, entropy_1T = vocab_parallel_logprobs_entropy(
         logits_1TV,
-        _next_tokens(input_ids_1T),
+        next_tokens_1T,
         vocab_size=vocab_size,
         group=group,
         temperature=temperature,
         chunk_tokens=chunk_tokens,
     )
+    if cp is not None:
+        log_probs_1T = gather_sequence(log_probs_1T, 1, cp, grads="own", segments=layout.cu_seqlens)
+        entropy_1T = gather_sequence(entropy_1T, 1, cp, grads="own", segments=layout.cu_seqlens)
     return TokenLogProbs(
         unpack_predictions(log_probs_1T[:, :-1], layout), unpack_predictions(entropy_1T[:, :-1], layout)
     )

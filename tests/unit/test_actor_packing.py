@@ -39,6 +39,7 @@ from megatron_rl.actor.packing import (
     unpack_tokens,
 )
 from megatron_rl.actor.token_logprobs import packed_token_log_probs, token_log_probs
+from megatron_rl.parallel.context_parallel import local_positions
 
 
 def _padded_ids(lengths: list[int], seq_length: int, seed: int = 0) -> torch.Tensor:
@@ -78,9 +79,27 @@ def test_padded_fp8_micro_batches_give_every_tp_rank_aligned_token_rows(tp, reci
             assert seq_length >= 11 and seq_length % tp == 0 and (rows * seq_length // tp) % alignment == 0
 
 
-def test_no_packing_rule_splits_sequences_for_context_parallelism():
-    with pytest.raises(NotImplementedError, match=r"cp=2.*2\*cp\*tp=8.*padded rows"):
-        packing_rule(tp=2, cp=2, sequence_parallel=True, fp8_recipe=None)
+@pytest.mark.parametrize(("tp", "cp", "recipe"), [(1, 2, None), (2, 2, None), (2, 4, "blockwise"), (4, 2, "mxfp8")])
+def test_context_parallel_packing_gives_each_rank_two_chunks_of_every_segment(tp, cp, recipe):
+    """Segments are multiples of 2*cp*tp; each CP rank's stream is T/cp tokens, TP- and FP8-aligned, and the
+    ranks together hold every position once (Transformer Engine's thd_get_partitioned_indices split)."""
+    rule = packing_rule(tp=tp, cp=cp, sequence_parallel=tp > 1, fp8_recipe=recipe)
+    alignment = FP8_TOKEN_ALIGNMENT[recipe] if recipe else 1
+    assert rule.sequence_multiple == 2 * cp * tp and rule.total_multiple % rule.sequence_multiple == 0
+    layout = plan_packing([5, 0, 13, 2], 16, rule)
+    bounds = layout.cu_seqlens
+    assert all((end - start) % (2 * cp * tp) == 0 for start, end in zip(bounds[:-1], bounds[1:], strict=True))
+    shares = [local_positions(layout.total, cp, rank, segments=bounds) for rank in range(cp)]
+    assert all(len(share) == layout.total // cp and (len(share) // tp) % alignment == 0 for share in shares)
+    assert torch.equal(torch.cat(shares).sort().values, torch.arange(layout.total))
+
+
+def test_thd_parameters_carry_the_padded_boundaries_under_context_parallelism():
+    layout = plan_packing([5, 3], 8, PackingRule(4, 4))
+    params = packed_seq_params(layout, "cpu", context_parallel=True)
+    assert torch.equal(params.cu_seqlens_q_padded, params.cu_seqlens_q) and params.cu_seqlens_kv_padded is not None
+    plain = packed_seq_params(layout, "cpu")
+    assert plain.cu_seqlens_q_padded is None and plain.cu_seqlens_kv_padded is None
 
 
 @pytest.mark.parametrize(("pack", "cuda", "te"), list(itertools.product([False, True], repeat=3)))
@@ -97,10 +116,10 @@ def test_selection_packs_only_with_recipe_cuda_and_te(pack, cuda, te):
     assert rule == (PackingRule(2, 2) if pack and cuda and te else None)
 
 
-def test_context_parallelism_pads_rows_on_cpu_and_with_transformer_engine():
+def test_context_parallelism_packs_with_transformer_engine_and_pads_on_cpu():
     args = dict(tp=2, cp=2, sequence_parallel=True, fp8_recipe=None)
     assert select_packing(pack_sequences=True, cuda=False, transformer_engine_spec=False, **args) is None
-    assert select_packing(pack_sequences=True, cuda=True, transformer_engine_spec=True, **args) is None
+    assert select_packing(pack_sequences=True, cuda=True, transformer_engine_spec=True, **args) == PackingRule(8, 8)
 
 
 @pytest.mark.parametrize(("tp", "cp", "recipe"), [(1, 2, None), (2, 2, None), (2, 4, "blockwise"), (4, 1, "mxfp8")])
@@ -197,6 +216,27 @@ def test_rope_on_the_packed_stream_equals_rope_per_padded_row():
     unpacked_BSHD = unpack_tokens(packed_THD.unsqueeze(0), layout)
     valid_BS = torch.arange(seq_length) < torch.tensor(lengths).unsqueeze(1)
     torch.testing.assert_close(unpacked_BSHD[valid_BS], padded_SBHD.transpose(0, 1)[valid_BS], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_megatrons_thd_rope_on_a_cp_ranks_stream_equals_the_whole_streams_at_its_positions(cp):
+    """Our per-segment split is the layout Megatron's THD RoPE expects under CP (it rotates each segment's
+    local chunks by the positions of chunks r and 2cp-1-r, from the padded boundaries)."""
+    layout = plan_packing([5, 0, 3, 16, 1], 16, packing_rule(tp=1, cp=cp, sequence_parallel=False, fp8_recipe=None))
+    dim = 8
+    params = packed_seq_params(layout, "cpu", context_parallel=True)
+    rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, use_cpu_initialization=True)
+    angles = rope.get_freqs_non_repeated(params.max_seqlen_q)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    stream_THD = torch.randn(layout.total, 2, dim, generator=torch.Generator().manual_seed(1))
+    whole_THD = _apply_rotary_pos_emb_thd(
+        stream_THD, params.cu_seqlens_q_padded, freqs, cp_group=SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    )
+    for rank in range(cp):
+        own = local_positions(layout.total, cp, rank, segments=layout.cu_seqlens)
+        group = SimpleNamespace(size=lambda: cp, rank=lambda rank=rank: rank)
+        local_THD = _apply_rotary_pos_emb_thd(stream_THD[own], params.cu_seqlens_q_padded, freqs, cp_group=group)
+        torch.testing.assert_close(local_THD, whole_THD[own], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- properties

@@ -312,8 +312,6 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("parallel/device.py", ""): "process environment (LOCAL_RANK, CUDA_VISIBLE_DEVICES)",
     ("parallel/local_launch.py", ""): "re-raises a rank's failure",
     ("parallel/cpu_compat.py", ""): "internal to the CPU compatibility layer",
-    ("actor/packing.py", "context parallelism"): "select_packing pads rows under context parallelism; only a direct "
-    "caller can ask packing_rule for cp > 1",
     ("actor/policy_actor.py", "the parallel state was initialised"): "internal: the trainer worker initialises the "
     "parallel state from the same recipe section",
     ("parallel/context_parallel.py", ""): "internal: padded_sequence_multiple makes every row a multiple of 2 * cp",
