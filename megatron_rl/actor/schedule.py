@@ -57,11 +57,13 @@ LossFn = Callable[[ActorBatch, TokenLogProbs], Any]
 
 @dataclass(frozen=True)
 class _ModelInput:
-    """What the model gets for one micro-batch: ids and positions [B, S] or [1, T], THD parameters if packed."""
+    """What the model gets for one micro-batch: ids and positions [B, S] or [1, T] (this CP rank's share under
+    context parallelism), THD parameters if packed; ``whole_ids``: the whole rows or stream the log-probs are of."""
 
     micro_batch: ActorBatch
     input_ids: torch.Tensor
     position_ids: torch.Tensor
+    whole_ids: torch.Tensor
     layout: PackedLayout | None = None
     packed_seq_params: PackedSeqParams | None = None
 
@@ -74,19 +76,22 @@ def _model_inputs(micro_batches: Sequence[ActorBatch], packing: PackingRule | No
         positions = torch.arange(first.shape[1], device=first.device).expand(first.shape[0], -1)
         if context_parallel:
             return [
-                _ModelInput(mb, split_sequence(mb.input_ids, 1, cp_group), split_sequence(positions, 1, cp_group))
+                _ModelInput(
+                    mb, split_sequence(mb.input_ids, 1, cp_group), split_sequence(positions, 1, cp_group), mb.input_ids
+                )
                 for mb in micro_batches
             ]
-        return [_ModelInput(mb, mb.input_ids, positions) for mb in micro_batches]
+        return [_ModelInput(mb, mb.input_ids, positions, mb.input_ids) for mb in micro_batches]
     layouts = plan_micro_batch_packing([mb.lengths.tolist() for mb in micro_batches], first.shape[1], packing)
     inputs = []
     for mb, layout in zip(micro_batches, layouts, strict=True):
-        stream, positions = pack_tokens(mb.input_ids, layout), layout.position_ids(first.device)
+        whole, positions = pack_tokens(mb.input_ids, layout), layout.position_ids(first.device)
+        stream = whole
         if context_parallel:
-            stream = split_sequence(stream, 1, cp_group, segments=layout.cu_seqlens)
+            stream = split_sequence(whole, 1, cp_group, segments=layout.cu_seqlens)
             positions = split_sequence(positions, 1, cp_group, segments=layout.cu_seqlens)
         params = packed_seq_params(layout, first.device, context_parallel=context_parallel)
-        inputs.append(_ModelInput(mb, stream, positions, layout, params))
+        inputs.append(_ModelInput(mb, stream, positions, whole, layout, params))
     return inputs
 
 
@@ -150,7 +155,7 @@ def run_schedule(
             if item.layout is None:
                 current = token_log_probs(
                     output,
-                    item.micro_batch.input_ids,
+                    item.whole_ids,
                     options.vocab_size,
                     tp_group,
                     temperature=options.temperature,
@@ -160,7 +165,7 @@ def run_schedule(
             else:
                 current = packed_token_log_probs(
                     output,
-                    pack_tokens(item.micro_batch.input_ids, item.layout),
+                    item.whole_ids,
                     item.layout,
                     options.vocab_size,
                     tp_group,
