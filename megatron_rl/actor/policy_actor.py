@@ -54,7 +54,14 @@ from megatron_rl.parallel.distributed import ParallelSizes
 def parallel_sizes(parallel: ParallelConfig) -> ParallelSizes:
     """The recipe's parallel section as the sizes ``initialize_parallel`` takes."""
     return ParallelSizes(
-        tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, cp=parallel.cp, ep=parallel.ep, etp=parallel.etp
+        tp=parallel.tp,
+        pp=parallel.pp,
+        vpp=parallel.vpp,
+        cp=parallel.cp,
+        ep=parallel.ep,
+        etp=parallel.etp,
+        first_stage_layers=parallel.first_stage_layers,
+        last_stage_layers=parallel.last_stage_layers,
     )
 
 

@@ -27,6 +27,7 @@ from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE, QwenArchitectu
 from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.model_source import has_hf_config, has_hf_weights
+from megatron_rl.config.pipeline_split import pipeline_split
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
 
@@ -106,14 +107,12 @@ def _check_expert_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
 
 def _check_pipeline_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     par = cfg.parallel
-    vpp = par.vpp or 1
     if par.vpp is not None and par.pp == 1:
         yield _error("parallel.vpp", "virtual pipeline stages need pp > 1; unset vpp or raise pp")
-    if arch.num_layers % (par.pp * vpp):
-        yield _error(
-            "parallel.pp",
-            f"pp ({par.pp}) x vpp ({vpp}) = {par.pp * vpp} does not divide the model's {arch.num_layers} layers",
-        )
+    split = pipeline_split(arch.num_layers, par)
+    if (problem := split.problem()) is not None:
+        uneven = par.first_stage_layers is not None or par.last_stage_layers is not None
+        yield _error("parallel.first_stage_layers" if uneven else "parallel.pp", problem)
 
 
 def _check_world_size(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:

@@ -70,10 +70,11 @@ def layout_record(parallel: ParallelConfig, cluster: ClusterConfig, rollout: Rol
     """The trainer's rank layout as plain numbers, as checkpoints record it.
 
     Keys: ``tp``, ``pp``, ``vpp`` (1 without interleaving), ``cp``, ``ep``, ``etp`` (resolved) and
-    ``world_size``. Two runs with equal records place every parameter shard and generator on the
-    same global rank.
+    ``world_size``, and ``first_stage_layers`` / ``last_stage_layers`` of an uneven pipeline (absent
+    when even, so records of even runs stay as they were). Two runs with equal records place every
+    parameter shard and generator on the same global rank.
     """
-    return {
+    record = {
         "tp": parallel.tp,
         "pp": parallel.pp,
         "vpp": parallel.vpp or 1,
@@ -82,6 +83,10 @@ def layout_record(parallel: ParallelConfig, cluster: ClusterConfig, rollout: Rol
         "etp": parallel.expert_tp,
         "world_size": trainer_world_size(cluster, rollout),
     }
+    for name in ("first_stage_layers", "last_stage_layers"):
+        if (layers := getattr(parallel, name)) is not None:
+            record[name] = layers
+    return record
 
 
 def describe_layout(record: dict[str, int]) -> str:

@@ -69,6 +69,14 @@ class ParallelConfig(Section):
     tp: PositiveInt = Field(1, description="Tensor-parallel size.")
     pp: PositiveInt = Field(1, description="Pipeline-parallel size.")
     vpp: PositiveInt | None = Field(None, description="Virtual pipeline stages per PP rank (interleaved schedule).")
+    first_stage_layers: PositiveInt | None = Field(
+        None,
+        description="Decoder layers of the first pipeline stage for an uneven split (Megatron's "
+        "num_layers_in_first_pipeline_stage); the middle stages share what first and last leave evenly.",
+    )
+    last_stage_layers: PositiveInt | None = Field(
+        None, description="Decoder layers of the last pipeline stage for an uneven split (see first_stage_layers)."
+    )
     cp: PositiveInt = Field(1, description="Context-parallel size.")
     ep: PositiveInt = Field(1, description="Expert-parallel size.")
     etp: PositiveInt | None = Field(None, description="Expert tensor-parallel size; defaults to `tp`.")

@@ -8,7 +8,8 @@ PPO epochs, placement and weight-sync transport, and every kind of parallelism i
 
 - model: the same architecture at toy width (hidden 64, 4 heads over 2 KV heads, the same
   layer kinds: dense layers stay dense, MoE layers MoE), experts reduced to 4 (or 2 x ep),
-  top-k kept where it fits (at most half the experts), enough layers for pp x vpp;
+  top-k kept where it fits (at most half the experts), enough layers for pp x vpp (an uneven
+  pipeline stays uneven: its first stage holds half the layers of the other);
 - layout: tp, pp, vpp, cp, ep, etp each kept at 2 when the recipe uses them (tp > 1 with
   sequence parallelism), data parallelism 2 when the recipe has it and the ranks stay <= 4;
 - hardware: CPU ranks, one reference engine instead of SGLang, fp32 training instead of bf16 / fp8 (FP8
@@ -87,6 +88,7 @@ class _Layout(TypedDict):
     cp: int
     ep: int
     etp: int | None
+    uneven: bool
     world: int
 
 
@@ -104,7 +106,8 @@ def _shrunk_layout(cfg: RunConfig) -> _Layout:
     world = model_parallel * (2 if had_dp and model_parallel * 2 <= MAX_CPU_RANKS else 1)
     while world % expert_parallel:
         world *= 2
-    return {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "world": world}
+    uneven = pp > 1 and (par.first_stage_layers is not None or par.last_stage_layers is not None)
+    return {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "etp": etp, "uneven": uneven, "world": world}
 
 
 TOY_FP8_BLOCK = (32, 32)
@@ -113,9 +116,9 @@ merged projection's rows to be a multiple of the block's)."""
 
 
 def _toy_model(arch: QwenArchitecture, layout: _Layout) -> dict[str, Any]:
-    stages = layout["pp"] * (layout["vpp"] or 1)
+    chunks = layout["vpp"] or 1
     has_dense = not all(arch.moe_layer_pattern)
-    layers = max(2, stages)
+    layers = 3 * chunks if layout["uneven"] else max(2, layout["pp"] * chunks)
     config: dict[str, Any] = {
         "architectures": [arch.architecture],
         "vocab_size": 32,
@@ -192,6 +195,12 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
         Change("parallel.pp", layout["pp"], "kept if used"),
         Change("parallel.vpp", layout["vpp"], "kept if used"),
         Change("parallel.cp", layout["cp"], "kept if used"),
+        Change(
+            "parallel.first_stage_layers",
+            (layout["vpp"] or 1) if layout["uneven"] else None,
+            "an uneven pipeline kept: 1 layer per chunk on the first stage, 2 on the second",
+        ),
+        Change("parallel.last_stage_layers", None, "the toy pipeline's second stage takes what the first leaves"),
         Change("parallel.ep", layout["ep"], "kept if used"),
         Change("parallel.etp", layout["etp"], "kept if used"),
         Change("rollout.engine", "reference", "the fast CPU engine (SGLang on CPU is slower; see tests/sglang)"),

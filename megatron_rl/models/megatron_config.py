@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_rl.config.hf_config import QwenArchitecture
+from megatron_rl.config.pipeline_split import PipelineSplit
 from megatron_rl.parallel.distributed import ParallelSizes
 
 
@@ -36,9 +37,9 @@ def check_layout(arch: QwenArchitecture, sizes: ParallelSizes) -> None:
         )
     if arch.ffn_hidden_size % sizes.tp:
         raise ValueError(f"tp={sizes.tp} must divide intermediate_size={arch.ffn_hidden_size}")
-    num_stages = sizes.pp * (sizes.vpp or 1)
-    if arch.num_layers % num_stages:
-        raise ValueError(f"pp*vpp={num_stages} must divide num_hidden_layers={arch.num_layers}")
+    split = PipelineSplit(arch.num_layers, sizes.pp, sizes.vpp, sizes.first_stage_layers, sizes.last_stage_layers)
+    if (problem := split.problem()) is not None:
+        raise ValueError(problem)
     if arch.is_moe:
         if arch.num_experts % sizes.ep:
             raise ValueError(f"ep={sizes.ep} must divide num_experts={arch.num_experts}")
@@ -105,6 +106,8 @@ def build_transformer_config(
         "tensor_model_parallel_size": sizes.tp,
         "pipeline_model_parallel_size": sizes.pp,
         "virtual_pipeline_model_parallel_size": sizes.vpp,
+        "num_layers_in_first_pipeline_stage": sizes.first_stage_layers,
+        "num_layers_in_last_pipeline_stage": sizes.last_stage_layers,
         "context_parallel_size": sizes.cp,
         "expert_model_parallel_size": sizes.ep,
         "expert_tensor_parallel_size": sizes.expert_tp,

@@ -33,6 +33,8 @@ class ParallelSizes:
 
     ``etp`` (expert tensor parallel) defaults to ``tp`` as in Megatron. ``vpp``
     is the number of model chunks per pipeline stage (``None``: no interleaving).
+    ``first_stage_layers`` / ``last_stage_layers``: an uneven pipeline split
+    (:mod:`megatron_rl.config.pipeline_split`; None: even).
     """
 
     tp: int = 1
@@ -41,6 +43,8 @@ class ParallelSizes:
     cp: int = 1
     ep: int = 1
     etp: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @property
     def expert_tp(self) -> int:

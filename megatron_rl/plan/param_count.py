@@ -11,10 +11,9 @@ Megatron-core 0.19.2 as this repo configures it:
   the final norm and output layer on the chunk with ``post_process`` (last stage, last virtual
   stage); with tied embeddings the output layer has no weight of its own only when one chunk
   has both (PP 1), otherwise the last stage holds a copy;
-- layers split evenly: ``check_layout`` requires ``pp * vpp`` to divide the layers (no uneven
-  pipeline split is configured); chunk ``(p, v)`` holds layers
-  ``v * L/vpp + p * L/(pp*vpp)`` onwards, ``L/(pp*vpp)`` of them (Megatron's
-  ``get_transformer_layer_offset``);
+- layers split as Megatron's ``get_transformer_layer_offset`` splits them, evenly or with
+  ``parallel.first_stage_layers`` / ``last_stage_layers``
+  (:mod:`megatron_rl.config.pipeline_split`);
 - attention: fused QKV ``[(heads + 2 kv_heads) * head_dim / tp, hidden]``, output projection
   ``[hidden, heads * head_dim / tp]``, q/k RMSNorms ``[head_dim]`` and the input RMSNorm
   ``[hidden]`` replicated; no biases;
@@ -33,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
+from megatron_rl.config.pipeline_split import pipeline_split
 from megatron_rl.config.schema import ParallelConfig, RolloutConfig
 
 
@@ -74,11 +74,8 @@ def layer_params(arch: QwenArchitecture, layer: int, parallel: ParallelConfig) -
 
 
 def chunk_layers(num_layers: int, parallel: ParallelConfig, pp_rank: int, vp_stage: int) -> range:
-    """Global indices of the decoder layers of chunk ``vp_stage`` on pipeline stage ``pp_rank``."""
-    vpp = parallel.vpp or 1
-    per_chunk = num_layers // (parallel.pp * vpp)
-    start = vp_stage * (num_layers // vpp) + pp_rank * per_chunk
-    return range(start, start + per_chunk)
+    """Global indices of the decoder layers of chunk ``vp_stage`` on pipeline stage ``pp_rank`` (even or uneven)."""
+    return pipeline_split(num_layers, parallel).chunk_layers(pp_rank, vp_stage)
 
 
 def _vocab_rows(arch: QwenArchitecture, tp: int) -> int:

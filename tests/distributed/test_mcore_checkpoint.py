@@ -63,6 +63,7 @@ def _load_rank(rank, world_size, sizes, hf_dir, out_dir, input_ids):
     [
         pytest.param(ParallelSizes(tp=2, ep=2), ParallelSizes(pp=2), id="tp2-ep2-to-pp2-ep1"),
         pytest.param(ParallelSizes(pp=2, vpp=2, ep=2), ParallelSizes(tp=2, ep=2, etp=2), id="pp2-vpp2-ep2-to-tp2-etp2"),
+        pytest.param(ParallelSizes(pp=2, first_stage_layers=1), ParallelSizes(pp=2), id="pp2-uneven-1-3-to-pp2-even"),
     ],
 )
 def test_checkpoint_saved_at_one_layout_loads_at_another_with_identical_weights_and_logits(

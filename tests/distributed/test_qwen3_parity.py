@@ -50,6 +50,8 @@ LAYOUTS = [
     pytest.param(ParallelSizes(tp=2, ep=2, etp=2), 4, id="tp2-pp1-ep2-etp2"),
     pytest.param(ParallelSizes(tp=2, pp=2, vpp=2), 4, id="tp2-pp2-vpp2-ep1-etp1"),
     pytest.param(ParallelSizes(cp=2), 2, id="cp2"),
+    pytest.param(ParallelSizes(pp=2, first_stage_layers=1), 2, id="pp2-uneven-1-3"),
+    pytest.param(ParallelSizes(tp=2, pp=2, last_stage_layers=1), 4, id="tp2-pp2-uneven-3-1"),
     pytest.param(ParallelSizes(tp=2, cp=2, ep=2), 4, id="tp2-cp2-ep2-etp2"),
 ]
 

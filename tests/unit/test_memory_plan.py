@@ -221,3 +221,16 @@ def test_plan_235b_recipe_fits_on_16_nodes_and_names_only_the_kv_knobs_left(
     # The 30B recipe (tp 4 engines, bf16) still gets all three knobs.
     assert main(["plan", str(RECIPE), *qwen3_30b_overrides]) == 0
     assert "raise rollout.mem_fraction or rollout.tp, or use rollout.quantization=fp8" in capsys.readouterr().out
+
+
+def test_plan_235b_on_8_nodes_fits_with_the_uneven_pipeline_its_recipe_names(tmp_path: Path, capsys) -> None:
+    """The recipe's 8-node alternative (NeMo-RL's 11 + 6 x 12 + 11 split over PP8) fits; no even split can at PP8."""
+    recipe = RECIPE.parent / "qwen3_235b_a22b_dapo.yaml"
+    overrides = [f"model.path={tmp_path / 'Qwen3-235B-A22B'}", f"model.config_fallback={QWEN3_235B_A22B_CONFIG_FILE}"]
+    eight_nodes = ["cluster.nodes=8", "parallel.pp=8", "parallel.ep=8"]
+    uneven = ["parallel.first_stage_layers=11", "parallel.last_stage_layers=11"]
+    assert main(["plan", str(recipe), *overrides, *eight_nodes, *uneven]) == 0
+    out = capsys.readouterr().out
+    assert "0     0-10 " in out and "1     11-22 " in out and "7     83-93 " in out and "FITS" in out
+    assert main(["plan", str(recipe), *overrides, *eight_nodes]) != 0
+    assert "parallel.pp: pp (8) x vpp (1) = 8 does not divide the model's 94 layers" in capsys.readouterr().err

@@ -62,3 +62,19 @@ def test_context_parallelism_is_kept_beside_tensor_and_expert_parallelism(qwen3_
     assert cfg.parallel.cp == 4
     par = smoke.parallel
     assert (par.tp, par.cp, par.ep, par.pp, smoke.cluster.cpu_trainer_ranks) == (2, 2, 2, 1, 4)
+
+
+def test_an_uneven_pipeline_stays_uneven() -> None:
+    _, smoke, _ = _smoke(
+        "tiny_moe_cpu_grpo.yaml",
+        [
+            "parallel.pp=4",
+            "parallel.first_stage_layers=2",
+            "parallel.last_stage_layers=2",
+            "parallel.ep=1",
+            "cluster.cpu_trainer_ranks=4",
+            "model.random_init.num_hidden_layers=8",
+        ],
+    )
+    assert (smoke.parallel.pp, smoke.parallel.first_stage_layers, smoke.parallel.last_stage_layers) == (2, 1, None)
+    assert smoke.model.random_init["num_hidden_layers"] == 3

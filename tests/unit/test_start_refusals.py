@@ -86,7 +86,7 @@ START_REFUSALS = (
     ),
     Refusal(
         "models/megatron_config.py",
-        "must divide num_hidden_layers",
+        "ValueError(problem)",
         ("model.random_init.num_hidden_layers=3", "parallel.pp=2", "parallel.ep=1"),
         "parallel.pp",
     ),
