@@ -197,7 +197,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 def _parallel_sizes(args: argparse.Namespace) -> ParallelSizes:
     from megatron_rl.parallel.distributed import ParallelSizes
 
-    return ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
+    return ParallelSizes(tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, etp=args.etp)
 
 
 def _silence_library_warnings() -> None:
@@ -238,7 +238,7 @@ def _cmd_check_parity(args: argparse.Namespace) -> int:
 
 
 def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    for name in ("tp", "pp", "ep"):
+    for name in ("tp", "pp", "cp", "ep"):
         parser.add_argument(f"--{name}", type=int, default=1, help=f"{name.upper()} size")
     parser.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")

@@ -122,7 +122,7 @@ def check_parity(
     """Compare Megatron at ``sizes`` with transformers in fp32; print a report; True when within tolerance."""
     arch = parse_hf_config(load_hf_config(hf_dir))
     check_layout(arch, sizes)
-    max_length += -max_length % sizes.tp
+    max_length += -max_length % (sizes.tp * (2 * sizes.cp if sizes.cp > 1 else 1))  # SP, and CP's 2*cp chunks
     num_sequences += -num_sequences % sizes.pp
     input_ids, mask = make_uneven_batch(arch.vocab_size, num_sequences, max_length)
     world_size = sizes.min_world_size
@@ -131,7 +131,7 @@ def check_parity(
         + (f", {arch.num_experts} experts (top-{arch.moe_router_topk})" if arch.is_moe else "")
     )
     print(
-        f"layout: TP={sizes.tp} PP={sizes.pp} VPP={sizes.vpp or '-'} EP={sizes.ep} ETP={sizes.expert_tp} "
+        f"layout: TP={sizes.tp} PP={sizes.pp} VPP={sizes.vpp or '-'} CP={sizes.cp} EP={sizes.ep} ETP={sizes.expert_tp} "
         f"on {world_size} {'GPU' if on_accelerator() else 'CPU'} rank(s), {collective_backend()}, fp32"
     )
     print(f"batch:  {num_sequences} sequences, lengths {mask.sum(1).tolist()}")
