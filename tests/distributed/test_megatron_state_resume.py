@@ -135,9 +135,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     return hf_dir, fixed_batch()
 
 
-def test_resume_at_the_same_layout_continues_bitwise(setup, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sizes", [ParallelSizes(ep=2), ParallelSizes(cp=2, ep=2)], ids=["ep2", "cp2-ep2"])
+def test_resume_at_the_same_layout_continues_bitwise(setup, tmp_path: Path, sizes: ParallelSizes) -> None:
     hf_dir, batch = setup
-    sizes = ParallelSizes(ep=2)
     straight = run_distributed(_train_save_train, 2, sizes, hf_dir, tmp_path, batch)[0]
     resumed = run_distributed(_load_train, 2, sizes, hf_dir, tmp_path, batch)[0]
     assert resumed.lr == straight.lr
