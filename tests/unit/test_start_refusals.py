@@ -136,7 +136,7 @@ START_REFUSALS = (
     Refusal(
         "rollout/reference/server.py", "no config.json", ("model.random_init=null", "model.path={empty}"), "model.path"
     ),
-    Refusal("rollout/reference/backend.py", "the reference engine has 1 TP rank", ("rollout.tp=2",), "rollout.tp"),
+    Refusal("rollout/reference/backend.py", "TP rank(s); got", ("rollout.tp=2",), "rollout.tp"),
     Refusal(
         "rollout/reference/backend.py",
         "longer than the model's context length",
