@@ -149,6 +149,7 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
     """
     check_listen_host(host)
     env = spec.network.environment()
+    name = spec.name if spec.node_rank == 0 else f"{spec.name}-node{spec.node_rank}"  # its own log file
     if spec.kind == "sglang":
         placement = sglang_placement(
             spec.gpu_ids,
@@ -161,7 +162,7 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
             dist_init_addr=spec.dist_init_addr,
         )
         return SGLangEngine(
-            spec.name,
+            name,
             spec.rollout,
             placement,
             spec.model_path,
@@ -175,7 +176,7 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
         )
     device = f"cuda:{first_visible_index(spec.gpu_ids, visible_devices)}" if spec.gpu_ids else "cpu"
     return ReferenceEngine(
-        spec.name,
+        name,
         spec.model_path,
         port,
         log_dir=spec.log_dir,
