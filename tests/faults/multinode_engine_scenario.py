@@ -41,6 +41,7 @@ REQUESTS = [
     for i in range(4)
 ]
 WEIGHT = "model.embed_tokens.weight"
+LOSS_NOTICED_S = 10.0
 
 
 def _tokens(engine) -> list:
@@ -93,11 +94,13 @@ def main(model: str, log_dir: str) -> None:
         seen["synced"] = _sync(client, shape, 0.25)
         node_pids = hosts.node_pids(0)
         os.kill(node_pids[1], signal.SIGKILL)
-        try:
-            client.generate(REQUESTS[0])
-            seen["crash_error"] = ""
-        except EngineUnavailableError as error:
-            seen["crash_error"] = str(error)
+        seen["crash_error"], deadline = "", time.monotonic() + LOSS_NOTICED_S
+        while not seen["crash_error"] and time.monotonic() < deadline:  # node 0's /health fails once it noticed
+            try:
+                client.request("/health", timeout_s=1.0)
+                time.sleep(0.05)
+            except EngineUnavailableError as error:
+                seen["crash_error"] = str(error)
         started = time.monotonic()
         hosts.restart(0)
         seen["restart_s"] = round(time.monotonic() - started, 1)
