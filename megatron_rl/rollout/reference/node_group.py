@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -40,7 +41,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl.parallel.stores import rendezvous_store
 from megatron_rl.rollout.protocol import GenerateRequest
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.server import TextReply
@@ -74,7 +74,14 @@ def join_nodes(dist_init_addr: str, nnodes: int, node_rank: int, *, timeout_s: f
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank {node_rank} must be in [0, --nnodes={nnodes})")
     host, port = parse_dist_init_addr(dist_init_addr)
-    store = rendezvous_store(host, port, node_rank, nnodes, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if node_rank == 0:  # the store listens on dist_init_addr's host only, never on every interface
+        listener = socket.create_server((host, port))
+        store = dist.TCPStore(
+            host, port, nnodes, is_master=True, timeout=timeout, master_listen_fd=listener.detach(), use_libuv=True
+        )
+    else:
+        store = dist.TCPStore(host, port, nnodes, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=node_rank, world_size=nnodes, timeout=LINK_TIMEOUT)
     logger.info("node %d of %d joined the engine's nodes at %s", node_rank, nnodes, dist_init_addr)
 
