@@ -204,13 +204,7 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
         return
     engine_gpus = rollout.tp * rollout.dp
     if engine_gpus > cluster.gpus_per_node:
-        yield _error(
-            "rollout.tp",
-            f"each engine takes rollout.tp ({rollout.tp}) x rollout.dp ({rollout.dp}) = {engine_gpus} GPUs, more than "
-            f"cluster.gpus_per_node ({cluster.gpus_per_node}): engines spanning nodes are not supported; lower "
-            f"rollout.tp or rollout.dp so that their product is at most {cluster.gpus_per_node} (more engines, "
-            "not larger ones)",
-        )
+        yield from _check_engine_spanning_nodes(cfg, engine_gpus)
         return
     if cluster.gpus_per_node % engine_gpus:
         yield _error(
@@ -225,6 +219,44 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
         yield _error(
             "rollout.tp",
             f"each engine takes tp x dp = {engine_gpus} GPUs, which does not divide the {pool} rollout GPUs",
+        )
+
+
+def _check_engine_spanning_nodes(cfg: RunConfig, engine_gpus: int) -> Iterator[Finding]:
+    """An engine larger than a node: SGLang 0.5.23 runs it as one process per node (``--nnodes``), each with
+    tp_size / nnodes ranks, so it must take whole nodes and have no data-parallel replicas."""
+    rollout, cluster = cfg.rollout, cfg.cluster
+    per_node = cluster.gpus_per_node
+    if engine_gpus % per_node:
+        yield _error(
+            "rollout.tp",
+            f"each engine takes rollout.tp ({rollout.tp}) x rollout.dp ({rollout.dp}) = {engine_gpus} GPUs, more than "
+            f"cluster.gpus_per_node ({per_node}) and not a multiple of it: an engine spanning nodes takes whole "
+            f"nodes (SGLang gives each node tp_size / nnodes ranks); pick tp x dp a multiple of {per_node}, or at "
+            f"most {per_node} dividing it",
+        )
+        return
+    nodes = engine_gpus // per_node
+    if nodes > cluster.nodes:
+        yield _error(
+            "rollout.tp",
+            f"each engine spans {nodes} nodes (tp x dp = {engine_gpus} GPUs, {per_node} per node), more than the "
+            f"job's cluster.nodes ({cluster.nodes}); lower rollout.tp or add nodes",
+        )
+    if rollout.dp > 1:
+        yield _error(
+            "rollout.dp",
+            f"{rollout.dp}: SGLang 0.5.23 refuses data-parallel replicas in an engine spanning nodes "
+            "(srt/arg_groups/validation_hook.py: 'multi-node data-parallel replicas are not supported'); set "
+            "rollout.dp=1 and let rollout.tp span the nodes",
+        )
+    if rollout.placement == "colocated" and cfg.weight_sync.resolved(rollout.placement) == "tensor":
+        yield _error(
+            "weight_sync.transport",
+            f"the per-GPU tensor transport into an engine spanning {nodes} nodes: each engine rank would open CUDA "
+            "IPC handles of the trainer rank on its GPU, sent by every node's trainer ranks in one request to node "
+            "0, a path not built or tested here; use weight_sync.transport=disk with colocated engines, or "
+            "rollout.placement=disaggregated with weight_sync.transport=distributed",
         )
 
 

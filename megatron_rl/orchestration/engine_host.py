@@ -21,6 +21,14 @@ as ``ray.get_gpu_ids()`` reports them); SGLang's ``--base-gpu-id`` indexes the
 visible devices, so :func:`first_visible_index` maps the ids to that index
 (slime maps the same way) and checks that they are consecutive there, since
 SGLang takes ``base_gpu_id .. base_gpu_id + tp*dp - 1``.
+
+Engines spanning nodes (SGLang 0.5.23's launch: one server process per node with ``--nnodes``,
+``--node-rank``, ``--dist-init-addr``; node rank 0 serves HTTP, the others run its schedulers):
+one host actor per node of the engine, each on the first of its node's bundles, each launching
+its node's process (:class:`EngineSpec` ``node_rank``, its node's GPU ids). Node 0's host picks the
+``dist_init_addr`` (its address, a free port) at every start. The engine is healthy when node 0's
+``/health`` answers and every node's process runs; a crash of any node's process is reported by the
+engine's client (it names the node) and :meth:`EngineHosts.restart` restarts all of them.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import functools
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
@@ -61,6 +69,8 @@ class EngineSpec:
     ``routed_experts_shape``: (num_layers, top_k) when routing replay is on, else None.
     ``network``: where the engine listens; ``api_key``: the run's key the engine requires (kept out
     of the spec's repr, of its command line and of its log).
+    ``nnodes``/``node_rank``: one node's process of an engine spanning ``nnodes`` nodes (``gpu_ids``: that
+    node's); ``dist_init_addr`` (node 0's ``host:port``) is filled in by :class:`EngineHosts` at each start.
     """
 
     name: str
@@ -74,6 +84,9 @@ class EngineSpec:
     routed_experts_shape: tuple[int, int] | None = None
     network: RunNetwork = field(default_factory=RunNetwork)
     api_key: str | None = field(default=None, repr=False)
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
 
 def first_visible_index(gpu_ids: Sequence[str], visible_devices: str | None) -> int:
@@ -104,14 +117,27 @@ def first_visible_index(gpu_ids: Sequence[str], visible_devices: str | None) -> 
 
 
 def sglang_placement(
-    gpu_ids: Sequence[str], visible_devices: str | None, *, host: str, port: int, nccl_port: int
+    gpu_ids: Sequence[str],
+    visible_devices: str | None,
+    *,
+    host: str,
+    port: int,
+    nccl_port: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    dist_init_addr: str | None = None,
 ) -> SGLangPlacement:
-    """The :class:`SGLangPlacement` of an engine on ``gpu_ids`` of one node (none: on the CPU), serving on
-    ``host:port``."""
-    if not gpu_ids:
-        return SGLangPlacement(base_gpu_id=0, port=port, nccl_port=nccl_port, host=host, device="cpu")
+    """The :class:`SGLangPlacement` of an engine (or of one node's process of an engine spanning ``nnodes``)
+    on ``gpu_ids`` of this node (none: on the CPU), serving on ``host:port``."""
     return SGLangPlacement(
-        base_gpu_id=first_visible_index(gpu_ids, visible_devices), port=port, nccl_port=nccl_port, host=host
+        base_gpu_id=first_visible_index(gpu_ids, visible_devices) if gpu_ids else 0,
+        port=port,
+        nccl_port=nccl_port,
+        host=host,
+        dist_init_addr=dist_init_addr,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        device="cuda" if gpu_ids else "cpu",
     )
 
 
@@ -123,10 +149,20 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
     """
     check_listen_host(host)
     env = spec.network.environment()
+    name = spec.name if spec.node_rank == 0 else f"{spec.name}-node{spec.node_rank}"  # its own log file
     if spec.kind == "sglang":
-        placement = sglang_placement(spec.gpu_ids, visible_devices, host=host, port=port, nccl_port=nccl_port)
+        placement = sglang_placement(
+            spec.gpu_ids,
+            visible_devices,
+            host=host,
+            port=port,
+            nccl_port=nccl_port,
+            nnodes=spec.nnodes,
+            node_rank=spec.node_rank,
+            dist_init_addr=spec.dist_init_addr,
+        )
         return SGLangEngine(
-            spec.name,
+            name,
             spec.rollout,
             placement,
             spec.model_path,
@@ -140,7 +176,7 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
         )
     device = f"cuda:{first_visible_index(spec.gpu_ids, visible_devices)}" if spec.gpu_ids else "cpu"
     return ReferenceEngine(
-        spec.name,
+        name,
         spec.model_path,
         port,
         log_dir=spec.log_dir,
@@ -153,6 +189,9 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
         die_with_parent=True,
         api_key=spec.api_key,
         env=env,
+        nnodes=spec.nnodes,
+        node_rank=spec.node_rank,
+        dist_init_addr=spec.dist_init_addr,
     )
 
 
@@ -178,8 +217,17 @@ class EngineHost:
     def __init__(self) -> None:
         self._engine: HttpEngine | None = None
 
+    def dist_init_address(self, spec: EngineSpec) -> str:
+        """``host:port`` for the node processes of ``spec``'s engine to meet at: this node's address in the run's
+        network and a port free there now (node rank 0's host picks it before each start)."""
+        host = spec.network.address(ray.util.get_node_ip_address())
+        return f"{host}:{free_ports(1, host)[0]}"
+
     def start(self, spec: EngineSpec) -> EngineAddress:
         """Launch ``spec``'s engine on this node and wait until it is healthy; its (name, host, port).
+
+        A node rank >= 1 of an engine spanning nodes serves no HTTP: its process is started and the call
+        returns at once (node 0's ``/health`` tells when the engine is up; :meth:`running` that it still runs).
 
         Ports are picked free just before the launch, so another process may bind one first (seen in CI:
         two runs on one machine): an engine that exits because its address is in use starts again on
@@ -204,6 +252,8 @@ class EngineHost:
         )
         self._engine = engine
         engine.start()
+        if spec.node_rank > 0:
+            return spec.name, host, port
         try:
             engine.wait_healthy(spec.rollout.startup_timeout_s)
         except BaseException:
@@ -211,12 +261,9 @@ class EngineHost:
             raise
         return spec.name, host, port
 
-    def restart(self, spec: EngineSpec) -> EngineAddress:
-        """Stop the engine (if its process still runs) and :meth:`start` a new one from ``spec``: fresh ports,
-        the weights of ``spec.model_path``; its (name, host, port) once healthy."""
-        self.shutdown()
-        self._engine = None
-        return self.start(spec)
+    def running(self) -> bool:
+        """Whether the engine process started here still runs."""
+        return self._engine is not None and self._engine.process is not None and self._engine.process.exit_code is None
 
     def process_report(self, settle_s: float = 0.0) -> str:
         """The engine's exit code and log tail once its process has ended (read on this node), else ''."""
@@ -249,33 +296,67 @@ def host_process_report(host: EngineHostHandle, name: str, settle_s: float) -> s
         return f"; the host actor of engine {name} is gone, and its log with it unless its node is up: {error}"
 
 
-class EngineHosts:
-    """One :class:`EngineHost` actor per spec, each on the first of its bundles; the engines start on construction.
+def engine_process_report(hosts: Sequence[EngineHostHandle], name: str, settle_s: float) -> str:
+    """The process report of engine ``name`` whose node processes ``hosts`` run (node rank order): every ended
+    node's, each named by its node rank when the engine spans nodes; '' while all run."""
+    if len(hosts) == 1:
+        return host_process_report(hosts[0], name, settle_s)
+    reports = [host_process_report(host, f"{name} (node {node})", settle_s) for node, host in enumerate(hosts)]
+    return "".join(f"; node {node}{report}" for node, report in enumerate(reports) if report)
 
-    Construction returns as soon as every host is asked to start its engine, so the caller can build
-    the trainer ranks meanwhile; :meth:`wait_healthy` returns once every engine answers. ``addresses``
-    and ``clients`` exist from then on: HTTP clients of the engines in spec order, sending the specs'
-    API key; when an engine's process has died, their errors carry its exit code and log tail, read by
-    its host on the engine's node.
+
+class EngineHosts:
+    """One :class:`EngineHost` actor per engine process, each on the first of its bundles; the engines start on
+    construction.
+
+    ``specs``: per engine, its spec, or for an engine spanning nodes one spec per node in node-rank
+    order (``nnodes`` of them); ``bundle_indices`` alike: an engine's first bundle, or the first bundle
+    of each of its nodes. Construction returns as soon as every host is asked to start its process, so
+    the caller can build the trainer ranks meanwhile; :meth:`wait_healthy` returns once every engine
+    answers. ``addresses`` and ``clients`` exist from then on: HTTP clients of the engines (node 0) in
+    spec order, sending the specs' API key; when an engine process has died, their errors carry its
+    exit code and log tail, read by its host on its node.
     Start-up failures raise EngineStartupError naming the engine (after stopping every host);
     :meth:`close` stops them all, started or not.
     """
 
     def __init__(
         self,
-        specs: Sequence[EngineSpec],
+        specs: Sequence[EngineSpec | Sequence[EngineSpec]],
         placement: PlacementGroup,
-        bundle_indices: Sequence[int],
+        bundle_indices: Sequence[int | Sequence[int]],
         resources: ActorResources,
     ) -> None:
         if len(specs) != len(bundle_indices):
             raise ValueError(f"{len(specs)} engine specs for {len(bundle_indices)} bundles")
-        self._specs = list(specs)
-        self._placement, self._bundle_indices, self._resources = placement, list(bundle_indices), resources
-        self._hosts = [self._new_host(index) for index in range(len(self._specs))]
-        self._starting = [h.start.remote(s) for h, s in zip(self._hosts, specs, strict=True)]
+        self._nodes = [[spec] if isinstance(spec, EngineSpec) else list(spec) for spec in specs]
+        self._bundles = [[index] if isinstance(index, int) else list(index) for index in bundle_indices]
+        for nodes, bundles in zip(self._nodes, self._bundles, strict=True):
+            if len(nodes) != len(bundles) or [s.node_rank for s in nodes] != list(range(nodes[0].nnodes)):
+                raise ValueError(
+                    f"engine {nodes[0].name}: {len(nodes)} node specs (ranks {[s.node_rank for s in nodes]}) and "
+                    f"{len(bundles)} bundles for {nodes[0].nnodes} nodes"
+                )
+        self._specs = [nodes[0] for nodes in self._nodes]
+        self._placement, self._resources = placement, resources
+        self._hosts = [[self._new_host(index, node) for node in range(len(n))] for index, n in enumerate(self._nodes)]
+        self._starting = [self._launch(index) for index in range(len(self._nodes))]
         self._addresses: list[EngineAddress] | None = None
         self._clients: list[HttpEngine] | None = None
+
+    def _launch(self, index: int) -> list[ray.ObjectRef]:
+        """Ask every node host of engine ``index`` to start its process (node 0's host picks where they meet)."""
+        nodes, hosts = self._nodes[index], self._hosts[index]
+        if len(nodes) == 1:
+            return [hosts[0].start.remote(nodes[0])]
+        try:
+            meet = ray.get(hosts[0].dist_init_address.remote(nodes[0]), timeout=HOST_REPORT_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+            raise EngineStartupError(f"engine {nodes[0].name}: its node 0 host gave no address: {error}") from error
+        return [h.start.remote(replace(s, dist_init_addr=meet)) for h, s in zip(hosts, nodes, strict=True)]
+
+    def _report(self, index: int) -> functools.partial[str]:
+        return functools.partial(engine_process_report, list(self._hosts[index]), self._specs[index].name)
 
     def wait_healthy(self) -> None:
         """Return once every engine is healthy (at once after the first call); on a failure, stop every host
@@ -283,7 +364,7 @@ class EngineHosts:
         if self._clients is not None:
             return
         try:
-            addresses = self._gather(self._starting)
+            addresses = [self._await(index, refs) for index, refs in enumerate(self._starting)]
         except BaseException:
             self.close()
             raise
@@ -293,13 +374,13 @@ class EngineHosts:
                 name,
                 host,
                 port,
-                remote_process_report=functools.partial(host_process_report, actor, name),
+                remote_process_report=self._report(index),
                 max_concurrent_requests=spec.rollout.max_concurrent_requests,
                 request_timeout_s=spec.rollout.request_timeout_s,
                 routed_experts_shape=spec.routed_experts_shape,
                 api_key=spec.api_key,
             )
-            for (name, host, port), spec, actor in zip(addresses, self._specs, self._hosts, strict=True)
+            for index, ((name, host, port), spec) in enumerate(zip(addresses, self._specs, strict=True))
         ]
 
     @property
@@ -316,55 +397,67 @@ class EngineHosts:
             raise RuntimeError("engine clients exist once EngineHosts.wait_healthy has returned")
         return self._clients
 
-    def _new_host(self, index: int) -> EngineHostHandle:
-        """A host actor for engine ``index`` on the first of its bundles."""
+    def _new_host(self, index: int, node: int = 0) -> EngineHostHandle:
+        """A host actor for node ``node`` of engine ``index`` on the first of that node's bundles."""
         return RemoteEngineHost.options(
             num_gpus=self._resources.num_gpus,
             num_cpus=self._resources.num_cpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, self._bundle_indices[index]),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, self._bundles[index][node]),
             runtime_env={"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}},
         ).remote()
 
     def restart(self, index: int) -> EngineAddress:
-        """Start engine ``index`` again on its bundle, as at start-up; its client now talks to the new process.
+        """Start engine ``index`` again on its bundles, as at start-up, every node's process (a crash of any one
+        restarts the whole engine); its client now talks to the new node 0.
 
-        The host actor restarts it in place; a host actor that is gone is replaced on the same bundle.
-        Returns the new (name, host, port); EngineStartupError when the new process does not become healthy.
+        Each host actor stops its process and starts a new one; a host actor that is gone is replaced on the
+        same bundle. Returns the new (name, host, port); EngineStartupError when the new engine is not healthy.
         """
-        spec, host = self._specs[index], self._hosts[index]
-        try:
-            address = self._gather([host.restart.remote(spec)], [spec])[0]
-        except EngineStartupError as error:
-            if not isinstance(error.__cause__, ray.exceptions.RayActorError):
-                raise
-            ray.kill(host)
-            host = self._hosts[index] = self._new_host(index)
-            address = self._gather([host.start.remote(spec)], [spec])[0]
+        hosts = self._hosts[index]
+        stops = [host.shutdown.remote() for host in hosts]
+        for node, stop in enumerate(stops):
+            try:
+                ray.get(stop, timeout=SHUTDOWN_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.kill(hosts[node])  # its engine dies with it (die_with_parent)
+                hosts[node] = self._new_host(index, node)
+        address = self._await(index, self._launch(index))
         self.addresses[index] = address
         _, ip, port = address
-        self.clients[index].rebind(ip, port, functools.partial(host_process_report, host, spec.name))
+        self.clients[index].rebind(ip, port, self._report(index))
         return address
 
-    def _gather(self, refs: list[ray.ObjectRef], specs: Sequence[EngineSpec] | None = None) -> list[EngineAddress]:
-        addresses = []
-        for spec, ref in zip(self._specs if specs is None else specs, refs, strict=True):
-            try:
-                addresses.append(ray.get(ref))
-            except ray.exceptions.RayTaskError as error:
-                cause = error.cause if isinstance(error.cause, Exception) else error
-                raise EngineStartupError(f"engine {spec.name} failed to start: {cause}") from error
-            except ray.exceptions.RayActorError as error:
-                raise EngineStartupError(f"the host actor of engine {spec.name} died: {error}") from error
-        return addresses
+    def _await(self, index: int, refs: list[ray.ObjectRef]) -> EngineAddress:
+        """Engine ``index``'s address once node 0 is healthy and every node's process runs."""
+        spec, hosts = self._specs[index], self._hosts[index]
+        try:
+            address = ray.get(refs[0])
+            ray.get(refs[1:])
+            running = ray.get([host.running.remote() for host in hosts[1:]])
+        except ray.exceptions.RayTaskError as error:
+            cause = error.cause if isinstance(error.cause, Exception) else error
+            raise EngineStartupError(f"engine {spec.name} failed to start: {cause}") from error
+        except ray.exceptions.RayActorError as error:
+            raise EngineStartupError(f"a host actor of engine {spec.name} died: {error}") from error
+        if not all(running):
+            raise EngineStartupError(
+                f"engine {spec.name}: node 0 became healthy but a node process ended{self._report(index)(0.0)}"
+            )
+        return address
 
     def pids(self) -> list[int | None]:
-        """Process ids of the engine servers, in spec order."""
-        return ray.get([host.pid.remote() for host in self._hosts])
+        """Process ids of the engine servers (node 0's), in spec order."""
+        return ray.get([hosts[0].pid.remote() for hosts in self._hosts])
+
+    def node_pids(self, index: int) -> list[int | None]:
+        """Process ids of engine ``index``'s node processes, in node-rank order."""
+        return ray.get([host.pid.remote() for host in self._hosts[index]])
 
     def close(self) -> None:
-        """Stop every engine, then end its host actor (an engine whose stop fails dies with its actor)."""
-        stops = [host.shutdown.remote() for host in self._hosts]
+        """Stop every engine process, then end its host actor (a process whose stop fails dies with its actor)."""
+        hosts = [host for engine in self._hosts for host in engine]
+        stops = [host.shutdown.remote() for host in hosts]
         ray.wait(stops, num_returns=len(stops), timeout=SHUTDOWN_TIMEOUT_S)
-        for host in self._hosts:
+        for host in hosts:
             ray.kill(host)
         self._hosts = []

@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megatron_rl.plan.placement import PlacementError
 
-__all__ = ["PlacementError", "RankSlot", "check_capacity", "create_rank_slots", "engine_gpu_ids"]
+__all__ = ["PlacementError", "RankSlot", "check_capacity", "create_rank_slots", "engine_gpu_ids", "engine_node_slots"]
 
 
 @dataclass(frozen=True)
@@ -100,15 +100,31 @@ def create_rank_slots(
     return group, sorted(slots, key=lambda slot: (slot.node_ip, slot.gpu_ids, slot.bundle_index))
 
 
-def engine_gpu_ids(slots: Sequence[RankSlot]) -> tuple[str, ...]:
-    """The GPU ids Ray assigned to one engine's bundles, in bundle order; all on one node.
+def engine_node_slots(slots: Sequence[RankSlot], nnodes: int = 1) -> list[list[RankSlot]]:
+    """One engine's bundles (sorted as :func:`create_rank_slots` sorts them) split by node, in node order: the
+    engine's processes, one per node (``nnodes`` of them).
 
-    Raises ValueError when the bundles lie on several nodes (the engine cannot span them).
+    Raises ValueError when the bundles lie on another number of nodes than ``nnodes``, or not as many on each
+    (SGLang gives every node tp_size / nnodes ranks).
     """
-    nodes = sorted({slot.node_ip for slot in slots})
-    if len(nodes) > 1:
+    nodes: dict[str, list[RankSlot]] = {}
+    for slot in slots:
+        nodes.setdefault(slot.node_ip, []).append(slot)
+    split = list(nodes.values())
+    if len(split) != nnodes or len({len(node) for node in split}) > 1:
+        counts = {ip: len(node) for ip, node in nodes.items()}
         raise ValueError(
-            f"an engine's {len(slots)} bundles landed on nodes {nodes}; engines spanning nodes are not supported "
-            "(rollout.tp x rollout.dp must divide cluster.gpus_per_node)"
+            f"an engine of {nnodes} node(s) got its {len(slots)} bundles on nodes {counts}; it needs "
+            f"{len(slots) // max(nnodes, 1)} on each of {nnodes} nodes (rollout.tp x rollout.dp a multiple of "
+            "cluster.gpus_per_node, or a divisor of it)"
         )
-    return tuple(gpu for slot in slots for gpu in slot.gpu_ids)
+    return split
+
+
+def engine_gpu_ids(slots: Sequence[RankSlot]) -> tuple[str, ...]:
+    """The GPU ids Ray assigned to one node's bundles of an engine, in bundle order.
+
+    Raises ValueError when the bundles lie on several nodes (split them with :func:`engine_node_slots` first).
+    """
+    (node,) = engine_node_slots(slots) if slots else [[]]
+    return tuple(gpu for slot in node for gpu in slot.gpu_ids)

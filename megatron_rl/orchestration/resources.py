@@ -29,7 +29,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray
@@ -49,7 +49,7 @@ from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.engine_recovery import DeferredEngineRecovery, EngineRecovery
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
 from megatron_rl.orchestration.network import LOOPBACK_ADDRESS, RunNetwork
-from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids
+from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids, engine_node_slots
 from megatron_rl.orchestration.preemption import handlers_kept_through_ray_init
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import TrainerWorker
@@ -371,31 +371,34 @@ def start_engines(
     api_key: str | None = None,
 ) -> EngineHosts:
     """One engine per ``plan.engine_positions`` entry, on the GPUs of its bundles, loading ``hf_dir``; starting on
-    return (:meth:`~megatron_rl.orchestration.engine_host.EngineHosts.wait_healthy` waits for them).
+    return (:meth:`~megatron_rl.orchestration.engine_host.EngineHosts.wait_healthy` waits for them). An engine
+    whose bundles span ``plan.engine_nodes`` nodes runs one process per node.
 
     Each listens on its node's address in ``network`` and requires ``api_key``.
     """
     network = network or RunNetwork.of(cfg.cluster)
-    specs, host_bundles = [], []
+    specs: list[list[EngineSpec]] = []
+    host_bundles: list[list[int]] = []
     routed_experts_shape = _routed_experts_shape(cfg, hf_dir)
+    nnodes = plan.engine_nodes
     for index, positions in enumerate(plan.engine_positions):
-        engine_slots = [slots[position] for position in positions]
-        specs.append(
-            EngineSpec(
-                name=f"{cfg.rollout.engine}{index}",
-                kind=cfg.rollout.engine,
-                model_path=str(hf_dir.resolve()),
-                log_dir=str(Path(cfg.log_dir).resolve()),
-                rollout=cfg.rollout,
-                seed=cfg.train.seed + index,
-                gpu_ids=engine_gpu_ids(engine_slots) if cfg.cluster.gpus_per_node else (),
-                routing_replay=cfg.algorithm.routing_replay,
-                routed_experts_shape=routed_experts_shape,
-                network=network,
-                api_key=api_key,
-            )
+        nodes = engine_node_slots([slots[position] for position in positions], nnodes)
+        spec = EngineSpec(
+            name=f"{cfg.rollout.engine}{index}",
+            kind=cfg.rollout.engine,
+            model_path=str(hf_dir.resolve()),
+            log_dir=str(Path(cfg.log_dir).resolve()),
+            rollout=cfg.rollout,
+            seed=cfg.train.seed + index,
+            routing_replay=cfg.algorithm.routing_replay,
+            routed_experts_shape=routed_experts_shape,
+            network=network,
+            api_key=api_key,
+            nnodes=nnodes,
         )
-        host_bundles.append(engine_slots[0].bundle_index)
+        gpus = [engine_gpu_ids(node) if cfg.cluster.gpus_per_node else () for node in nodes]
+        specs.append([replace(spec, node_rank=rank, gpu_ids=ids) for rank, ids in enumerate(gpus)])
+        host_bundles.append([node[0].bundle_index for node in nodes])
     return EngineHosts(specs, placement, host_bundles, plan.engine_host)
 
 

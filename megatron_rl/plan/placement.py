@@ -22,9 +22,10 @@ positions in that order, so what shares a node is contiguous:
   (:func:`~megatron_rl.weight_sync.engine_feeds.colocated_feeds`).
 
 Validation (:mod:`megatron_rl.config.checks`) guarantees that ``k`` divides the GPUs
-per node and the engines' GPU count (hence the trainer's too), so no engine's bundles
-span two nodes;
-:func:`~megatron_rl.orchestration.placement_group.engine_gpu_ids` re-checks it on the bundles
+per node, or is a whole number of nodes (an engine spanning nodes: its bundles are the
+whole of ``k / gpus_per_node`` consecutive nodes, ``engine_nodes``), and divides the engines'
+GPU count, so no engine straddles a node partially;
+:func:`~megatron_rl.orchestration.placement_group.engine_node_slots` re-checks it on the bundles
 Ray actually gave.
 """
 
@@ -65,6 +66,8 @@ class RunPlacementPlan:
     engine_positions: tuple[tuple[int, ...], ...]
     trainer: ActorResources
     engine_host: ActorResources
+    engine_nodes: int = 1
+    """Nodes each engine spans (its bundles on that many consecutive nodes, one process per node)."""
 
 
 def plan_run_placement(cfg: RunConfig) -> RunPlacementPlan:
@@ -106,4 +109,5 @@ def plan_run_placement(cfg: RunConfig) -> RunPlacementPlan:
         ),
         trainer=ActorResources(num_gpus=share, num_cpus=share),
         engine_host=ActorResources(num_gpus=ENGINE_HOST_SHARE, num_cpus=ENGINE_HOST_SHARE),
+        engine_nodes=max(1, size // cfg.cluster.gpus_per_node),
     )

@@ -158,7 +158,7 @@ def test_hosted_engine_generates_and_dies_with_its_actor(bundles: PlacementGroup
 
         (pid,) = hosts.pids()
         assert _alive(pid)
-        ray.kill(hosts._hosts[0])  # the actor dies without shutting its engine down
+        ray.kill(hosts._hosts[0][0])  # the actor dies without shutting its engine down
         deadline = time.monotonic() + 15
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)

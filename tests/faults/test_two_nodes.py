@@ -23,11 +23,13 @@ machine.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -35,8 +37,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.rollout.reference.node_group import NODE_LOST_EXIT_CODE
 from tests.e2e.tiny_runs import RUN, TWO_STEPS, read_metrics, run_env, train_command, without_wall_clock
 from tests.ray_processes import RAY, free_ports, kill_tree, node_ports, ray_probe, wait_for_nodes
+from tests.tiny_checkpoints import save_tiny_moe
 
 HEAD_IP, SECOND_IP = "127.0.0.2", "127.0.0.3"
 STAND_IN_CPUS = 0.6
@@ -215,3 +219,34 @@ def test_colocated_engines_on_two_nodes_are_fed_by_their_own_nodes_ranks_and_lea
     two, one = _learned(tmp_path / "two_nodes"), _learned(tmp_path / "one_node")
     assert [r["step"] for r in two] == [0, 1, 2]
     assert two == one
+
+
+def test_an_engine_spanning_both_nodes_generates_syncs_and_restarts_whole(tmp_path: Path) -> None:
+    """One reference engine of two node processes, one per Ray node (SGLang's --nnodes/--node-rank/--dist-init-addr
+    launch, node 0 serving HTTP): its generations equal a one-node engine's for the same seeds; a distributed
+    weight sync reaches both processes (each joined the broadcast group at its own rank and the nodes agree on
+    the weight); SIGKILL of the second node's process fails the engine at once, naming the lost node, and a
+    restart brings both processes back, generating as before (tests/faults/multinode_engine_scenario.py)."""
+    model = save_tiny_moe(tmp_path / "moe")
+    with _two_node_cluster(hold_second_node=False) as cluster_env:
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.faults.multinode_engine_scenario", str(model), str(tmp_path / "logs")],
+            env=cluster_env | {"PYTHONPATH": run_env()["PYTHONPATH"]},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    assert result.returncode == 0, result.stderr[-4000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["nodes"] == [HEAD_IP, SECOND_IP] and seen["address"] == HEAD_IP  # node 0 serves HTTP
+    assert seen["same_as_one_node"] is True
+    assert seen["synced"] == [[0.25] * len(row) for row in seen["synced"]] and len(seen["synced"]) == 2
+    assert f"exited with code {NODE_LOST_EXIT_CODE}" in seen["crash_error"], seen["crash_error"]
+    assert "engine node 1 is gone" in seen["crash_error"]
+    assert seen["new_pids_differ"] is True and seen["after_restart_same"] is True
+    logs = tmp_path / "logs"
+    node_logs = {path.name: path.read_text() for path in logs.glob("ref0*.log")}
+    joined = re.findall(
+        r"joining weight update group 'sync' at [\d.]+:\d+ as rank (\d) of 3", "".join(node_logs.values())
+    )
+    assert sorted(joined) == ["1", "2"], node_logs.keys()  # each node joined at rank_offset + its node rank

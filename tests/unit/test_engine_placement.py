@@ -15,6 +15,7 @@ from megatron_rl.orchestration.placement_group import (
     bundle_resources,
     check_capacity,
     engine_gpu_ids,
+    engine_node_slots,
 )
 from megatron_rl.plan.placement import ActorResources, plan_run_placement
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
@@ -63,25 +64,37 @@ def test_colocated_cpu_engines_on_several_nodes_sit_beside_the_ranks_that_feed_t
         assert plan.trainer_positions[feeder] // 3 == position // 3  # the same node's block
 
 
-def test_engine_spanning_nodes_is_refused_at_validate_time(qwen3_30b_overrides: list[str]) -> None:
-    with pytest.raises(RecipeError) as info:
-        _load(qwen3_30b_overrides, "rollout.tp=8", "rollout.dp=2")
-    assert any(
-        p.startswith(
-            "rollout.tp: each engine takes rollout.tp (8) x rollout.dp (2) = 16 GPUs, more than "
-            "cluster.gpus_per_node (8): engines spanning nodes are not supported"
-        )
-        for p in info.value.problems
-    )
+def test_an_engine_of_whole_nodes_is_valid_and_partial_or_unfed_ones_are_refused(qwen3_30b_overrides) -> None:
+    disaggregated = ("rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=distributed")
+    cfg = _load(qwen3_30b_overrides, "rollout.tp=16", "rollout.ep=16", *disaggregated)  # 2 nodes of 8 GPUs
+    plan = plan_run_placement(cfg)
+    assert plan.engine_nodes == 2 and plan.engine_positions == (tuple(range(16, 32)),)
+    refusals = {
+        ("rollout.tp=12",): "rollout.tp: each engine takes rollout.tp (12) x rollout.dp (1) = 12 GPUs, more than "
+        "cluster.gpus_per_node (8) and not a multiple of it",
+        ("rollout.tp=8", "rollout.dp=2"): "rollout.dp: 2: SGLang 0.5.23 refuses data-parallel replicas in an engine "
+        "spanning nodes",
+        ("rollout.tp=16", "weight_sync.transport=tensor"): "weight_sync.transport: the per-GPU tensor transport into "
+        "an engine spanning 2 nodes",
+        ("rollout.tp=64",): "rollout.tp: each engine spans 8 nodes",
+    }
+    for overrides, problem in refusals.items():
+        with pytest.raises(RecipeError) as info:
+            _load(qwen3_30b_overrides, *overrides)
+        assert any(p.startswith(problem) for p in info.value.problems), (overrides, info.value.problems)
     with pytest.raises(RecipeError) as info:
         _load(qwen3_30b_overrides, "rollout.tp=2", "rollout.dp=3")
     assert any("6 GPUs per engine does not divide cluster.gpus_per_node (8)" in p for p in info.value.problems)
 
 
-def test_engine_bundles_on_two_nodes_are_refused() -> None:
-    slots = [RankSlot(0, "10.0.0.1", ("7",)), RankSlot(1, "10.0.0.2", ("0",))]
-    with pytest.raises(ValueError, match="spanning nodes are not supported"):
-        engine_gpu_ids(slots)
+def test_an_engines_bundles_split_by_node_equally_or_are_refused() -> None:
+    slots = [RankSlot(0, "10.0.0.1", ("6",)), RankSlot(1, "10.0.0.1", ("7",)), RankSlot(2, "10.0.0.2", ("0",))]
+    with pytest.raises(ValueError, match="it needs 1 on each of 2 nodes"):
+        engine_node_slots(slots, nnodes=2)  # 2 on one node, 1 on the other: SGLang needs tp / nnodes on each
+    with pytest.raises(ValueError, match="on nodes"):
+        engine_gpu_ids(slots[1:])
+    nodes = engine_node_slots([*slots, RankSlot(3, "10.0.0.2", ("1",))], nnodes=2)
+    assert [engine_gpu_ids(node) for node in nodes] == [("6", "7"), ("0", "1")]
     assert engine_gpu_ids([RankSlot(3, "10.0.0.1", ("2",)), RankSlot(4, "10.0.0.1", ("3",))]) == ("2", "3")
 
 

@@ -816,3 +816,17 @@ def test_sglangs_seeded_sampler_makes_our_samples_repeatable_and_different_from_
     assert first == again
     assert len({tuple(sample) for sample in first}) == 4, first
     assert len({tuple(sample) for sample in alike}) == 1, alike
+
+
+@needs_sglang
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_node_of_an_engine_spanning_two_nodes_parses_in_sglangs_server_args(node_rank):
+    from sglang.srt.server_args import prepare_server_args
+
+    config = RolloutConfig(tp=16, ep=16, dp=1, placement="disaggregated")
+    placement = SGLangPlacement(0, 30000, 30001, host="10.0.0.1", dist_init_addr="10.0.0.1:29500", nnodes=2)
+    placement = dataclasses.replace(placement, node_rank=node_rank)
+    command = build_sglang_command(config, placement, "/models/qwen3", python="python")
+    args = prepare_server_args(command[3:])
+    assert (args.nnodes, args.node_rank, args.dist_init_addr) == (2, node_rank, "10.0.0.1:29500")
+    assert (args.tp_size, args.ep_size, args.dp_size, args.base_gpu_id) == (16, 16, 1, 0)

@@ -134,7 +134,7 @@ START_REFUSALS = (
     Refusal(
         "rollout/reference/server.py", "no config.json", ("model.random_init=null", "model.path={empty}"), "model.path"
     ),
-    Refusal("rollout/reference/backend.py", "the reference engine has 1 TP rank", ("rollout.tp=2",), "rollout.tp"),
+    Refusal("rollout/reference/backend.py", "TP rank(s); got", ("rollout.tp=2",), "rollout.tp"),
     Refusal(
         "rollout/reference/backend.py",
         "longer than the model's context length",
@@ -150,9 +150,7 @@ START_REFUSALS = (
     Refusal(
         "rollout/scoring.py", "num_workers must be >= 1", ("data.reward_num_workers=0",), "data.reward_num_workers"
     ),
-    Refusal(
-        "rollout/sglang_engine.py", "an engine spanning nodes", ("rollout.tp=8", "rollout.dp=2"), "rollout.tp", QWEN_30B
-    ),
+    Refusal("rollout/sglang_engine.py", "an engine spanning nodes", ("rollout.tp=12",), "rollout.tp", QWEN_30B),
     Refusal(
         "rollout/sglang_engine.py",
         "needs rollout.max_total_tokens",
@@ -161,7 +159,7 @@ START_REFUSALS = (
     ),
     Refusal(
         "orchestration/placement_group.py",
-        "engines spanning nodes",
+        "on each of",
         ("rollout.tp=2", "rollout.dp=3"),
         "rollout.tp",
         QWEN_30B,
@@ -226,6 +224,13 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/reference/backend.py", "WeightUpdateRefused"): "the weight-update protocol's state at request time "
     "(session, groups, flush), as SGLang refuses it",
     ("rollout/reference/server.py", "timeout must be >= 0"): "a request argument of /flush_cache",
+    ("rollout/reference/backend.py", "tp_rank"): "node rank and count of an engine spanning nodes, set by its host "
+    "from the placement (engine_node_slots), not the recipe",
+    ("rollout/reference/engine.py", "node_rank"): "node rank and count of an engine spanning nodes, set by its host "
+    "from the placement, not the recipe",
+    ("rollout/reference/engine.py", "needs dist_init_addr"): "the meeting address node 0's host picks at each start",
+    ("rollout/reference/node_group.py", ""): "the launch contract of an engine spanning nodes (node rank, "
+    "dist_init_addr), filled in by its hosts from the placement",
     ("actor/step_data.py", "mini_batch_sizes"): "internal contract of StepData",
     ("actor/step_data.py", "must have shape"): "internal contract of StepData",
     ("actor/step_data.py", "does not split over"): "validate's batch divisibility check makes every full step "

@@ -105,7 +105,10 @@ class ReferenceBackend:
     ``context_length``: positions per sequence (SGLang's ``--context-length``; default the
     model's ``max_position_embeddings``). ``fp8_block``: serve FP8 weights of that block, as
     SGLang started from an FP8 checkpoint (:class:`Fp8Weights`): each update's FP8 weights and
-    scales are kept and the model computes with their product.
+    scales are kept and the model computes with their product. ``tp_rank`` of ``tp_size``: this
+    process's rank in an engine of several node processes, one rank each
+    (:mod:`~megatron_rl.rollout.reference.node_group`): it joins weight groups at
+    ``rank_offset + tp_rank`` and takes payload ``tp_rank`` of a tensor update, as SGLang's TP ranks do.
     """
 
     def __init__(
@@ -117,7 +120,12 @@ class ReferenceBackend:
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         context_length: int | None = None,
         fp8_block: tuple[int, int] | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} must be in [0, tp_size={tp_size})")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model = model.eval()
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
@@ -452,7 +460,8 @@ class ReferenceBackend:
     def update_from_tensor(
         self, payloads: list[str], version: str | None, flush: bool = False, load_format: str | None = None
     ) -> None:
-        """Load one serialized bucket (this engine has one rank, so exactly one payload); inside a session.
+        """Load one serialized bucket: one payload per TP rank, this rank's is ``payloads[tp_rank]``; inside a
+        session.
 
         ``load_format`` as SGLang's: None or ``"direct"`` (a list of named tensors; this engine loads
         by name either way) or ``"flattened_bucket"`` (one flat tensor and metadata); any other is
@@ -463,9 +472,11 @@ class ReferenceBackend:
             raise ValueError(f"Unknown load_format={load_format}")
         with self._control:
             self._require_session("update_weights_from_tensor")
-            if len(payloads) != 1:
-                raise ValueError(f"the reference engine has 1 TP rank; got {len(payloads)} serialized_named_tensors")
-            named_tensors = deserialize_payload(payloads[0], load_format)
+            if len(payloads) != self.tp_size:
+                raise ValueError(
+                    f"the reference engine has {self.tp_size} TP rank(s); got {len(payloads)} serialized_named_tensors"
+                )
+            named_tensors = deserialize_payload(payloads[self.tp_rank], load_format)
             self._check_sender(shared_memory_owners(named_tensors))
             self._shared_buffers.hold(named_tensors)
             self._load(named_tensors, version, flush)
@@ -486,7 +497,8 @@ class ReferenceBackend:
                 self._last_sender = self._sender
 
     def init_group(self, request: InitWeightsUpdateGroupRequest) -> None:
-        """Join the trainer's broadcast group as rank ``rank_offset``; blocks other weight requests until it forms."""
+        """Join the trainer's broadcast group as rank ``rank_offset + tp_rank`` (SGLang's rank of a TP rank);
+        blocks other weight requests until it forms."""
         self._assert_single_dp("update weights from distributed")
         with self._control:
             self._init_group(request)
@@ -499,14 +511,14 @@ class ReferenceBackend:
             request.group_name,
             request.master_address,
             request.master_port,
-            request.rank_offset,
+            request.rank_offset + self.tp_rank,
             request.world_size,
             request.backend,
         )
         self._groups[request.group_name] = create_weight_group(
             request.master_address,
             request.master_port,
-            request.rank_offset,
+            request.rank_offset + self.tp_rank,
             request.world_size,
             request.group_name,
             request.backend,

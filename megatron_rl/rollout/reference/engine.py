@@ -21,10 +21,15 @@ def build_reference_command(
     device: str | None = None,
     seed: int = 0,
     num_threads: int = 1,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    dist_init_addr: str | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """``python -m megatron_rl.rollout.reference.server ...`` for one engine (ValueError for a wildcard host;
-    ``num_threads``: torch intra-op threads).
+    ``num_threads``: torch intra-op threads). ``nnodes``/``node_rank``/``dist_init_addr``: one node process
+    of an engine spanning nodes, SGLang's flags (:mod:`~megatron_rl.rollout.reference.node_group`);
+    ValueError for a node rank outside [0, nnodes) or several nodes without ``dist_init_addr``.
 
     Never carries an API key: the key goes through the environment (:data:`~megatron_rl.rollout.access.API_KEY_ENV`).
     """
@@ -33,6 +38,12 @@ def build_reference_command(
     command += ["--seed", str(seed), "--num-threads", str(num_threads)]
     if device is not None:
         command += ["--device", device]
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank {node_rank} must be in [0, nnodes={nnodes})")
+    if nnodes > 1:
+        if not dist_init_addr:
+            raise ValueError("an engine spanning nodes (nnodes > 1) needs dist_init_addr (host:port of node 0)")
+        command += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
     return command
 
 
@@ -44,6 +55,8 @@ class ReferenceEngine(HttpEngine):
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
     ``api_key``: the server requires it (passed in its environment, kept out of its log) and this
     client sends it; ``env``: more environment variables for the server (e.g. ``GLOO_SOCKET_IFNAME``).
+    ``nnodes``/``node_rank``/``dist_init_addr``: one node process of an engine spanning nodes (only node
+    rank 0 serves HTTP, so only its client talks to it).
     """
 
     def __init__(
@@ -65,6 +78,9 @@ class ReferenceEngine(HttpEngine):
         die_with_parent: bool = False,
         api_key: str | None = None,
         env: Mapping[str, str] | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        dist_init_addr: str | None = None,
     ) -> None:
         command = build_reference_command(
             model_path,
@@ -75,6 +91,9 @@ class ReferenceEngine(HttpEngine):
             device=device,
             seed=seed,
             num_threads=num_threads,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            dist_init_addr=dist_init_addr,
         )
         server_env = dict(env or {}) | {API_KEY_ENV: api_key or ""}  # never a key inherited from this process
         process = ServerProcess(

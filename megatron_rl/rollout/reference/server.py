@@ -2,7 +2,9 @@
 
 Run ``python -m megatron_rl.rollout.reference.server --model-path DIR --port P``
 (binds 127.0.0.1 unless ``--host`` names another address; a wildcard such as
-``0.0.0.0`` is refused). ``--load-format dummy`` initialises random weights from
+``0.0.0.0`` is refused). An engine of several node processes takes SGLang's
+``--nnodes N --node-rank k --dist-init-addr HOST:PORT`` (:mod:`node_group`; only
+node rank 0 serves HTTP). ``--load-format dummy`` initialises random weights from
 ``DIR/config.json`` (as SGLang's dummy format), for engines that will receive
 their weights from the trainer.
 
@@ -29,6 +31,7 @@ model is loaded (the socket is only opened then).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -188,8 +191,34 @@ _UPDATE_ROUTES = frozenset(
 )
 
 
+Answer = tuple[int, Any]
+"""(HTTP status, payload): a JSON value, a :class:`TextReply` or None (an empty body)."""
+Router = Callable[[str, str, dict[str, Any]], Answer]
+"""What answers a request: (path, query string, JSON body) in, :data:`Answer` out."""
+
+
+def answer(backend: ReferenceBackend, path: str, query: str, body: dict[str, Any]) -> Answer:
+    """The answer of ``backend`` to one request, with SGLang's status codes and bodies (module docstring)."""
+    if path not in ROUTES and path not in QUERY_ROUTES:
+        return 404, {"error": {"message": f"unknown endpoint {path}", "code": 404}}
+    try:
+        if path in QUERY_ROUTES:
+            return 200, QUERY_ROUTES[path](backend, parse_qs(query))
+        return 200, ROUTES[path](backend, body)
+    except WeightUpdateRefused as error:
+        return 400, {"success": False, "message": str(error)}
+    except (ValueError, TypeError, KeyError, EngineStateError) as error:
+        message = f"{type(error).__name__}: {error}"
+        if path in _UPDATE_ROUTES:
+            return 400, {"success": False, "message": message}
+        return 400, {"error": {"message": message, "code": 400}}
+    except Exception:  # noqa: BLE001 - the server must answer, whatever failed (SGLang: Starlette's 500)
+        logger.error("%s failed:\n%s", path, traceback.format_exc())
+        return 500, TextReply("Internal Server Error", 500)
+
+
 class _Handler(BaseHTTPRequestHandler):
-    backend: ReferenceBackend
+    router: Router
     api_key: str | None = None
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
@@ -227,27 +256,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, body: dict[str, Any]) -> None:
         path, _, query = self.path.partition("?")
-        if path not in ROUTES and path not in QUERY_ROUTES:
-            self._reply(404, {"error": {"message": f"unknown endpoint {path}", "code": 404}})
-            return
-        try:
-            if path in QUERY_ROUTES:
-                self._reply(200, QUERY_ROUTES[path](self.backend, parse_qs(query)))
-            else:
-                self._reply(200, ROUTES[path](self.backend, body))
-        except WeightUpdateRefused as error:
-            self._reply(400, {"success": False, "message": str(error)})
-        except (ValueError, TypeError, KeyError, EngineStateError) as error:
-            message = f"{type(error).__name__}: {error}"
-            payload = (
-                {"success": False, "message": message}
-                if path in _UPDATE_ROUTES
-                else {"error": {"message": message, "code": 400}}
-            )
-            self._reply(400, payload)
-        except Exception:  # noqa: BLE001 - the server must answer, whatever failed (SGLang: Starlette's 500)
-            logger.error("%s failed:\n%s", path, traceback.format_exc())
-            self._reply(500, TextReply("Internal Server Error", 500))
+        self._reply(*self.router(path, query, body))
 
     def do_GET(self) -> None:
         if self._authorized():
@@ -276,13 +285,18 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
 
-def build_server(backend: ReferenceBackend, host: str, port: int, *, api_key: str | None = None) -> ThreadingHTTPServer:
+def build_server(
+    backend: ReferenceBackend, host: str, port: int, *, api_key: str | None = None, router: Router | None = None
+) -> ThreadingHTTPServer:
     """A threading HTTP server bound to ``host:port`` serving ``backend`` (call ``serve_forever``).
 
     ``api_key``: requests need it as SGLang's ``--api-key`` does (module docstring); None: no check.
+    ``router``: what answers requests (default :func:`answer` on ``backend``; an engine of several
+    nodes passes its :meth:`~megatron_rl.rollout.reference.node_group.NodeGroup.answer`).
     Raises ValueError for a wildcard ``host`` (every interface).
     """
-    handler = type("ReferenceHandler", (_Handler,), {"backend": backend, "api_key": api_key or None})
+    route = router or functools.partial(answer, backend)
+    handler = type("ReferenceHandler", (_Handler,), {"router": staticmethod(route), "api_key": api_key or None})
     return _Server((check_listen_host(host), port), handler)
 
 
@@ -350,7 +364,12 @@ def main(argv: list[str] | None = None) -> None:
         help="samples decoding at once (KV cache slots); more wait",
     )
     parser.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    parser.add_argument("--nnodes", type=int, default=1, help="node processes of the engine (SGLang's --nnodes)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this process's node (0 serves HTTP)")
+    parser.add_argument("--dist-init-addr", default=None, help="host:port of node 0's node-group store")
     args = parser.parse_args(argv)
+    if args.nnodes > 1 and not args.dist_init_addr:
+        parser.error("--nnodes > 1 needs --dist-init-addr (host:port of node rank 0)")
     api_key = args.api_key or os.environ.pop(API_KEY_ENV, None) or None
     check_listen_host(args.host)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reference-engine %(levelname)s %(message)s")
@@ -365,10 +384,21 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
         fp8_block=fp8_block,
+        tp_rank=args.node_rank,
+        tp_size=args.nnodes,
     )
     if fp8_block is not None and args.load_format != "dummy":
         backend.update_from_disk(args.model_path, version=None)
-    server = build_server(backend, args.host, args.port, api_key=api_key)
+    router = None
+    if args.nnodes > 1:
+        from megatron_rl.rollout.reference import node_group  # imports this module: only engines of several nodes
+
+        node_group.join_nodes(args.dist_init_addr, args.nnodes, args.node_rank)
+        if args.node_rank > 0:
+            node_group.serve_node(backend, answer)
+            return
+        router = node_group.NodeGroup(backend, args.nnodes, answer).answer
+    server = build_server(backend, args.host, args.port, api_key=api_key, router=router)
     logger.info(
         "serving %s on http://%s:%d (%s)",
         args.model_path,
