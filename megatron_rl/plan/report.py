@@ -101,10 +101,12 @@ def engine_section(cfg: RunConfig, arch: QwenArchitecture, engine: EnginePlan, g
     dtype = "fp8 GEMM weights" if rollout.quantization == "fp8" else "bf16 weights"
     kv_heads = engine.kv_bytes_per_token // (2 * arch.num_layers * arch.head_dim * 2)
     fit = engine.tokens_fit / engine.tokens_needed if engine.tokens_needed else 0.0
+    per_node = cfg.cluster.gpus_per_node
+    nodes = f" over {engine.gpus // per_node} nodes, one SGLang process per node" if engine.gpus > per_node else ""
     return [
         "",
         f"engines: {engine.num_engines} x {rollout.engine} tp {rollout.tp} ep {rollout.ep} dp {rollout.dp} "
-        f"({engine.gpus} GPUs each), {rollout.placement}, {dtype}",
+        f"({engine.gpus} GPUs each{nodes}), {rollout.placement}, {dtype}",
         f"    weights per GPU                 {_gib(engine.weight_bytes):>10} GiB",
         f"    KV cache per GPU                {_gib(engine.kv_pool_bytes):>10} GiB "
         f"= {rollout.mem_fraction} x {_gib(gpu_bytes)} GiB - weights",
@@ -159,7 +161,8 @@ def colocated_section(plan: MemoryPlan) -> list[str]:
 def placement_section(
     cfg: RunConfig, trainer_positions: Sequence[int], engine_positions: Sequence[Sequence[int]]
 ) -> list[str]:
-    """One line per node: its GPUs' trainer ranks and engines (positions = node x gpus_per_node + GPU)."""
+    """One line per node: its GPUs' trainer ranks and engines (positions = node x gpus_per_node + GPU); an engine
+    spanning nodes is listed on each of its nodes with its GPUs there."""
     per_node = cfg.cluster.gpus_per_node
     par = cfg.parallel
     lines = [
@@ -170,11 +173,13 @@ def placement_section(
     for node in range(cfg.cluster.nodes):
         ranks = [r for r, pos in enumerate(trainer_positions) if pos // per_node == node]
         gpus = [trainer_positions[r] % per_node for r in ranks]
-        engines = [
-            f"{e} (GPUs {_spans([p % per_node for p in positions])})"
-            for e, positions in enumerate(engine_positions)
-            if positions[0] // per_node == node
-        ]
+        engines = []
+        for e, positions in enumerate(engine_positions):
+            here = [p % per_node for p in positions if p // per_node == node]
+            spanned = sorted({p // per_node for p in positions})
+            if here:
+                spanning = f" of the engine on nodes {_spans(spanned)}" if len(spanned) > 1 else ""
+                engines.append(f"{e} (GPUs {_spans(here)}{spanning})")
         trainer = f"trainer ranks {_spans(ranks)} on GPUs {_spans(gpus)}" if ranks else "no trainer ranks"
         lines.append(f"  node {node}: {trainer}; engines {', '.join(engines) or '-'}")
     return lines

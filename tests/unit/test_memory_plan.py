@@ -234,3 +234,19 @@ def test_plan_235b_on_8_nodes_fits_with_the_uneven_pipeline_its_recipe_names(tmp
     assert "0     0-10 " in out and "1     11-22 " in out and "7     83-93 " in out and "FITS" in out
     assert main(["plan", str(recipe), *overrides, *eight_nodes]) != 0
     assert "parallel.pp: pp (8) x vpp (1) = 8 does not divide the model's 94 layers" in capsys.readouterr().err
+
+
+def test_plan_an_engine_spanning_two_nodes_per_gpu_and_per_node(tmp_path: Path, capsys) -> None:
+    """TP16 x EP16 engines span two nodes: each GPU holds about half the weights of a TP8 engine's (KV heads and
+    norms aside), the KV pool takes what they free, and each node lists the engine with its own GPUs."""
+    recipe = RECIPE.parent / "qwen3_235b_a22b_dapo.yaml"
+    overrides = [f"model.path={tmp_path / 'Qwen3-235B-A22B'}", f"model.config_fallback={QWEN3_235B_A22B_CONFIG_FILE}"]
+    weights = {}
+    for tp in (8, 16):
+        assert main(["plan", str(recipe), *overrides, f"rollout.tp={tp}", f"rollout.ep={tp}"]) == 0
+        out = capsys.readouterr().out
+        weights[tp] = float(next(line for line in out.splitlines() if "weights per GPU" in line).split()[-2])
+    assert 0.45 * weights[8] < weights[16] < 0.55 * weights[8]
+    assert "engines: 8 x sglang tp 16 ep 16 dp 1 (16 GPUs each over 2 nodes, one SGLang process per node)" in out
+    assert "  node 0: trainer ranks 0-7 on GPUs 0-7; engines 0 (GPUs 0-7 of the engine on nodes 0-1)" in out
+    assert "  node 1: trainer ranks 8-15 on GPUs 0-7; engines 0 (GPUs 0-7 of the engine on nodes 0-1)" in out
