@@ -12,7 +12,8 @@ from it, and is killed while the step-4 checkpoint is being written (its staging
 holds Megatron's shard directory); ``latest`` must still name the step-2 checkpoint. The
 third start resumes from it and finishes. Asserted: identical per-step metrics (all but
 wall-clock ones) and a bit-identical final Megatron checkpoint: every tensor of model and optimizer
-equal bitwise, every other entry (optimizer groups, step counts) equal.
+equal bitwise, every other entry (optimizer groups, step counts) equal. The straight run is the session's
+(``straight_runs``), which test_split_unchanged compares with the base commit's too.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import pytest
 import torch
 
 from tests.e2e.tiny_runs import (
+    FOUR_STEPS,
     PARTIAL_ROLLOUTS,
     RECIPE,
     ROOT,
+    StraightRuns,
     megatron_contents,
     read_metrics,
     run_env,
@@ -54,15 +57,6 @@ RECIPES = {
     "async-partial": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL_ROLLOUTS),
     "async-partial-tools": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL_ROLLOUTS + TOOLS),
 }
-
-OVERRIDES = [
-    "train.steps=4",
-    "train.prompts_per_step=4",
-    "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "train.val_interval=2",
-    "checkpoint.interval=2",
-]
-OVERRIDES += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]"]
 
 
 def _run_killed_when(cwd: Path, recipe: Path, overrides: list[str], moment: Callable[[], bool], what: str) -> None:
@@ -89,12 +83,13 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loop", list(RECIPES))
-def test_killed_and_resumed_run_matches_the_straight_run(tmp_path: Path, loop: str) -> None:
+def test_killed_and_resumed_run_matches_the_straight_run(
+    tmp_path: Path, straight_runs: StraightRuns, loop: str
+) -> None:
     recipe, run, extra = RECIPES[loop]
-    overrides = OVERRIDES + extra
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    straight.mkdir(), resumed.mkdir()
-    run_train(straight, overrides, recipe)
+    overrides = FOUR_STEPS + extra
+    straight, resumed = straight_runs.run(recipe, overrides), tmp_path / "resumed"
+    resumed.mkdir()
     checkpoints = resumed / run / "checkpoints"
     latest = checkpoints / "latest"
     _run_killed_when(resumed, recipe, overrides, latest.exists, "its first checkpoint")

@@ -4,13 +4,13 @@ What it proves: splitting ``rollout/manager.py`` into engine pool, step selectio
 and submissions kept the groups, seeds, metrics and weights of :data:`BASE` (main at 4ffb843, the
 commit the split was made from).
 
-Each case runs the tiny recipe for three steps from its seed (over-sampling with dynamic sampling,
-validation before and after, a checkpoint at the end) twice, one run after the other on this
-machine with this interpreter and environment: once with :data:`BASE`'s code and recipes (extracted
-from this repository's history with ``git archive`` and put first on PYTHONPATH, ahead of the
-editable install), once with this tree's. The two runs' per-step metrics, all but wall-clock ones
+Each case runs the tiny recipe for four steps from its seed (over-sampling with dynamic sampling,
+validation at steps 0, 2 and 4, a checkpoint every 2 steps) twice on this machine with this interpreter
+and environment: once with :data:`BASE`'s code and recipes (extracted from this repository's history with
+``git archive`` and put first on PYTHONPATH, ahead of the editable install), once with this tree's (the
+session's straight run of that configuration, ``straight_runs``, which test_exact_resume compares with too). The two runs' per-step metrics, all but wall-clock ones
 (:func:`~tests.e2e.tiny_runs.without_wall_clock`), are exactly equal, and every tensor of the two
-final Megatron checkpoints (model and optimizer) is bit-equal, and so is the rest of their state
+final (step 4) Megatron checkpoints (model and optimizer) is bit-equal, and so is the rest of their state
 (:func:`checkpoint_state`: trainer state, LR scheduler, Megatron's RNG trackers, and in the async case
 the unfinished groups carried to the next step). Both sides use the same CPU's float
 arithmetic, so no number recorded on another machine is involved and any x86 CPU or torch build
@@ -41,8 +41,10 @@ import pytest
 import torch
 
 from tests.e2e.tiny_runs import (
+    FOUR_STEPS,
     PARTIAL_ROLLOUTS,
     ROOT,
+    StraightRuns,
     full_tensors,
     read_metrics,
     run_env,
@@ -53,22 +55,12 @@ from tests.e2e.tiny_runs import (
 BASE = "4ffb843afd5d773cf31b0712aee42598488a1daf"
 """The commit the rollout manager split was made from (main before issue 28)."""
 
-OVERRIDES = [
-    "train.steps=3",
-    "train.prompts_per_step=4",
-    "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "train.val_interval=3",
-    "data.synthetic.num_val=16",
-    "checkpoint.interval=3",
-    "logging.sinks=[jsonl]",
-]
-
 CASES = {
-    "sync": ("tiny_moe_cpu_dapo.yaml", Path("runs") / "tiny-moe-cpu-dapo", OVERRIDES),
+    "sync": ("tiny_moe_cpu_dapo.yaml", Path("runs") / "tiny-moe-cpu-dapo", FOUR_STEPS),
     "async-partial": (
         "tiny_moe_cpu_dapo_async.yaml",
         Path("runs") / "tiny-moe-cpu-dapo-async",
-        OVERRIDES + PARTIAL_ROLLOUTS,
+        FOUR_STEPS + PARTIAL_ROLLOUTS,
     ),
 }
 """Each case: its recipe (in ``recipes/`` of the tree that runs it), its run directory, its overrides."""
@@ -141,15 +133,12 @@ def checkpoint_state(checkpoint: Path) -> dict[str, object]:
     }
 
 
-def run_case(case: str, code: Path, workdir: Path) -> CaseResult:
-    """Run ``case`` with ``code``'s megatron_rl and recipe in ``workdir``; what it left."""
-    recipe, run, overrides = CASES[case]
-    workdir.mkdir()
-    assert imported_from(code, workdir).is_relative_to(code.resolve()), f"megatron_rl not imported from {code}"
-    run_train(workdir, overrides, code / "recipes" / recipe, code)
-    checkpoint = workdir / run / "checkpoints" / "step_000003"
+def case_result(case: str, workdir: Path, scratch: Path) -> CaseResult:
+    """What ``case``'s finished run in ``workdir`` left (``scratch``: where its checkpoint is unsharded)."""
+    run = CASES[case][1]
+    checkpoint = workdir / run / "checkpoints" / "step_000004"
     metrics = without_wall_clock(read_metrics(workdir / run))
-    return CaseResult(metrics, full_tensors(checkpoint, workdir), checkpoint_state(checkpoint))
+    return CaseResult(metrics, full_tensors(checkpoint, scratch), checkpoint_state(checkpoint))
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -191,9 +180,17 @@ ADDED_SINCE_BASE = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_tiny_dapo_run_equals_the_base_commits_run(tmp_path: Path, base_tree: Path, case: str) -> None:
-    base = run_case(case, base_tree, tmp_path / "base")
-    this = run_case(case, ROOT, tmp_path / "this")
+def test_tiny_dapo_run_equals_the_base_commits_run(
+    tmp_path: Path, base_tree: Path, straight_runs: StraightRuns, case: str
+) -> None:
+    recipe, _, overrides = CASES[case]
+    for code in (base_tree, ROOT):
+        assert imported_from(code, tmp_path).is_relative_to(code.resolve()), f"megatron_rl not imported from {code}"
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    run_train(base_dir, overrides, base_tree / "recipes" / recipe, base_tree)
+    base = case_result(case, base_dir, base_dir)
+    this = case_result(case, straight_runs.run(ROOT / "recipes" / recipe, overrides), tmp_path)
 
     for counter in EXERCISED[case]:
         assert any(record.get(counter, 0) > 0 for record in base.metrics), f"the base run never had {counter} > 0"

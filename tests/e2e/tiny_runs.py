@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +27,17 @@ TWO_STEPS = [
     "checkpoint.interval=0",
 ]
 """Overrides for a short run of the tiny recipe: 2 steps of 4 groups, validated before and after, no checkpoint."""
+FOUR_STEPS = [
+    "train.steps=4",
+    "train.prompts_per_step=4",
+    "algorithm.dynamic_sampling.gen_batch_prompts=16",
+    "train.val_interval=2",
+    "checkpoint.interval=2",
+    "data.synthetic.num_val=16",
+    "logging.sinks=[jsonl]",
+]
+"""Overrides for the straight runs test_exact_resume and test_split_unchanged compare with: 4 steps of 4 groups,
+validated at steps 0, 2 and 4, a checkpoint every 2 steps, metrics to metrics.jsonl only."""
 PARTIAL_ROLLOUTS = [
     "rollout.partial_rollout_tokens=4",
     "rollout.partial_rollout_max_windows=3",
@@ -66,6 +78,27 @@ def run_train(cwd: Path, overrides: list[str], recipe: Path = RECIPE, code: Path
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
+
+
+class StraightRuns:
+    """Runs of this tree (``megatron-rl train`` to completion), each recipe and overrides run once per test session.
+
+    Tests that compare against the same straight run read what that one run left (they must not change it).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._done: dict[tuple[Path, tuple[str, ...]], Path] = {}
+
+    def run(self, recipe: Path, overrides: list[str]) -> Path:
+        """The working directory of the finished run of ``recipe`` with ``overrides`` (its run directory inside);
+        runs it on the first call."""
+        key = (recipe, tuple(overrides))
+        if key not in self._done:
+            cwd = Path(tempfile.mkdtemp(prefix="straight-", dir=self._root))  # a failed run's leftovers stay apart
+            run_train(cwd, overrides, recipe)
+            self._done[key] = cwd
+        return self._done[key]
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
