@@ -250,14 +250,6 @@ def _check_engine_spanning_nodes(cfg: RunConfig, engine_gpus: int) -> Iterator[F
             "(srt/arg_groups/validation_hook.py: 'multi-node data-parallel replicas are not supported'); set "
             "rollout.dp=1 and let rollout.tp span the nodes",
         )
-    if rollout.placement == "colocated" and cfg.weight_sync.resolved(rollout.placement) == "tensor":
-        yield _error(
-            "weight_sync.transport",
-            f"the per-GPU tensor transport into an engine spanning {nodes} nodes: each engine rank would open CUDA "
-            "IPC handles of the trainer rank on its GPU, sent by every node's trainer ranks in one request to node "
-            "0, a path not built or tested here; use weight_sync.transport=disk with colocated engines, or "
-            "rollout.placement=disaggregated with weight_sync.transport=distributed",
-        )
 
 
 def _check_batch_divisibility(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:

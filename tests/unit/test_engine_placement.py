@@ -19,7 +19,7 @@ from megatron_rl.orchestration.placement_group import (
 )
 from megatron_rl.plan.placement import ActorResources, plan_run_placement
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
-from megatron_rl.weight_sync.engine_feeds import colocated_feeds
+from megatron_rl.weight_sync.engine_feeds import colocated_feeds, engine_feeders
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -69,13 +69,17 @@ def test_an_engine_of_whole_nodes_is_valid_and_partial_or_unfed_ones_are_refused
     cfg = _load(qwen3_30b_overrides, "rollout.tp=16", "rollout.ep=16", *disaggregated)  # 2 nodes of 8 GPUs
     plan = plan_run_placement(cfg)
     assert plan.engine_nodes == 2 and plan.engine_positions == (tuple(range(16, 32)),)
+    # Colocated with the per-GPU tensor transport: engine e's TP rank t sits on the GPU of trainer rank 16e + t,
+    # which feeds it (SGLang puts TP ranks 8k.. on node k; tests/distributed/test_colocated_feed_across_nodes.py).
+    colocated = plan_run_placement(_load(qwen3_30b_overrides, "rollout.tp=16", "rollout.ep=16"))
+    assert colocated.engine_nodes == 2
+    assert colocated.engine_positions == (tuple(range(16)), tuple(range(16, 32)))
+    assert engine_feeders(32, [16, 16]) == [tuple(range(16)), tuple(range(16, 32))]
     refusals = {
         ("rollout.tp=12",): "rollout.tp: each engine takes rollout.tp (12) x rollout.dp (1) = 12 GPUs, more than "
         "cluster.gpus_per_node (8) and not a multiple of it",
         ("rollout.tp=8", "rollout.dp=2"): "rollout.dp: 2: SGLang 0.5.23 refuses data-parallel replicas in an engine "
         "spanning nodes",
-        ("rollout.tp=16", "weight_sync.transport=tensor"): "weight_sync.transport: the per-GPU tensor transport into "
-        "an engine spanning 2 nodes",
         ("rollout.tp=64",): "rollout.tp: each engine spans 8 nodes",
     }
     for overrides, problem in refusals.items():
