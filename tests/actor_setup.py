@@ -151,7 +151,16 @@ def batch_rows(parts: Iterable[tuple[torch.Tensor, torch.Tensor]], like: ActorBa
 
 def parallel_config(sizes: ParallelSizes) -> ParallelConfig:
     """The recipe section of ``sizes``."""
-    return ParallelConfig(tp=sizes.tp, pp=sizes.pp, vpp=sizes.vpp, cp=sizes.cp, ep=sizes.ep, etp=sizes.etp)
+    return ParallelConfig(
+        tp=sizes.tp,
+        pp=sizes.pp,
+        vpp=sizes.vpp,
+        cp=sizes.cp,
+        ep=sizes.ep,
+        etp=sizes.etp,
+        first_stage_layers=sizes.first_stage_layers,
+        last_stage_layers=sizes.last_stage_layers,
+    )
 
 
 def train_config(**fields) -> TrainConfig:
