@@ -250,3 +250,13 @@ def test_plan_an_engine_spanning_two_nodes_per_gpu_and_per_node(tmp_path: Path, 
     assert "engines: 8 x sglang tp 16 ep 16 dp 1 (16 GPUs each over 2 nodes, one SGLang process per node)" in out
     assert "  node 0: trainer ranks 0-7 on GPUs 0-7; engines 0 (GPUs 0-7 of the engine on nodes 0-1)" in out
     assert "  node 1: trainer ranks 8-15 on GPUs 0-7; engines 0 (GPUs 0-7 of the engine on nodes 0-1)" in out
+
+
+def test_the_long_response_recipe_fits_only_with_context_parallelism(qwen3_30b_overrides: list[str], capsys) -> None:
+    """README and the recipe: CP4 fits (60.2 GiB); without CP the trainer needs 114 GiB per GPU."""
+    recipe = RECIPE.parent / "qwen3_30b_a3b_dapo_long.yaml"
+    assert main(["plan", str(recipe), *qwen3_30b_overrides]) == 0
+    out = capsys.readouterr().out
+    assert "total of 80.00 GiB                                             60.20" in out and "FITS" in out
+    assert main(["plan", str(recipe), *qwen3_30b_overrides, "parallel.cp=1"]) != 0
+    assert "trainer stage 0: 114.2 GiB > 80 GiB GPU" in capsys.readouterr().out
