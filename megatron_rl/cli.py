@@ -334,12 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+QUIET_ON_CLOSED_PIPE = frozenset({"validate", "plan"})
+"""Commands that only print: a closed stdout (`| head`) ends them quietly. Never the ones that talk to engines: with
+SIGPIPE at its default action, a write to a socket an engine has just closed kills the process instead of raising
+the BrokenPipeError the HTTP client resends on."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `megatron-rl` console command; returns the exit status."""
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `megatron-rl validate ... | head` ends quietly
     args = build_parser().parse_args(argv)
     if args.command in ("convert", "check-parity"):
         _silence_library_warnings()
+    on_pipe = signal.signal(signal.SIGPIPE, signal.SIG_DFL) if args.command in QUIET_ON_CLOSED_PIPE else None
     try:
         return args.handler(args)
     except (
@@ -357,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if on_pipe is not None:
+            signal.signal(signal.SIGPIPE, on_pipe)  # a caller in-process (tests, notebooks) keeps its own
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def _step_data(vocab_size: int, num_sequences: int, seq_length: int) -> StepData
 
 
 def _train_rank(rank: int, world_size: int, cfg, model_dir: Path, batch_shape: tuple[int, int]) -> dict[str, Any]:
-    from megatron_rl.actor import PolicyActor
+    from megatron_rl.actor.policy_actor import PolicyActor
     from megatron_rl.config.hf_config import load_hf_config
     from megatron_rl.parallel.device import on_accelerator
     from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
@@ -491,7 +491,7 @@ def _plain_copies(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: str
 def _sync_bench_rank(
     rank: int, world_size: int, cfg, model_dir: Path, log_dir: Path, buckets_mb: tuple[int, ...]
 ) -> dict[str, Any]:
-    from megatron_rl.actor import PolicyActor
+    from megatron_rl.actor.policy_actor import PolicyActor
     from megatron_rl.config.hf_config import load_hf_config
     from megatron_rl.models.weight_transfer import export_hf_weights
     from megatron_rl.parallel.device import on_accelerator

@@ -19,7 +19,8 @@ import torch
 from megatron.core import parallel_state
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from megatron_rl.actor import ActorBatch, PolicyActor
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.policy_actor import PolicyActor
 from megatron_rl.actor.step_data import StepData
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig

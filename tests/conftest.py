@@ -1,4 +1,4 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the two tiers: ``--full`` adds the tests marked ``full``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,24 @@ from pathlib import Path
 import pytest
 
 from tests.hf_configs import QWEN3_30B_A3B_CONFIG_FILE
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="the full tier: also the tests marked full (learning curves, every recipe's smoke, the long variants)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``--full``, tests marked ``full`` are deselected (not skipped: CI's skip checks stay meaningful)."""
+    if config.getoption("--full"):
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full") is not None])
+        items[:] = kept
 
 
 @pytest.fixture

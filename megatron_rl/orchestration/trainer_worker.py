@@ -12,22 +12,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import torch.distributed as dist
-from megatron.core import parallel_state
 
-from megatron_rl.actor import PolicyActor, parallel_sizes
 from megatron_rl.actor.step_data import StepData
-from megatron_rl.checkpoint.rank_state import load_rank_state, save_rank_state
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import RunConfig
-from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.orchestration.engine_host import EngineAddress
 from megatron_rl.orchestration.network import RunNetwork
-from megatron_rl.parallel.distributed import destroy_parallel, initialize_parallel
 from megatron_rl.rollout import HttpEngine
-from megatron_rl.weight_sync.syncer import WeightSyncer, build_syncer
+
+# Megatron-side modules are imported by the methods that run on a rank: the driver imports this class only to start
+# ranks and name their methods, and megatron-core costs it 3 s of start-up (benchmarks/startup.py).
+if TYPE_CHECKING:
+    from megatron_rl.actor.policy_actor import PolicyActor
+    from megatron_rl.weight_sync.syncer import WeightSyncer
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,13 @@ class TrainerWorker:
     """
 
     def __init__(self, cfg: RunConfig, hf_dir: str, api_key: str | None = None) -> None:
+        from megatron.core import parallel_state
+
+        from megatron_rl.actor.policy_actor import PolicyActor, parallel_sizes
+        from megatron_rl.parallel.distributed import initialize_parallel
+
         initialize_parallel(parallel_sizes(cfg.parallel), seed=cfg.train.seed)
-        self.actor = PolicyActor(
+        self.actor: PolicyActor = PolicyActor(
             load_hf_config(hf_dir),
             cfg.parallel,
             cfg.train,
@@ -69,9 +75,12 @@ class TrainerWorker:
         self._clients: list[HttpEngine] = []
         self._weight_syncer: WeightSyncer | None = None
         self._rank = dist.get_rank()
+        self._dp_rank: int = parallel_state.get_data_parallel_rank()
 
     def connect_engines(self, engines: Sequence[EngineAddress]) -> None:
         """Weight sync delivers to the engines at ``engines`` (name, host, port), in engine order."""
+        from megatron_rl.weight_sync.syncer import build_syncer
+
         cfg = self._cfg
         self._clients = [HttpEngine(name, host, port, api_key=self._api_key) for name, host, port in engines]
         self._weight_syncer = build_syncer(
@@ -95,7 +104,7 @@ class TrainerWorker:
 
     def data_parallel_rank(self) -> int:
         """This rank's data-parallel rank: which shard of a step it trains on."""
-        return parallel_state.get_data_parallel_rank()
+        return self._dp_rank
 
     def train_step(self, shard: StepData) -> tuple[dict[str, float], ShardReceipt]:
         """The step on this rank's shard (old/reference log-probs here); the actor's metrics and a receipt.
@@ -129,6 +138,8 @@ class TrainerWorker:
 
     def save_checkpoint(self, directory: str) -> None:
         """Write model, optimizer and schedule shards and this rank's RNG states into ``directory``."""
+        from megatron_rl.checkpoint.rank_state import save_rank_state
+
         optimizer = self.actor.optimizer
         save_rank_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory)
 
@@ -138,6 +149,8 @@ class TrainerWorker:
         Weights in the dtype the starting checkpoint's config.json names (as ``convert mcore-to-hf``
         writes them), with its config, generation config and tokenizer files; complete on return.
         """
+        from megatron_rl.models.hf_export import write_hf_model_dir
+
         write_hf_model_dir(self.actor.chunks, self.actor.arch, self._hf_dir, directory)
 
     def load_checkpoint(self, directory: str, *, reseed: int | None = None) -> None:
@@ -146,11 +159,15 @@ class TrainerWorker:
         ``reseed``: the layout differs, so generators are seeded from it instead of restored
         (:func:`~megatron_rl.checkpoint.rank_state.load_rank_state`).
         """
+        from megatron_rl.checkpoint.rank_state import load_rank_state
+
         optimizer = self.actor.optimizer
         load_rank_state(self.actor.chunks, optimizer.optimizer, optimizer.scheduler, directory, reseed=reseed)
 
     def close(self) -> None:
         """Release the weight-sync transport (when engines were connected) and tear down the process groups."""
+        from megatron_rl.parallel.distributed import destroy_parallel
+
         if self._weight_syncer is not None:
             self._weight_syncer.close()
         destroy_parallel()

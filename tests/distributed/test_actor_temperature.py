@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.actor import ActorBatch
+from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.models.weight_transfer import export_hf_tensors
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.rollout import GenerateRequest, SamplingParams

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.actor import PolicyActor
+from megatron_rl.actor.policy_actor import PolicyActor
 from megatron_rl.actor.train_step import run_updates
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (

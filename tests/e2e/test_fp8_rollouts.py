@@ -22,6 +22,7 @@ def _mismatch(records: list[dict[str, float]]) -> list[float]:
     return [r["actor/mismatch_abs_mean"] for r in records if "actor/mismatch_abs_mean" in r]
 
 
+@pytest.mark.full
 def test_fp8_rollouts_learn_with_their_mismatch_logged(tmp_path: Path) -> None:
     """80 steps (about 5 minutes on 2 cores); greedy validation before, at 40 and at 80. The fp32 trainer and an
     fp32 engine agree to fp32 rounding (mean mismatch at most 2e-7 on the default run), so what FP8 adds is
@@ -37,10 +38,17 @@ def test_fp8_rollouts_learn_with_their_mismatch_logged(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "overrides",
-    [["rollout.placement=disaggregated", "weight_sync.transport=distributed"], ["weight_sync.transport=disk"]],
-    ids=["distributed", "disk"],
+    [
+        pytest.param([], id="tensor"),
+        pytest.param(
+            ["rollout.placement=disaggregated", "weight_sync.transport=distributed"],
+            id="distributed",
+            marks=pytest.mark.full,
+        ),
+        pytest.param(["weight_sync.transport=disk"], id="disk", marks=pytest.mark.full),
+    ],
 )
-def test_fp8_rollouts_run_through_the_other_transports(tmp_path: Path, overrides: list[str]) -> None:
+def test_fp8_rollouts_run_through_every_transport(tmp_path: Path, overrides: list[str]) -> None:
     run_train(tmp_path, [*TWO_STEPS, *FP8, *overrides])
     mismatch = _mismatch(read_metrics(tmp_path / RUN))
     assert len(mismatch) == 2 and all(m > 0 for m in mismatch), mismatch

@@ -179,6 +179,7 @@ ADDED_SINCE_BASE = {
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_dapo_run_equals_the_base_commits_run(
     tmp_path: Path, base_tree: Path, straight_runs: StraightRuns, case: str

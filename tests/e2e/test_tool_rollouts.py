@@ -27,6 +27,7 @@ tokens in different summation orders (the engine's per-request prefill, the trai
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_the_tiny_tool_recipe_learns_to_call_its_tool(tmp_path: Path) -> None:
     run_train(tmp_path, ["checkpoint.interval=0", "logging.sinks=[jsonl]"], RECIPE)
     records = read_metrics(tmp_path / RUN)

@@ -178,7 +178,11 @@ def uninterrupted(tmp_path_factory) -> Path:
     "placement",
     [
         pytest.param([], id="colocated"),
-        pytest.param(["rollout.placement=disaggregated", "cluster.cpu_engines=2"], id="disaggregated-2-engines"),
+        pytest.param(
+            ["rollout.placement=disaggregated", "cluster.cpu_engines=2"],
+            id="disaggregated-2-engines",
+            marks=pytest.mark.full,
+        ),
     ],
 )
 def test_a_crashed_engine_is_restarted_and_the_run_ends_with_the_uninterrupted_weights(
@@ -210,6 +214,7 @@ def test_past_max_engine_restarts_the_run_stops_naming_the_engine_its_exit_code_
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_an_engine_crashing_beside_training_is_left_out_until_the_next_sync(tmp_path: Path) -> None:
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     straight.mkdir(), crashed.mkdir()

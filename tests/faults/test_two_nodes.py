@@ -157,6 +157,7 @@ def _finish(runs: dict[str, subprocess.Popen]) -> dict[str, tuple[str, str]]:
     return outputs
 
 
+@pytest.mark.full
 def test_ranks_on_one_node_the_engine_on_another_learn_as_on_one_node(tmp_path: Path) -> None:
     one_node_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with _two_node_cluster() as cluster_env:
@@ -193,6 +194,7 @@ COLOCATED = [
 FEED = re.compile(r"(reference\d) <- rank (\d) \(pid (\d+), ([\d.]+)\)")
 
 
+@pytest.mark.full
 def test_colocated_engines_on_two_nodes_are_fed_by_their_own_nodes_ranks_and_learn_as_on_one(tmp_path: Path) -> None:
     """The tiny colocated recipe with the tensor transport, one trainer rank and one engine per node (4
     bundles of 0.4 CPU on two 1-CPU nodes: two fit each): each engine's weights come only from the trainer

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.e2e.tiny_runs import ROOT, TWO_STEPS, read_metrics, run_env, run_train, train_command
 
@@ -49,6 +50,7 @@ def test_the_sglang_recipe_trains_with_a_logged_mismatch_and_resumes_from_its_ch
 DISAGGREGATED = ["rollout.placement=disaggregated", "cluster.cpu_trainer_ranks=1", "parallel.ep=1"]
 
 
+@pytest.mark.full
 def test_the_sglang_recipe_trains_disaggregated_over_a_gloo_broadcast(tmp_path: Path) -> None:
     """Disaggregated: weights by /init_weights_update_group + /update_weights_from_distributed over gloo."""
     run_train(tmp_path, [*TWO_STEPS, *DISAGGREGATED], RECIPE)
@@ -68,6 +70,7 @@ def _sglang_servers(model_dir: Path) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.full
 def test_a_killed_sglang_engine_is_restarted_and_the_run_completes(tmp_path: Path) -> None:
     """SIGKILL to the SGLang server's process group while the run trains: the engine host starts a new
     server, the weights are synced into it, its requests are sent again and the run ends."""

@@ -92,6 +92,7 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         yield os.environ | env
 
 
+@pytest.mark.full
 def test_a_signalled_job_saves_exits_requeues_and_ends_with_the_uninterrupted_weights(
     slurm_env: dict[str, str], uninterrupted_weights: dict, tmp_path: Path
 ) -> None:

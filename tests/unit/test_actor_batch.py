@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.actor import ActorBatch
+from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.algorithms import count_tokens_and_seqs
 
 

@@ -9,7 +9,7 @@ import megatron.core
 import pytest
 import torch
 
-from megatron_rl.actor import PolicyActor
+from megatron_rl.actor.policy_actor import PolicyActor
 from megatron_rl.actor.precision import FP8_RECIPE_FIELDS, FP8_RECIPE_MIN_TE, actor_config_overrides, params_dtype
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
 
