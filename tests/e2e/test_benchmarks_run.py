@@ -68,6 +68,10 @@ SMALLEST = {
     ),
     # The 30B recipe, nothing downloaded, at 16 prompts; on one node its DP is 2, so Ray starts two
     # receivers instead of eight (each imports the package: a minute on two cores).
+    # One run of each tree: the baseline commit comes from this clone's history (a plain `git clone` has it).
+    "startup.py": Smallest(
+        ("--repeats", "1"), "1-step run s (median)", rf"^1-step tiny run, this tree / baseline \w+: {RATIO} "
+    ),
     "step_data_plane.py": Smallest(
         ("--samples", "128,256", "train.prompts_per_step=16", "cluster.nodes=1"),
         "rank/fair",

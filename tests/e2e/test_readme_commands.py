@@ -48,6 +48,7 @@ MASKED = {".venv/bin/megatron-rl check-parity --hf checkpoints/my-qwen3-moe --tp
 PROVEN_ELSEWHERE = {
     "./launch/run.sh": "tests/e2e/test_default_job.py::test_default_job_command_trains_and_says_what_it_ran",
     "./launch/test.sh": ".ci/run",
+    "./launch/test.sh --full": "tests/unit/test_test_tiers.py::test_ci_keeps_a_real_run_of_every_path_and_full_adds_the_rest",
     ".venv/bin/megatron-rl smoke recipes/qwen3_30b_a3b_dapo.yaml": (
         "tests/e2e/test_smoke_recipes.py::test_smoke_runs_the_recipe_for_two_steps_with_a_resume"
     ),
