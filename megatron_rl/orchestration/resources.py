@@ -356,17 +356,32 @@ def feeders_of_engines(cfg: RunConfig, plan: RunPlacementPlan) -> list[tuple[int
     return engine_feeders(len(plan.trainer_positions), [cfg.engine_tp_ranks] * len(plan.engine_positions))
 
 
+def engine_rank_nodes(engine_slots: list[RankSlot], nnodes: int, tp_size: int) -> list[str]:
+    """The node IP of each TP rank ``0 .. tp_size-1`` of an engine on ``engine_slots`` spanning ``nnodes`` nodes.
+
+    The engine runs one process per node of its bundles, in
+    :func:`~megatron_rl.orchestration.placement_group.engine_node_slots` order (their node ranks), and SGLang
+    gives node ``k`` the TP ranks ``k * tp_size / nnodes ..``; an engine on one node holds them all there.
+    """
+    nodes = engine_node_slots(engine_slots, nnodes)
+    return [nodes[tp_rank * len(nodes) // tp_size][0].node_ip for tp_rank in range(tp_size)]
+
+
 def check_engines_beside_feeders(slots: list[RankSlot], plan: RunPlacementPlan, feeders: list[tuple[int, ...]]) -> None:
-    """Raise PlacementError when Ray put an engine on another node than a trainer rank that feeds it."""
+    """Raise PlacementError when Ray put an engine's TP rank on another node than the trainer rank that feeds it
+    (``feeders[e][t]`` feeds TP rank ``t`` of engine ``e``)."""
     for engine, (positions, ranks) in enumerate(zip(plan.engine_positions, feeders, strict=True)):
-        node = slots[positions[0]].node_ip
-        elsewhere = {rank: slots[plan.trainer_positions[rank]].node_ip for rank in ranks}
-        elsewhere = {rank: ip for rank, ip in elsewhere.items() if ip != node}
-        if elsewhere:
+        engine_ips = engine_rank_nodes([slots[position] for position in positions], plan.engine_nodes, len(ranks))
+        apart = []
+        for tp_rank, (rank, engine_ip) in enumerate(zip(ranks, engine_ips, strict=True)):
+            trainer_ip = slots[plan.trainer_positions[rank]].node_ip
+            if trainer_ip != engine_ip:
+                apart.append(f"TP rank {tp_rank} on {engine_ip}, fed by trainer rank {rank} on {trainer_ip}")
+        if apart:
             raise PlacementError(
-                f"Ray placed engine {engine} on {node} and trainer ranks {elsewhere} that feed it its weights on "
-                "other nodes; the tensor transport needs them on one node: give every node the same free CPUs "
-                "(or GPUs), or use weight_sync.transport=disk"
+                f"Ray placed engine {engine}'s ranks on other nodes than the trainer ranks that feed them their "
+                f"weights ({'; '.join(apart)}); the tensor transport needs each beside its feeder: give every node "
+                "the same free CPUs (or GPUs), or use weight_sync.transport=disk"
             )
 
 

@@ -246,7 +246,7 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
     ("weight_sync/transports.py", "before begin()"): "call order inside the syncer",
-    ("orchestration/resources.py", "that feed it its weights"): "where Ray put the bundles at run time (the plan "
+    ("orchestration/resources.py", "that feed them their"): "where Ray put the bundles at run time (the plan "
     "puts each engine beside its feeders)",
     ("weight_sync/transports.py", "feeds no engine"): "call order inside the syncer (it sends no rank that feeds none)",
     ("weight_sync/transports.py", "in formats"): "internal: an engine's feeders export the same buckets",
