@@ -39,7 +39,9 @@ def test_colocated_engines_share_every_trainer_bundle(qwen3_30b_overrides: list[
 
 
 def test_disaggregated_engines_take_the_bundles_after_the_trainer(qwen3_30b_overrides: list[str]) -> None:
-    cfg = _load(qwen3_30b_overrides, "rollout.placement=disaggregated", "rollout.num_gpus=16")
+    cfg = _load(
+        qwen3_30b_overrides, "rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=auto"
+    )
     plan = plan_run_placement(cfg)
     assert plan.trainer_positions == tuple(range(16)) and plan.trainer == ActorResources(1.0, 1.0)
     assert plan.engine_positions == tuple(tuple(range(16 + 4 * e, 20 + 4 * e)) for e in range(4))
