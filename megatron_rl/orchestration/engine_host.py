@@ -27,8 +27,9 @@ Engines spanning nodes (SGLang 0.5.23's launch: one server process per node with
 one host actor per node of the engine, each on the first of its node's bundles, each launching
 its node's process (:class:`EngineSpec` ``node_rank``, its node's GPU ids). Node 0's host picks the
 ``dist_init_addr`` (its address, a free port) at every start. The engine is healthy when node 0's
-``/health`` answers and every node's process runs; a crash of any node's process is reported by the
-engine's client (it names the node) and :meth:`EngineHosts.restart` restarts all of them.
+``/health`` answers and every node's process runs (each node's host then deletes its key file); a crash
+of any node's process is reported by the engine's client (it names the node) and
+:meth:`EngineHosts.restart` restarts all of them.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ class EngineHost:
         """Launch ``spec``'s engine on this node and wait until it is healthy; its (name, host, port).
 
         A node rank >= 1 of an engine spanning nodes serves no HTTP: its process is started and the call
-        returns at once (node 0's ``/health`` tells when the engine is up; :meth:`running` that it still runs).
+        returns at once (node 0's ``/health`` tells when the engine is up; then :meth:`engine_healthy`).
 
         Ports are picked free just before the launch, so another process may bind one first (seen in CI:
         two runs on one machine): an engine that exits because its address is in use starts again on
@@ -264,6 +265,14 @@ class EngineHost:
     def running(self) -> bool:
         """Whether the engine process started here still runs."""
         return self._engine is not None and self._engine.process is not None and self._engine.process.exit_code is None
+
+    def engine_healthy(self) -> bool:
+        """Called on a node rank >= 1 once node 0 of its engine answers ``/health``: this node's process has read
+        its start-up secrets (SGLang's key file: it reads its arguments before joining node 0), which are deleted
+        now; whether the process still runs."""
+        if self._engine is not None:
+            self._engine.discard_start_secrets()
+        return self.running()
 
     def process_report(self, settle_s: float = 0.0) -> str:
         """The engine's exit code and log tail once its process has ended (read on this node), else ''."""
@@ -433,7 +442,7 @@ class EngineHosts:
         try:
             address = ray.get(refs[0])
             ray.get(refs[1:])
-            running = ray.get([host.running.remote() for host in hosts[1:]])
+            running = ray.get([host.engine_healthy.remote() for host in hosts[1:]])
         except ray.exceptions.RayTaskError as error:
             cause = error.cause if isinstance(error.cause, Exception) else error
             raise EngineStartupError(f"engine {spec.name} failed to start: {cause}") from error
