@@ -22,6 +22,7 @@ from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.orchestration.engine_host import EngineAddress
 from megatron_rl.orchestration.network import RunNetwork
+from megatron_rl.parallel.device import check_gpu_arch
 from megatron_rl.rollout import HttpEngine
 
 # Megatron-side modules are imported by the methods that run on a rank: the driver imports this class only to start
@@ -48,6 +49,9 @@ class TrainerWorker:
         hf_dir: Hugging Face checkpoint the actor starts from (config.json + safetensors).
         api_key: the run's engine key, sent with every request to the engines.
 
+    Raises ValueError, before anything is built, when the rank's GPU is not of ``cluster.gpu_arch``
+    (:func:`~megatron_rl.parallel.device.check_gpu_arch`).
+
     The rank learns where the rollout engines are from :meth:`connect_engines`, so it can be built
     while they start; weight sync needs that call first. Weight sync over broadcast groups hosts each
     sending rank's group on that rank's address in the run's network
@@ -61,6 +65,7 @@ class TrainerWorker:
         from megatron_rl.actor.policy_actor import PolicyActor, parallel_sizes
         from megatron_rl.parallel.distributed import initialize_parallel
 
+        check_gpu_arch(cfg.cluster.gpu_arch)  # validate's FP8 checks trusted it, on a machine that may have no GPU
         initialize_parallel(parallel_sizes(cfg.parallel), seed=cfg.train.seed)
         self.actor: PolicyActor = PolicyActor(
             load_hf_config(hf_dir),

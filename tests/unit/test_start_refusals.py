@@ -315,6 +315,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("orchestration/engine_host.py", ""): "GPU visibility of the process and engine start-up failures",
     ("orchestration/trainer_worker.py", "connect_engines"): "start_run connects every rank before any weight sync",
     ("parallel/device.py", ""): "process environment (LOCAL_RANK, CUDA_VISIBLE_DEVICES)",
+    ("parallel/device.py", "ValueError(mismatch)"): "the machine: the GPU a trainer rank finds at start, compared "
+    "with the recipe's cluster.gpu_arch (validate may run where there is none, e.g. a login node)",
     ("parallel/local_launch.py", ""): "re-raises a rank's failure",
     ("parallel/cpu_compat.py", ""): "internal to the CPU compatibility layer",
     ("actor/policy_actor.py", "the parallel state was initialised"): "internal: the trainer worker initialises the "
