@@ -39,6 +39,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
@@ -72,6 +73,8 @@ class EngineSpec:
     of the spec's repr, of its command line and of its log).
     ``nnodes``/``node_rank``: one node's process of an engine spanning ``nnodes`` nodes (``gpu_ids``: that
     node's); ``dist_init_addr`` (node 0's ``host:port``) is filled in by :class:`EngineHosts` at each start.
+    ``model_path`` and ``log_dir`` are absolute (ValueError otherwise): a host on another node has a working
+    directory of its own.
     """
 
     name: str
@@ -88,6 +91,14 @@ class EngineSpec:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        paths = {"model_path": self.model_path, "log_dir": self.log_dir}
+        relative = {name: path for name, path in paths.items() if not Path(path).is_absolute()}
+        if relative:
+            raise ValueError(
+                f"engine {self.name}: EngineSpec takes absolute paths (engine_specs resolves them), not {relative}"
+            )
 
 
 def first_visible_index(gpu_ids: Sequence[str], visible_devices: str | None) -> int:

@@ -156,11 +156,11 @@ def test_a_trainer_rank_on_a_gpu_of_another_arch_than_declared_refuses_to_start(
 ) -> None:
     """A B200 run left at the default cluster.gpu_arch (hopper): validate passes FP8 rollouts, the rank refuses."""
     from megatron_rl.config import load_recipe
-    from megatron_rl.orchestration.trainer_worker import TrainerWorker
+    from megatron_rl.orchestration.trainer_worker import RankPaths, TrainerWorker
 
     recipes = Path(__file__).resolve().parents[2] / "recipes"
     cfg, _ = load_recipe(recipes / "tiny_moe_cpu_dapo.yaml", ["cluster.gpus_per_node=2"])
     assert cfg.cluster.gpu_arch == "hopper"
     _one_gpu(monkeypatch, (10, 0), "NVIDIA B200")
     with pytest.raises(ValueError, match=r"cluster.gpu_arch is 'hopper', but this GPU is NVIDIA B200"):
-        TrainerWorker(cfg, str(tmp_path / "never_read"))
+        TrainerWorker(cfg, RankPaths.of(cfg, tmp_path / "never_read"))

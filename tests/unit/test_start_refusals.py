@@ -314,6 +314,10 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("orchestration/worker_group.py", ""): "internal call contract",
     ("orchestration/engine_host.py", ""): "GPU visibility of the process and engine start-up failures",
     ("orchestration/trainer_worker.py", "connect_engines"): "start_run connects every rank before any weight sync",
+    ("orchestration/trainer_worker.py", "RankPaths takes absolute paths"): "internal: start_trainers builds "
+    "RankPaths.of, which resolves the run's folders against the driver's working directory",
+    ("orchestration/engine_host.py", "EngineSpec takes absolute paths"): "internal: engine_specs resolves the "
+    "model and log folders against the driver's working directory",
     ("parallel/device.py", ""): "process environment (LOCAL_RANK, CUDA_VISIBLE_DEVICES)",
     ("parallel/device.py", "ValueError(mismatch)"): "the machine: the GPU a trainer rank finds at start, compared "
     "with the recipe's cluster.gpu_arch (validate may run where there is none, e.g. a login node)",
