@@ -84,8 +84,10 @@ if [ ! -f "$stamp" ]; then
         # 2. The extension, built against this venv's torch 2.14.1 (with build isolation pip would build it against
         #    whatever torch it downloads, and TE's setup picks the CUDA 12/13 core from that torch).
         #    Its headers (CUDA, cuDNN, NCCL) come from the NVIDIA wheels in this venv, the ones torch runs with.
-        NVTE_BUILD_USE_NVIDIA_WHEELS=1 quiet_pip "$venv/bin/python" install --quiet --no-build-isolation -c "$lock" \
-            -e "$root[test,plots,gpu]"
+        #    NVTE_PYTORCH_FORCE_BUILD=TRUE: otherwise TE's setup.py first downloads a prebuilt wheel from GitHub, with
+        #    no timeout, so on a cluster that drops outside traffic the setup would hang there.
+        NVTE_BUILD_USE_NVIDIA_WHEELS=1 NVTE_PYTORCH_FORCE_BUILD=TRUE quiet_pip "$venv/bin/python" install --quiet \
+            --no-build-isolation -c "$lock" -e "$root[test,plots,gpu]"
         "$venv/bin/python" -m pip check
         touch "$venv/.gpu-set"
     else

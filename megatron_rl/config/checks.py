@@ -408,6 +408,20 @@ def _check_weight_sync(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
         )
 
 
+def _check_tensor_transport_placement(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    """The tensor transport feeds colocated engines only: it hands handles to the feeding rank's device memory."""
+    if cfg.rollout.placement == "colocated" or cfg.weight_sync.resolved(cfg.rollout.placement) != "tensor":
+        return
+    yield _error(
+        "weight_sync.transport",
+        "'tensor' with rollout.placement=disaggregated: the tensor transport hands each engine rank handles to the "
+        "memory of the trainer rank that feeds it (CUDA IPC handles on GPUs, which only an engine on the trainer's "
+        "GPUs can open; shared memory on CPU, which does not cross nodes), and disaggregated engines have devices "
+        "of their own; use weight_sync.transport=auto (distributed when disaggregated), distributed or disk, or "
+        "rollout.placement=colocated",
+    )
+
+
 def _check_colocated_feeds(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     """The tensor transport feeds each engine rank from the trainer rank on its device with the whole model,
     which that rank assembles from its node alone: its TP, expert (EP x expert-TP) and pipeline groups
@@ -661,6 +675,7 @@ CHECKS: tuple[Check, ...] = (
     _check_loss_terms,
     _check_sampling_temperature,
     _check_weight_sync,
+    _check_tensor_transport_placement,
     _check_staleness,
     _check_partial_rollouts,
     _check_episode,

@@ -27,8 +27,9 @@ Engines spanning nodes (SGLang 0.5.23's launch: one server process per node with
 one host actor per node of the engine, each on the first of its node's bundles, each launching
 its node's process (:class:`EngineSpec` ``node_rank``, its node's GPU ids). Node 0's host picks the
 ``dist_init_addr`` (its address, a free port) at every start. The engine is healthy when node 0's
-``/health`` answers and every node's process runs; a crash of any node's process is reported by the
-engine's client (it names the node) and :meth:`EngineHosts.restart` restarts all of them.
+``/health`` answers and every node's process runs (each node's host then deletes its key file); a crash
+of any node's process is reported by the engine's client (it names the node) and
+:meth:`EngineHosts.restart` restarts all of them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
@@ -71,6 +73,8 @@ class EngineSpec:
     of the spec's repr, of its command line and of its log).
     ``nnodes``/``node_rank``: one node's process of an engine spanning ``nnodes`` nodes (``gpu_ids``: that
     node's); ``dist_init_addr`` (node 0's ``host:port``) is filled in by :class:`EngineHosts` at each start.
+    ``model_path`` and ``log_dir`` are absolute (ValueError otherwise): a host on another node has a working
+    directory of its own.
     """
 
     name: str
@@ -87,6 +91,14 @@ class EngineSpec:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        paths = {"model_path": self.model_path, "log_dir": self.log_dir}
+        relative = {name: path for name, path in paths.items() if not Path(path).is_absolute()}
+        if relative:
+            raise ValueError(
+                f"engine {self.name}: EngineSpec takes absolute paths (engine_specs resolves them), not {relative}"
+            )
 
 
 def first_visible_index(gpu_ids: Sequence[str], visible_devices: str | None) -> int:
@@ -227,7 +239,7 @@ class EngineHost:
         """Launch ``spec``'s engine on this node and wait until it is healthy; its (name, host, port).
 
         A node rank >= 1 of an engine spanning nodes serves no HTTP: its process is started and the call
-        returns at once (node 0's ``/health`` tells when the engine is up; :meth:`running` that it still runs).
+        returns at once (node 0's ``/health`` tells when the engine is up; then :meth:`engine_healthy`).
 
         Ports are picked free just before the launch, so another process may bind one first (seen in CI:
         two runs on one machine): an engine that exits because its address is in use starts again on
@@ -264,6 +276,14 @@ class EngineHost:
     def running(self) -> bool:
         """Whether the engine process started here still runs."""
         return self._engine is not None and self._engine.process is not None and self._engine.process.exit_code is None
+
+    def engine_healthy(self) -> bool:
+        """Called on a node rank >= 1 once node 0 of its engine answers ``/health``: this node's process has read
+        its start-up secrets (SGLang's key file: it reads its arguments before joining node 0), which are deleted
+        now; whether the process still runs."""
+        if self._engine is not None:
+            self._engine.discard_start_secrets()
+        return self.running()
 
     def process_report(self, settle_s: float = 0.0) -> str:
         """The engine's exit code and log tail once its process has ended (read on this node), else ''."""
@@ -433,7 +453,7 @@ class EngineHosts:
         try:
             address = ray.get(refs[0])
             ray.get(refs[1:])
-            running = ray.get([host.running.remote() for host in hosts[1:]])
+            running = ray.get([host.engine_healthy.remote() for host in hosts[1:]])
         except ray.exceptions.RayTaskError as error:
             cause = error.cause if isinstance(error.cause, Exception) else error
             raise EngineStartupError(f"engine {spec.name} failed to start: {cause}") from error

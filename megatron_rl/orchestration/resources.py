@@ -52,7 +52,7 @@ from megatron_rl.orchestration.network import LOOPBACK_ADDRESS, RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids, engine_node_slots
 from megatron_rl.orchestration.preemption import handlers_kept_through_ray_init
 from megatron_rl.orchestration.trainer_group import TrainerGroup
-from megatron_rl.orchestration.trainer_worker import TrainerWorker
+from megatron_rl.orchestration.trainer_worker import RankPaths, TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
@@ -356,17 +356,32 @@ def feeders_of_engines(cfg: RunConfig, plan: RunPlacementPlan) -> list[tuple[int
     return engine_feeders(len(plan.trainer_positions), [cfg.engine_tp_ranks] * len(plan.engine_positions))
 
 
+def engine_rank_nodes(engine_slots: list[RankSlot], nnodes: int, tp_size: int) -> list[str]:
+    """The node IP of each TP rank ``0 .. tp_size-1`` of an engine on ``engine_slots`` spanning ``nnodes`` nodes.
+
+    The engine runs one process per node of its bundles, in
+    :func:`~megatron_rl.orchestration.placement_group.engine_node_slots` order (their node ranks), and SGLang
+    gives node ``k`` the TP ranks ``k * tp_size / nnodes ..``; an engine on one node holds them all there.
+    """
+    nodes = engine_node_slots(engine_slots, nnodes)
+    return [nodes[tp_rank * len(nodes) // tp_size][0].node_ip for tp_rank in range(tp_size)]
+
+
 def check_engines_beside_feeders(slots: list[RankSlot], plan: RunPlacementPlan, feeders: list[tuple[int, ...]]) -> None:
-    """Raise PlacementError when Ray put an engine on another node than a trainer rank that feeds it."""
+    """Raise PlacementError when Ray put an engine's TP rank on another node than the trainer rank that feeds it
+    (``feeders[e][t]`` feeds TP rank ``t`` of engine ``e``)."""
     for engine, (positions, ranks) in enumerate(zip(plan.engine_positions, feeders, strict=True)):
-        node = slots[positions[0]].node_ip
-        elsewhere = {rank: slots[plan.trainer_positions[rank]].node_ip for rank in ranks}
-        elsewhere = {rank: ip for rank, ip in elsewhere.items() if ip != node}
-        if elsewhere:
+        engine_ips = engine_rank_nodes([slots[position] for position in positions], plan.engine_nodes, len(ranks))
+        apart = []
+        for tp_rank, (rank, engine_ip) in enumerate(zip(ranks, engine_ips, strict=True)):
+            trainer_ip = slots[plan.trainer_positions[rank]].node_ip
+            if trainer_ip != engine_ip:
+                apart.append(f"TP rank {tp_rank} on {engine_ip}, fed by trainer rank {rank} on {trainer_ip}")
+        if apart:
             raise PlacementError(
-                f"Ray placed engine {engine} on {node} and trainer ranks {elsewhere} that feed it its weights on "
-                "other nodes; the tensor transport needs them on one node: give every node the same free CPUs "
-                "(or GPUs), or use weight_sync.transport=disk"
+                f"Ray placed engine {engine}'s ranks on other nodes than the trainer ranks that feed them their "
+                f"weights ({'; '.join(apart)}); the tensor transport needs each beside its feeder: give every node "
+                "the same free CPUs (or GPUs), or use weight_sync.transport=disk"
             )
 
 
@@ -377,22 +392,20 @@ def _routed_experts_shape(cfg: RunConfig, hf_dir: Path) -> tuple[int, int] | Non
     return config.num_hidden_layers, config.num_experts_per_tok
 
 
-def start_engines(
+def engine_specs(
     cfg: RunConfig,
     hf_dir: Path,
-    placement: PlacementGroup,
     slots: list[RankSlot],
     plan: RunPlacementPlan,
-    network: RunNetwork | None = None,
+    network: RunNetwork,
     api_key: str | None = None,
-) -> EngineHosts:
-    """One engine per ``plan.engine_positions`` entry, on the GPUs of its bundles, loading ``hf_dir``; starting on
-    return (:meth:`~megatron_rl.orchestration.engine_host.EngineHosts.wait_healthy` waits for them). An engine
-    whose bundles span ``plan.engine_nodes`` nodes runs one process per node.
+) -> tuple[list[list[EngineSpec]], list[list[int]]]:
+    """Per ``plan.engine_positions`` entry, the spec of each node's process (one per node it spans, in node-rank
+    order) and the first bundle of each of its nodes, where that node's host goes.
 
-    Each listens on its node's address in ``network`` and requires ``api_key``.
+    The engines load ``hf_dir`` and log into ``cfg.log_dir``, both resolved here against the driver's working
+    directory: a host on another node has its own.
     """
-    network = network or RunNetwork.of(cfg.cluster)
     specs: list[list[EngineSpec]] = []
     host_bundles: list[list[int]] = []
     routed_experts_shape = _routed_experts_shape(cfg, hf_dir)
@@ -415,6 +428,25 @@ def start_engines(
         gpus = [engine_gpu_ids(node) if cfg.cluster.gpus_per_node else () for node in nodes]
         specs.append([replace(spec, node_rank=rank, gpu_ids=ids) for rank, ids in enumerate(gpus)])
         host_bundles.append([node[0].bundle_index for node in nodes])
+    return specs, host_bundles
+
+
+def start_engines(
+    cfg: RunConfig,
+    hf_dir: Path,
+    placement: PlacementGroup,
+    slots: list[RankSlot],
+    plan: RunPlacementPlan,
+    network: RunNetwork | None = None,
+    api_key: str | None = None,
+) -> EngineHosts:
+    """One engine per ``plan.engine_positions`` entry (:func:`engine_specs`), on the GPUs of its bundles, loading
+    ``hf_dir``; starting on return (:meth:`~megatron_rl.orchestration.engine_host.EngineHosts.wait_healthy` waits
+    for them). An engine whose bundles span ``plan.engine_nodes`` nodes runs one process per node.
+
+    Each listens on its node's address in ``network`` and requires ``api_key``.
+    """
+    specs, host_bundles = engine_specs(cfg, hf_dir, slots, plan, network or RunNetwork.of(cfg.cluster), api_key)
     return EngineHosts(specs, placement, host_bundles, plan.engine_host)
 
 
@@ -439,7 +471,7 @@ def start_trainers(
         slots,
         num_gpus=plan.trainer.num_gpus,
         num_cpus=plan.trainer.num_cpus,
-        args=(cfg, str(hf_dir), api_key),
+        args=(cfg, RankPaths.of(cfg, hf_dir), api_key),
         env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
         network=network or RunNetwork.of(cfg.cluster),
     )

@@ -17,6 +17,11 @@ from megatron_rl.orchestration.trainer_worker import ShardReceipt, TrainerWorker
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 
 
+def _for_every_node(directory: Path) -> str:
+    """``directory`` resolved against the driver's working directory: a rank on another node has its own."""
+    return str(directory.resolve())
+
+
 class TrainerGroup:
     """The ranks of ``ranks`` (a RankWorkerGroup of TrainerWorkers)."""
 
@@ -81,15 +86,15 @@ class TrainerGroup:
 
     def save_checkpoint(self, directory: Path) -> None:
         """Every rank writes its shards and generator states into ``directory``."""
-        self._ranks.call(TrainerWorker.save_checkpoint, str(directory))
+        self._ranks.call(TrainerWorker.save_checkpoint, _for_every_node(directory))
 
     def export_hf(self, directory: Path) -> None:
         """The ranks write the current weights as a Hugging Face model directory ``directory`` together."""
-        self._ranks.call(TrainerWorker.export_hf, str(directory))
+        self._ranks.call(TrainerWorker.export_hf, _for_every_node(directory))
 
     def load_checkpoint(self, directory: Path, *, reseed: int | None = None) -> None:
         """Every rank restores its part of ``directory`` (``reseed``: another layout, see TrainerWorker)."""
-        self._ranks.call(TrainerWorker.load_checkpoint, str(directory), reseed=reseed)
+        self._ranks.call(TrainerWorker.load_checkpoint, _for_every_node(directory), reseed=reseed)
 
     def close(self) -> None:
         """Release the ranks' transports and process groups, then end their actors."""

@@ -22,6 +22,7 @@ from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.orchestration.engine_host import EngineAddress
 from megatron_rl.orchestration.network import RunNetwork
+from megatron_rl.parallel.device import check_gpu_arch
 from megatron_rl.rollout import HttpEngine
 
 # Megatron-side modules are imported by the methods that run on a rank: the driver imports this class only to start
@@ -40,13 +41,46 @@ class ShardReceipt:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class RankPaths:
+    """The folders a trainer rank reads and writes, absolute: a rank on another node has a working directory of
+    its own, so a path relative to the driver's would name another folder there.
+
+    ``hf_dir``: the Hugging Face checkpoint the actor starts from (config.json + safetensors);
+    ``weight_sync_dir``: where the disk transport writes the engines' weights (a filesystem every node shares);
+    ``engine_config_dir``: the engines' config.json (FP8 rollouts: their checkpoint's, with its quantization).
+    Raises ValueError for a relative path.
+    """
+
+    hf_dir: str
+    weight_sync_dir: str
+    engine_config_dir: str
+
+    def __post_init__(self) -> None:
+        relative = {name: path for name, path in vars(self).items() if not Path(path).is_absolute()}
+        if relative:
+            raise ValueError(f"RankPaths takes absolute paths (RankPaths.of resolves them), not {relative}")
+
+    @classmethod
+    def of(cls, cfg: RunConfig, hf_dir: Path) -> RankPaths:
+        """``hf_dir`` and ``cfg``'s folders resolved against this process's working directory (the driver's)."""
+        return cls(
+            hf_dir=str(hf_dir.resolve()),
+            weight_sync_dir=str(Path(cfg.run_dir, "weight_sync").resolve()),
+            engine_config_dir=str(Path(cfg.rollout_fp8_dir or hf_dir).resolve()),
+        )
+
+
 class TrainerWorker:
-    """This rank's actor, built from the Hugging Face checkpoint ``hf_dir`` (every rank loads the same weights).
+    """This rank's actor, built from the Hugging Face checkpoint ``paths.hf_dir`` (every rank loads the same weights).
 
     Args:
         cfg: the run's recipe.
-        hf_dir: Hugging Face checkpoint the actor starts from (config.json + safetensors).
+        paths: the folders the rank reads and writes, absolute (:meth:`RankPaths.of`).
         api_key: the run's engine key, sent with every request to the engines.
+
+    Raises ValueError, before anything is built, when the rank's GPU is not of ``cluster.gpu_arch``
+    (:func:`~megatron_rl.parallel.device.check_gpu_arch`).
 
     The rank learns where the rollout engines are from :meth:`connect_engines`, so it can be built
     while they start; weight sync needs that call first. Weight sync over broadcast groups hosts each
@@ -55,23 +89,24 @@ class TrainerWorker:
     interface on this node otherwise), where engines on other nodes join it.
     """
 
-    def __init__(self, cfg: RunConfig, hf_dir: str, api_key: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, paths: RankPaths, api_key: str | None = None) -> None:
         from megatron.core import parallel_state
 
         from megatron_rl.actor.policy_actor import PolicyActor, parallel_sizes
         from megatron_rl.parallel.distributed import initialize_parallel
 
+        check_gpu_arch(cfg.cluster.gpu_arch)  # validate's FP8 checks trusted it, on a machine that may have no GPU
         initialize_parallel(parallel_sizes(cfg.parallel), seed=cfg.train.seed)
         self.actor: PolicyActor = PolicyActor(
-            load_hf_config(hf_dir),
+            load_hf_config(paths.hf_dir),
             cfg.parallel,
             cfg.train,
             cfg.algorithm,
             norm_constant=cfg.loss_norm_constant,
             temperature=cfg.rollout.temperature,
-            hf_weights=hf_dir,
+            hf_weights=paths.hf_dir,
         )
-        self._cfg, self._hf_dir, self._api_key = cfg, hf_dir, api_key
+        self._cfg, self._paths, self._api_key = cfg, paths, api_key
         self._clients: list[HttpEngine] = []
         self._weight_syncer: WeightSyncer | None = None
         self._rank = dist.get_rank()
@@ -92,8 +127,8 @@ class TrainerWorker:
             engine_world_sizes=[cfg.engine_tp_ranks] * len(self._clients),
             engine_ep_size=cfg.rollout.ep,
             master_address=RunNetwork.of(cfg.cluster).address(ray.util.get_node_ip_address()),
-            disk_dir=Path(cfg.run_dir, "weight_sync").resolve(),
-            hf_config_dir=cfg.rollout_fp8_dir or self._hf_dir,  # the engines' config.json (FP8: its quantization)
+            disk_dir=self._paths.weight_sync_dir,
+            hf_config_dir=self._paths.engine_config_dir,
         )
 
     @property
@@ -151,7 +186,7 @@ class TrainerWorker:
         """
         from megatron_rl.models.hf_export import write_hf_model_dir
 
-        write_hf_model_dir(self.actor.chunks, self.actor.arch, self._hf_dir, directory)
+        write_hf_model_dir(self.actor.chunks, self.actor.arch, self._paths.hf_dir, directory)
 
     def load_checkpoint(self, directory: str, *, reseed: int | None = None) -> None:
         """Restore what :meth:`save_checkpoint` wrote, from this or any other layout.

@@ -28,6 +28,34 @@ def on_accelerator() -> bool:
     return torch.cuda.is_available()
 
 
+GPU_ARCH_OF_MAJOR: dict[int, str] = {9: "hopper", 10: "blackwell"}
+"""The ``cluster.gpu_arch`` of a compute capability's major version: H100/H200 are 9.0, B200/GB200 10.0."""
+
+
+def gpu_arch_mismatch(declared: str, capability: tuple[int, int], device_name: str) -> str | None:
+    """Why ``cluster.gpu_arch`` = ``declared`` misdescribes a GPU of compute ``capability`` named ``device_name``,
+    or None: it describes it, or the GPU is neither Hopper nor Blackwell (the field names no other)."""
+    detected = GPU_ARCH_OF_MAJOR.get(capability[0])
+    if detected is None or detected == declared:
+        return None
+    major, minor = capability
+    return (
+        f"cluster.gpu_arch is {declared!r}, but this GPU is {device_name} (compute capability {major}.{minor}: "
+        f"{detected}); validate decides with cluster.gpu_arch which FP8 recipes and FP8 rollouts can run here "
+        f"(mxfp8 needs blackwell, FP8 rollouts hopper), so set cluster.gpu_arch={detected}"
+    )
+
+
+def check_gpu_arch(declared: str) -> None:
+    """Raise ValueError (:func:`gpu_arch_mismatch`) when this process's GPU is not of the ``declared``
+    ``cluster.gpu_arch``; nothing without a GPU (``validate`` may run on a login node, so only a rank can tell)."""
+    if not on_accelerator():
+        return
+    mismatch = gpu_arch_mismatch(declared, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+    if mismatch is not None:
+        raise ValueError(mismatch)
+
+
 def transformer_engine_usable() -> bool:
     """True when a CUDA device is present and ``transformer_engine.pytorch`` imports.
 

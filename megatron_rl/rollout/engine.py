@@ -104,7 +104,8 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def end_weight_update(self) -> None:
-        """Close the session; the engine post-processes the new weights here (e.g. FP8 re-quantisation)."""
+        """Close the session; the engine post-processes the new weights here (SGLang: block FP8 scales
+        re-quantised to UE8M0 on Blackwell only; on Hopper FP8 weights and scales stay as sent)."""
 
     @abc.abstractmethod
     def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> None:

@@ -258,6 +258,11 @@ class HttpEngine(RolloutEngine):
             f"{self.process_report()}"
         )
 
+    def discard_start_secrets(self) -> None:
+        """Delete what the server process read at start and needs no more, once the engine is healthy (for a
+        node process of an engine spanning nodes: once node 0 is). Nothing here: the reference server gets its
+        key in its environment."""
+
     def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> list[GenerateResult]:
         key, sample_rids = request.rid if isinstance(request.rid, str) else None, request.sample_rids()
         if key is not None and sample_rids is not None:

@@ -210,7 +210,9 @@ class BeginWeightUpdateRequest(_Body):
 @dataclass(frozen=True)
 class EndWeightUpdateRequest(_Body):
     """``POST /end_weight_update`` (SGLang ``EndWeightUpdateReqInput``): close the session; the engine
-    post-processes the loaded weights there (e.g. FP8 re-quantisation). A 400 when no session is open."""
+    post-processes the loaded weights there (SGLang 0.5.23: each quantised layer's
+    ``process_weights_after_loading``, which re-quantises block FP8 scales to UE8M0 on Blackwell only; on
+    Hopper the FP8 weights and ``weight_scale_inv`` stay as sent). A 400 when no session is open."""
 
 
 @dataclass(frozen=True)

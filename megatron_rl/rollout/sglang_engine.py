@@ -29,7 +29,8 @@ every user of the node (``ps``, ``/proc``), so :class:`SGLangEngine` writes it i
 a YAML file only the user can read (``api-key: ...``, in a private temporary
 directory) and passes ``--config FILE``, which SGLang 0.5.23 merges into its
 arguments (``ConfigArgumentMerger``); the file is deleted once the server is
-healthy (or stopped). SGLang logs its resolved arguments, the key among them, so
+healthy (or stopped): on every node of an engine spanning nodes, whose host is told when node 0 is
+(:meth:`HttpEngine.discard_start_secrets`). SGLang logs its resolved arguments, the key among them, so
 the server's output reaches its log with the key redacted (``ServerProcess``).
 """
 
@@ -212,12 +213,13 @@ class SGLangEngine(HttpEngine):
         if self._private_dir is not None:
             if not os.path.isdir(self._private_dir):  # started again after shutdown
                 os.mkdir(self._private_dir, 0o700)
-            self._remove_private_config()
+            self.discard_start_secrets()
             assert self._api_key is not None, "the private folder exists for the API key only"
             write_private_config(self._private_dir, {"api-key": self._api_key})
         super().start()
 
-    def _remove_private_config(self) -> None:
+    def discard_start_secrets(self) -> None:
+        """Delete the key's config file: SGLang reads it with its arguments, before its node joins the engine."""
         if self._private_dir is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(Path(self._private_dir, CONFIG_FILE_NAME))
@@ -227,7 +229,7 @@ class SGLangEngine(HttpEngine):
         try:
             super().wait_healthy(timeout_s)
         finally:
-            self._remove_private_config()
+            self.discard_start_secrets()
 
     def shutdown(self) -> None:
         try:

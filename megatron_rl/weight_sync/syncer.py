@@ -11,8 +11,9 @@ requires it:
    transport needs a session (tensor, distributed);
 2. barrier; every rank streams its share of the export through the transport;
    barrier;
-3. controller: ``end_weight_update`` (the engine post-processes the weights,
-   e.g. FP8 re-quantisation), ``flush_cache`` (plain-text answer; accepted while
+3. controller: ``end_weight_update`` (the engine post-processes the loaded weights: SGLang 0.5.23
+   re-quantises block FP8 scales to UE8M0 there on Blackwell only, for DeepGEMM; on Hopper the FP8
+   weights and ``weight_scale_inv`` stay as sent), ``flush_cache`` (plain-text answer; accepted while
    paused with retract; drops prefixes cached under the old weights), ``continue_generation``.
    One flush, after the update: nothing is prefilled while paused; none for SGLang on CPU,
    which keeps no prefix cache (its flush is a ``gc.collect()`` of about 0.5 s).

@@ -162,12 +162,15 @@ class TensorTransport(WeightTransport):
     :func:`~megatron_rl.models.weight_transfer.export_full_model`, the same buckets on every rank).
     The rank that shares a device with TP rank ``t`` of engine ``e``
     (:func:`~megatron_rl.weight_sync.engine_feeds.colocated_feeds`) serializes each bucket once, for
-    that engine rank alone; the engine's feeders gather their payloads (gloo, within the node) to
-    the feeder of TP rank 0, which posts one ``/update_weights_from_tensor`` per bucket to its
-    engine with the payloads in TP-rank order (SGLang hands ``serialized_named_tensors[tp_rank]`` to
-    each rank). So no engine process opens a handle of another GPU (which would cost it a CUDA
-    context there), nothing crosses nodes, and every node syncs its engines at once. Ranks that
-    feed no engine (CPU runs with fewer engines than ranks) take part in the export only. CUDA
+    that engine rank alone; the engine's feeders gather their payloads (gloo) to the feeder of TP
+    rank 0, which posts one ``/update_weights_from_tensor`` per bucket to its engine with the
+    payloads in TP-rank order (SGLang hands ``serialized_named_tensors[tp_rank]`` to each rank). So
+    no engine process opens a handle of another GPU (which would cost it a CUDA context there), the
+    weights never leave their node, and every node syncs its engines at once. Only the payloads
+    (handles and metadata) of an engine spanning nodes cross nodes: its feeders sit on all of its
+    nodes, so their gather crosses them, and SGLang's node 0 hands each node its TP ranks' payloads,
+    handles of memory on that node. Ranks that feed no engine (CPU runs with fewer engines than
+    ranks) take part in the export only. CUDA
     tensors name their device by UUID, so an engine numbering the node's GPUs differently opens
     the right one.
 

@@ -368,6 +368,24 @@ def test_colocated_ipc_on_one_node_and_disaggregated_broadcast_across_nodes_vali
     )
 
 
+@pytest.mark.parametrize("recipe", ["qwen3_30b_gpus", "tiny_cpu"])
+def test_the_tensor_transport_to_disaggregated_engines_is_refused(qwen3_30b_overrides, recipe):
+    """CUDA IPC handles open only on the trainer's GPUs, CPU shared memory only on its node: neither reaches engines
+    on devices of their own."""
+    disaggregated = ["rollout.placement=disaggregated", "weight_sync.transport=tensor"]
+    if recipe == "tiny_cpu":
+        problems = _problems(TINY, *disaggregated, "cluster.cpu_engines=2")
+    else:
+        problems = _problems(QWEN3_30B, *qwen3_30b_overrides, *disaggregated, "rollout.num_gpus=16")
+    (problem,) = [p for p in problems if p.startswith("weight_sync.transport:")]
+    assert problem.startswith("weight_sync.transport: 'tensor' with rollout.placement=disaggregated")
+    assert "CUDA IPC handles" in problem and "shared memory on CPU, which does not cross nodes" in problem
+    assert problem.endswith(
+        "use weight_sync.transport=auto (distributed when disaggregated), distributed or disk, or "
+        "rollout.placement=colocated"
+    )
+
+
 def test_colocated_broadcast_is_refused_on_gpus(qwen3_30b_overrides):
     problems = _problems(QWEN3_30B, *qwen3_30b_overrides, "cluster.nodes=1", "weight_sync.transport=distributed")
     assert any(p.startswith("weight_sync.transport:") and "NCCL refuses" in p for p in problems)

@@ -9,6 +9,7 @@ import importlib.util
 import sys
 import types
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,52 @@ def test_a_transformer_engine_that_imports_is_usable(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
     assert device.transformer_engine_usable()
     assert device.transformer_engine_problem() is None
+
+
+def test_a_declared_gpu_arch_other_than_the_gpus_is_named_with_the_fix() -> None:
+    b200 = device.gpu_arch_mismatch("hopper", (10, 0), "NVIDIA B200")
+    assert b200 == (
+        "cluster.gpu_arch is 'hopper', but this GPU is NVIDIA B200 (compute capability 10.0: blackwell); validate "
+        "decides with cluster.gpu_arch which FP8 recipes and FP8 rollouts can run here (mxfp8 needs blackwell, FP8 "
+        "rollouts hopper), so set cluster.gpu_arch=blackwell"
+    )
+    h100 = device.gpu_arch_mismatch("blackwell", (9, 0), "NVIDIA H100 80GB HBM3")
+    assert h100 is not None and "NVIDIA H100 80GB HBM3 (compute capability 9.0: hopper)" in h100
+    assert h100.endswith("set cluster.gpu_arch=hopper")
+
+
+@pytest.mark.parametrize(
+    ("declared", "capability"),
+    [("hopper", (9, 0)), ("blackwell", (10, 0)), ("blackwell", (10, 3)), ("hopper", (8, 0)), ("blackwell", (12, 0))],
+)
+def test_a_gpu_arch_that_matches_or_a_gpu_the_field_cannot_name_passes(declared, capability) -> None:
+    assert device.gpu_arch_mismatch(declared, capability, "a GPU") is None
+
+
+def _one_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], name: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+def test_the_gpu_arch_check_reads_this_processs_gpu_and_passes_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    device.check_gpu_arch("blackwell")  # this machine's CPU
+    _one_gpu(monkeypatch, (9, 0), "NVIDIA H200")
+    device.check_gpu_arch("hopper")
+    with pytest.raises(ValueError, match=r"this GPU is NVIDIA H200 \(compute capability 9.0: hopper\)"):
+        device.check_gpu_arch("blackwell")
+
+
+def test_a_trainer_rank_on_a_gpu_of_another_arch_than_declared_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A B200 run left at the default cluster.gpu_arch (hopper): validate passes FP8 rollouts, the rank refuses."""
+    from megatron_rl.config import load_recipe
+    from megatron_rl.orchestration.trainer_worker import RankPaths, TrainerWorker
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    cfg, _ = load_recipe(recipes / "tiny_moe_cpu_dapo.yaml", ["cluster.gpus_per_node=2"])
+    assert cfg.cluster.gpu_arch == "hopper"
+    _one_gpu(monkeypatch, (10, 0), "NVIDIA B200")
+    with pytest.raises(ValueError, match=r"cluster.gpu_arch is 'hopper', but this GPU is NVIDIA B200"):
+        TrainerWorker(cfg, RankPaths.of(cfg, tmp_path / "never_read"))

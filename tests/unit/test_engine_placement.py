@@ -17,6 +17,7 @@ from megatron_rl.orchestration.placement_group import (
     engine_gpu_ids,
     engine_node_slots,
 )
+from megatron_rl.orchestration.resources import check_engines_beside_feeders, feeders_of_engines
 from megatron_rl.plan.placement import ActorResources, plan_run_placement
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
 from megatron_rl.weight_sync.engine_feeds import colocated_feeds, engine_feeders
@@ -38,7 +39,9 @@ def test_colocated_engines_share_every_trainer_bundle(qwen3_30b_overrides: list[
 
 
 def test_disaggregated_engines_take_the_bundles_after_the_trainer(qwen3_30b_overrides: list[str]) -> None:
-    cfg = _load(qwen3_30b_overrides, "rollout.placement=disaggregated", "rollout.num_gpus=16")
+    cfg = _load(
+        qwen3_30b_overrides, "rollout.placement=disaggregated", "rollout.num_gpus=16", "weight_sync.transport=auto"
+    )
     plan = plan_run_placement(cfg)
     assert plan.trainer_positions == tuple(range(16)) and plan.trainer == ActorResources(1.0, 1.0)
     assert plan.engine_positions == tuple(tuple(range(16 + 4 * e, 20 + 4 * e)) for e in range(4))
@@ -89,6 +92,34 @@ def test_an_engine_of_whole_nodes_is_valid_and_partial_or_unfed_ones_are_refused
     with pytest.raises(RecipeError) as info:
         _load(qwen3_30b_overrides, "rollout.tp=2", "rollout.dp=3")
     assert any("6 GPUs per engine does not divide cluster.gpus_per_node (8)" in p for p in info.value.problems)
+
+
+def _slots_on(nodes: list[str]) -> list[RankSlot]:
+    """Bundle ``i`` on node ``nodes[i]``, its GPU the next free one there, in the given order."""
+    return [RankSlot(index, ip, (str(nodes[:index].count(ip)),)) for index, ip in enumerate(nodes)]
+
+
+def test_an_engine_spanning_two_nodes_passes_with_each_rank_beside_its_feeder_and_is_refused_otherwise(
+    qwen3_30b_overrides,
+) -> None:
+    cfg = _load(qwen3_30b_overrides, "rollout.tp=16", "rollout.ep=16")  # 4 nodes x 8 GPUs, 2 engines of 2 nodes
+    plan = plan_run_placement(cfg)
+    feeders = feeders_of_engines(cfg, plan)
+    assert plan.engine_nodes == 2 and feeders == [tuple(range(16)), tuple(range(16, 32))]
+    grouped = _slots_on([f"10.0.0.{1 + index // 8}" for index in range(32)])  # as create_rank_slots sorts them
+    check_engines_beside_feeders(grouped, plan, feeders)  # TP ranks 8-15 and their feeders on each engine's 2nd node
+    # Engine 0's first node, 10.0.0.1, holds bundles 0-3 and 12-15, so SGLang puts its TP ranks 0-7 there and 8-15 on
+    # 10.0.0.2, while trainer ranks 4-7 sit on 10.0.0.2 and 12-15 on 10.0.0.1.
+    interleaved = _slots_on(
+        ["10.0.0.1"] * 4 + ["10.0.0.2"] * 8 + ["10.0.0.1"] * 4 + ["10.0.0.3"] * 8 + ["10.0.0.4"] * 8
+    )
+    with pytest.raises(PlacementError) as refused:
+        check_engines_beside_feeders(interleaved, plan, feeders)
+    message = str(refused.value)
+    assert message.startswith("Ray placed engine 0's ranks on other nodes than the trainer ranks that feed them")
+    assert "TP rank 4 on 10.0.0.1, fed by trainer rank 4 on 10.0.0.2" in message
+    assert "TP rank 12 on 10.0.0.2, fed by trainer rank 12 on 10.0.0.1" in message
+    assert "TP rank 3 " not in message and "TP rank 8 " not in message and "weight_sync.transport=disk" in message
 
 
 def test_an_engines_bundles_split_by_node_equally_or_are_refused() -> None:

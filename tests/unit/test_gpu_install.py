@@ -104,6 +104,32 @@ def test_the_cpu_install_asks_for_nothing_of_the_gpu_set() -> None:
     assert not _pins(CPU_LOCK).keys() & GPU_ONLY
 
 
+# Stands in for .venv/bin/python: logs each call's TE build switches and arguments, and succeeds.
+RECORDING_PYTHON = """#!/usr/bin/env bash
+echo "NVTE_PYTORCH_FORCE_BUILD=${NVTE_PYTORCH_FORCE_BUILD-unset} $*" >> "$(dirname "$0")/calls.log"
+"""
+
+
+def test_the_gpu_setup_builds_transformer_engine_from_source_without_asking_github_for_a_wheel(
+    tmp_path: Path,
+) -> None:
+    """TE's setup.py downloads a prebuilt wheel (no timeout) unless NVTE_PYTORCH_FORCE_BUILD=TRUE: on a cluster that
+    drops outside traffic `setup.sh --gpu` would hang in the TE build. Runs setup.sh in a copy of the checkout whose
+    .venv python records what it is asked."""
+    (tmp_path / "launch").mkdir()
+    for name in ("launch/setup.sh", "launch/requirements.lock", "launch/requirements-gpu.lock", "pyproject.toml"):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(RECORDING_PYTHON)
+    python.chmod(0o755)
+    subprocess.run(["bash", str(tmp_path / "launch" / "setup.sh"), "--gpu"], check=True, capture_output=True)
+    calls = (python.parent / "calls.log").read_text().splitlines()
+    (te_build,) = [call for call in calls if "--no-build-isolation" in call]
+    assert te_build.startswith("NVTE_PYTORCH_FORCE_BUILD=TRUE -m pip install") and te_build.endswith("[test,plots,gpu]")
+    assert all(call.startswith("NVTE_PYTORCH_FORCE_BUILD=unset") for call in calls if call != te_build)
+
+
 class _CountingProxy(socketserver.ThreadingTCPServer):
     """An HTTPS (CONNECT) proxy on 127.0.0.1 that counts the bytes it relays from the servers."""
 

@@ -6,9 +6,11 @@ The reference server's key check is compared request by request with SGLang's ow
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import threading
+import time
 from collections import namedtuple
 from collections.abc import Iterator
 from datetime import timedelta
@@ -20,8 +22,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
+from megatron_rl.config.sglang_env import SGLANG_PYTHON_ENV
 from megatron_rl.orchestration import network as network_module
-from megatron_rl.orchestration.engine_host import EngineSpec, free_ports
+from megatron_rl.orchestration.engine_host import EngineHost, EngineSpec, free_ports
 from megatron_rl.orchestration.network import NetworkError, RunNetwork, interface_address
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.parallel.stores import rendezvous_store
@@ -149,6 +152,58 @@ def test_engine_output_reaches_its_log_with_the_key_redacted(tmp_path: Path) -> 
     tail = process.log_tail()
     assert KEY not in (tmp_path / "e.log").read_text() and KEY not in tail
     assert "api_key=<redacted>" in tail and "<redacted>!" in tail
+
+
+# Stands in for `python -m sglang.launch_server` on a node rank >= 1: reads its --config file as SGLang reads its
+# arguments, says so, and runs on (it serves no HTTP, as SGLang's other nodes serve none).
+NODE_PROCESS = """
+import sys, time
+config = sys.argv[sys.argv.index("--config") + 1]
+with open(config) as file:
+    file.read()
+print("read " + config, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_node_process_of_an_engine_spanning_nodes_loses_its_key_file_once_the_engine_is_healthy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node rank 1's host starts its process and returns at once (no /health of its own); its key file stays
+    while node 0 is not healthy yet, and goes when the host is told node 0 is, the process running on."""
+    sglang = tmp_path / "sglang-python"
+    sglang.write_text(f"#!{sys.executable}\n{NODE_PROCESS}")
+    sglang.chmod(0o755)
+    monkeypatch.setenv(SGLANG_PYTHON_ENV, str(sglang))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    spec = EngineSpec(
+        "sg0",
+        "sglang",
+        "/models/qwen3",
+        str(tmp_path),
+        RolloutConfig(tp=4),
+        seed=1,
+        gpu_ids=("2", "3"),
+        api_key=KEY,
+        nnodes=2,
+        node_rank=1,
+        dist_init_addr="127.0.0.1:29500",
+    )
+    host = EngineHost()
+    try:
+        assert host.start(spec)[0] == "sg0"
+        log = tmp_path / "sg0-node1.log"
+        deadline = time.monotonic() + 60
+        while not (read := re.search(r"read (\S+)", log.read_text() if log.exists() else "")):
+            assert time.monotonic() < deadline, "the node process never read its --config file"
+            time.sleep(0.1)
+        key_file = Path(read.group(1))
+        assert KEY in key_file.read_text()  # kept until node 0 is healthy
+        assert host.engine_healthy()
+        assert not key_file.exists() and host.running()
+    finally:
+        host.shutdown()
+    assert not key_file.parent.exists()
 
 
 @pytest.fixture(scope="module")

@@ -246,7 +246,7 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
     ("weight_sync/transports.py", "before begin()"): "call order inside the syncer",
-    ("orchestration/resources.py", "that feed it its weights"): "where Ray put the bundles at run time (the plan "
+    ("orchestration/resources.py", "that feed them their"): "where Ray put the bundles at run time (the plan "
     "puts each engine beside its feeders)",
     ("weight_sync/transports.py", "feeds no engine"): "call order inside the syncer (it sends no rank that feeds none)",
     ("weight_sync/transports.py", "in formats"): "internal: an engine's feeders export the same buckets",
@@ -314,7 +314,13 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("orchestration/worker_group.py", ""): "internal call contract",
     ("orchestration/engine_host.py", ""): "GPU visibility of the process and engine start-up failures",
     ("orchestration/trainer_worker.py", "connect_engines"): "start_run connects every rank before any weight sync",
+    ("orchestration/trainer_worker.py", "RankPaths takes absolute paths"): "internal: start_trainers builds "
+    "RankPaths.of, which resolves the run's folders against the driver's working directory",
+    ("orchestration/engine_host.py", "EngineSpec takes absolute paths"): "internal: engine_specs resolves the "
+    "model and log folders against the driver's working directory",
     ("parallel/device.py", ""): "process environment (LOCAL_RANK, CUDA_VISIBLE_DEVICES)",
+    ("parallel/device.py", "ValueError(mismatch)"): "the machine: the GPU a trainer rank finds at start, compared "
+    "with the recipe's cluster.gpu_arch (validate may run where there is none, e.g. a login node)",
     ("parallel/local_launch.py", ""): "re-raises a rank's failure",
     ("parallel/cpu_compat.py", ""): "internal to the CPU compatibility layer",
     ("actor/policy_actor.py", "the parallel state was initialised"): "internal: the trainer worker initialises the "
