@@ -93,6 +93,10 @@ SMALLEST = {
 }
 
 
+IN_CI = {"balancing.py", "early_generation_batches.py", "weight_sync_per_bucket.py"}
+"""Benchmarks CI runs (under 20 s each on 2 cores); the others, 20-60 s each, run in the full tier."""
+
+
 def runnable_benchmarks() -> list[str]:
     """The file names of benchmarks/ scripts: those with a main guard (helpers such as tables.py have none)."""
     return sorted(path.name for path in BENCHMARKS.glob("*.py") if MAIN_GUARD in path.read_text())
@@ -131,7 +135,9 @@ def test_the_docs_quote_benchmarks_as_they_run_here() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", runnable_benchmarks())
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=() if s in IN_CI else pytest.mark.full) for s in runnable_benchmarks()]
+)
 def test_benchmark_runs_at_its_smallest_size(script: str) -> None:
     smallest = SMALLEST.get(script)
     assert smallest is not None, f"benchmarks/{script} has no smallest size in SMALLEST"
