@@ -6,13 +6,15 @@ samples (at temperature 1, by a margin of e^100) a text token, two ``<tool_call>
 ``<|im_end|>``. Each of those is one token of the tokenizer (added tokens), so that chain of tokens holds
 no repeat. The calculator runs both calls; the manager appends the reply, the model samples its second
 turn (the same chain: the reply ends with the generation prompt's last token), and ``rollout.max_turns=2``
-ends the episode there.
+ends the episode there. With partial rollouts, a turn's tokens come over several windows, and the
+episode reads the whole turn.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM
@@ -22,6 +24,7 @@ from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
 from megatron_rl.rollout.episodes import build_episode
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.reference.backend import ReferenceBackend
+from tests.multi_turn_cases import RecordingEngine
 from tests.qwen3_chat import build_qwen3_like_tokenizer
 from tests.reference_servers import serving
 from tests.tiny_checkpoints import save_tiny_moe
@@ -54,7 +57,9 @@ def _chain_model(path, chain: list[int], vocab_size: int) -> torch.nn.Module:
     return model
 
 
-def test_a_turn_of_two_calls_runs_both_and_appends_the_templates_two_tool_messages(tmp_path):
+@pytest.mark.parametrize("partial_tokens", [None, 2])
+def test_a_turn_of_two_calls_runs_both_and_appends_the_templates_two_tool_messages(tmp_path, partial_tokens):
+    """``partial_tokens=2``: partial rollouts, each turn of 4 tokens sampled over two windows (steps)."""
     tokenizer = build_qwen3_like_tokenizer()
     blocks = [TEXT, _call(EXPRESSIONS[0]), "\n" + _call(EXPRESSIONS[1])]
     tokenizer.add_tokens([AddedToken(block, special=False, normalized=False) for block in blocks])
@@ -72,13 +77,15 @@ def test_a_turn_of_two_calls_runs_both_and_appends_the_templates_two_tool_messag
         tools=["calculator"],
         tool_num_workers=2,
         max_turns=2,
+        partial_rollout_tokens=partial_tokens,
     )
     episode = build_episode(rollout, tokenizer)
     try:
-        with serving(ReferenceBackend(model)) as engine:
+        with serving(ReferenceBackend(model)) as http:
+            engine = RecordingEngine(http)
             manager = RolloutManager(
                 [engine],
-                PromptDataset([PromptItem(0, prompt, "", "test")], 0),
+                PromptDataset([PromptItem(0, prompt, "constant", "test")], 0),
                 PromptSampler(1, 1, seed=0, shuffle=False),
                 rollout,
                 OverlongConfig(enable=False),
@@ -94,7 +101,7 @@ def test_a_turn_of_two_calls_runs_both_and_appends_the_templates_two_tool_messag
                 recover=lambda failures: [engine],
             )
             try:
-                (group,) = manager.generate_step(1).groups
+                groups = [group for step in range(1, 4) for group in manager.generate_step(step).groups]
             finally:
                 manager.close()
     finally:
@@ -110,7 +117,9 @@ def test_a_turn_of_two_calls_runs_both_and_appends_the_templates_two_tool_messag
     ]
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     reply = tokenizer.encode(rendered.partition("</tool_call><|im_end|>")[2], add_special_tokens=False)
-    for sample in group.samples:
+    windows = {request.rid.split(".")[1] for request, _ in engine.calls if request.rid.count(".") >= 2}
+    assert groups and (partial_tokens is None or len(windows) >= 2), "no response went on in a later window"
+    for sample in (sample for group in groups for sample in group.samples):
         assert sample.response_ids == [*turn, *reply, *turn]  # the second turn's calls: the last turn, not run
         assert tokenizer.decode([*prompt, *turn, *reply]) == rendered
         assert sample.loss_mask == [1] * len(turn) + [0] * len(reply) + [1] * len(turn)
