@@ -1,7 +1,8 @@
 """A multi-turn episode written as a user would, and the rollout manager driving it on any engine.
 
 :class:`ReplyingEpisode` (:class:`megatron_rl.rollout.episodes.Episode`): a turn ends at any of a third of
-the vocabulary, and the environment replies with three ids of its own. :class:`RecordingEngine` keeps every
+the vocabulary, and the environment replies with three ids of its own; its reply to the first turn answers
+two calls (as Qwen3's format does for a turn of two ``<tool_call>`` blocks). :class:`RecordingEngine` keeps every
 request an engine got and every answer it gave, so tests can hold the trained data to what the engine
 sampled, turn by turn (:func:`response_pieces`). Used against the reference engine (tests/unit) and the real
 SGLang (tests/sglang).
@@ -22,11 +23,18 @@ from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult
 REWARD = "tests.rollout_rewards:first_token_parity"
 STOPS = tuple(range(10, 40))
 MAX_TURNS = 4
+TWO_CALL_TURN = 1
+"""The model turn whose reply answers two tool calls (the others answer one)."""
 
 
 def reply_ids(turns: int) -> list[int]:
     """The environment's reply after the model's turn ``turns`` (1-based)."""
     return [97, 98, 90 + turns]
+
+
+def tool_calls(replies: int) -> int:
+    """The tool calls a response counts after ``replies`` replies of ReplyingEpisode."""
+    return replies + (replies >= TWO_CALL_TURN)
 
 
 class ReplyingEpisode(Episode):
@@ -45,7 +53,8 @@ class ReplyingEpisode(Episode):
             return None
         future: Future[EnvironmentReply] = Future()
         failure = {2: "limit", 3: "error"}.get(turns)
-        future.set_result(EnvironmentReply(reply_ids(turns), tool="echo", failure=failure))
+        more_calls = (("echo", None),) if turns == TWO_CALL_TURN else ()
+        future.set_result(EnvironmentReply(reply_ids(turns), tool="echo", failure=failure, more_calls=more_calls))
         return future
 
 

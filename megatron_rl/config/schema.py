@@ -276,6 +276,11 @@ class RolloutConfig(Section):
         30.0, description="Seconds a tool call may run; past it the call fails and the model reads an error."
     )
     tool_num_workers: PositiveInt = Field(4, description="Tool worker processes (calls run in parallel up to this).")
+    max_tool_calls_per_turn: PositiveInt = Field(
+        4,
+        description="Multi-turn episodes: the most tool calls run from one model turn (Qwen3's format may hold "
+        "several <tool_call> blocks; they run in parallel); each call beyond it gets an error reply, not run.",
+    )
 
     @property
     def fp8_block(self) -> tuple[int, int]:

@@ -29,17 +29,27 @@ if TYPE_CHECKING:
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.data import PromptItem
 
+ReplyFailure = Literal["error", "timeout", "limit"]
+"""Why a call gave no result (see :class:`EnvironmentReply`)."""
+
 
 @dataclass(frozen=True)
 class EnvironmentReply:
     """What the environment appends after a model turn: ``ids`` (the rendered tool message and the header
     of the model's next turn), the ``tool`` it ran (None: no tool ran, e.g. a malformed call) and why the
     tool gave no result (``failure``: ``error`` or ``timeout``, ``ids`` then render an error message the
-    model reads; ``limit``: a limit of the tool stopped the work, ``ids`` render what it output until then)."""
+    model reads; ``limit``: a limit of the tool stopped the work, ``ids`` render what it output until then).
+    A turn of several calls: ``tool`` and ``failure`` are its first call's, ``more_calls`` the ``(tool, failure)``
+    of the others, in order, and ``ids`` render every reply."""
 
     ids: list[int]
     tool: str | None = None
-    failure: Literal["error", "timeout", "limit"] | None = None
+    failure: ReplyFailure | None = None
+    more_calls: tuple[tuple[str | None, ReplyFailure | None], ...] = ()
+
+    def calls(self) -> tuple[tuple[str | None, ReplyFailure | None], ...]:
+        """The ``(tool, failure)`` of every call this reply answers, in order (one for a turn of one call)."""
+        return ((self.tool, self.failure), *self.more_calls)
 
 
 @dataclass(frozen=True)

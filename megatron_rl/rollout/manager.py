@@ -398,7 +398,8 @@ class _Round:
         reply = future.result()
         if not self._abandoned(position) and not window.aborted:
             state = window.samples[sample]
-            state.tools = state.tools.after(reply.tool, reply.failure)
+            for tool, failure in reply.calls():
+                state.tools = state.tools.after(tool, failure)
             if len(state.output_ids) + len(reply.ids) >= self._max_response_length:
                 # No room for the model's next turn: the response ends at its budget, the reply left out
                 # (so every token trained on was fed to the engine and has its routing).

@@ -9,7 +9,7 @@ chat format of calls and replies: :mod:`megatron_rl.tools.calls`; tool calls run
 """
 
 from megatron_rl.tools.calculator import calculator
-from megatron_rl.tools.calls import ToolCall, ToolCallError, parse_tool_call, render_tool_response
+from megatron_rl.tools.calls import ToolCall, ToolCallError, parse_tool_calls, render_tool_responses
 from megatron_rl.tools.python_tool import python
 from megatron_rl.tools.registry import (
     ToolContractError,
@@ -39,11 +39,11 @@ __all__ = [
     "ToolFn",
     "calculator",
     "get_tool",
-    "parse_tool_call",
+    "parse_tool_calls",
     "python",
     "register_tool",
     "registered_tools",
-    "render_tool_response",
+    "render_tool_responses",
     "run_sandboxed",
     "sandbox_problem",
     "synthetic_lookup",

@@ -5,9 +5,11 @@ Qwen3-4B card's copy in akougkas/warpio-cli ``warpio-docs/ai-docs/model_cards/qw
 ``trl/chat_template_utils.py`` ``qwen3_chat_template``, which TRL matches against Qwen/Qwen3-0.6B's):
 
 - an assistant tool call renders as ``<tool_call>\\n{"name": "<name>", "arguments": <json object>}\\n</tool_call>``
-  (after the turn's content and a newline when there is content), then the turn's ``<|im_end|>\\n``;
+  (after the turn's content and a newline when there is content; several calls are separated by ``\\n``),
+  then the turn's ``<|im_end|>\\n``;
 - a tool message renders inside a user turn: ``<|im_start|>user`` (opened once for consecutive tool
-  messages), then ``\\n<tool_response>\\n`` + content + ``\\n</tool_response>``, then ``<|im_end|>\\n``;
+  messages), then ``\\n<tool_response>\\n`` + content + ``\\n</tool_response>``, then ``<|im_end|>\\n``
+  (after the last of consecutive tool messages);
 - the generation prompt is ``<|im_start|>assistant\\n``. (Qwen3-2507 thinking models add ``<think>\\n``
   to it, and the template adds ``<think>\\n\\n</think>\\n\\n`` when ``enable_thinking=False``; this module
   writes the plain header and leaves such prefixes to the model.)
@@ -19,12 +21,15 @@ Qwen3's vocabulary (ids 151657, 151658, 151665, 151666), not special tokens: the
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 THINK_CLOSE = "</think>"
+TURN_END = "<|im_end|>"
+"""Ends a message in Qwen3's template: the model's turn of calls ends at it (its EOS as a chat model)."""
 
 
 class ToolCallError(ValueError):
@@ -39,28 +44,40 @@ class ToolCall:
     arguments: dict[str, Any]
 
 
-def parse_tool_call(text: str) -> ToolCall | None:
-    """The tool call that ends the turn ``text``, or None when the turn calls no tool (a final answer).
+def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
+    """Every tool call of the turn ``text``, in order; empty when the turn calls no tool (a final answer).
 
-    Only text after the last ``</think>`` counts (thinking may mention calls). A call is
-    ``<tool_call>`` + a JSON object ``{"name": str, "arguments": object}`` + ``</tool_call>``, with
-    only white space after it; white space around the JSON is ignored and missing ``arguments``
-    reads as ``{}``. ToolCallError when ``<tool_call>`` appears but the call is malformed: not at the
-    end, unterminated, more than one call (one call per turn), not JSON, not an object, an empty or
-    non-string ``name``, ``arguments`` not an object. ``<tool_call>`` is a vocabulary token a model
-    emits only to call, so its presence decides that the turn meant to call.
+    ``text`` is the turn without its end (``<|im_end|>``). Only text after the last ``</think>`` counts
+    (thinking may mention calls). The calls start at the first ``<tool_call>``; each is ``<tool_call>`` + a
+    JSON object ``{"name": str, "arguments": object}`` + ``</tool_call>``, calls separated by white space only
+    (Qwen3's template puts a newline between them; SGLang's Qwen2.5/Qwen3 detector reads every such block).
+    White space around the JSON is ignored and missing ``arguments`` reads as ``{}``. A malformed block is a
+    ToolCallError in its place, saying what is wrong for the model to read: unterminated, followed by text,
+    not JSON, not an object, an empty or non-string ``name``, ``arguments`` not an object. ``<tool_call>`` is
+    a vocabulary token a model emits only to call, so its presence decides that the turn meant to call.
     """
     content = text.rpartition(THINK_CLOSE)[2]
     if TOOL_CALL_OPEN not in content:
-        return None
-    call = content.partition(TOOL_CALL_OPEN)[2]
-    if TOOL_CALL_OPEN in call:
-        raise ToolCallError(f"more than one {TOOL_CALL_OPEN} in the turn; call one tool per turn")
-    body, closed, after = call.partition(TOOL_CALL_CLOSE)
+        return []
+    blocks = content.split(TOOL_CALL_OPEN)[1:]
+    calls: list[ToolCall | ToolCallError] = []
+    for block in blocks:
+        try:
+            calls.append(_parse_block(block))
+        except ToolCallError as exc:
+            calls.append(exc)
+    return calls
+
+
+def _parse_block(block: str) -> ToolCall:
+    """One call from the text between its ``<tool_call>`` and the next (or the turn's end); ToolCallError when malformed."""
+    body, closed, after = block.partition(TOOL_CALL_CLOSE)
     if not closed:
         raise ToolCallError(f"the tool call is not closed by {TOOL_CALL_CLOSE}")
     if after.strip():
-        raise ToolCallError(f"text follows {TOOL_CALL_CLOSE}: {after.strip()[:80]!r}; the call must end the turn")
+        raise ToolCallError(
+            f"text follows {TOOL_CALL_CLOSE}: {after.strip()[:80]!r}; calls must end the turn, after any text"
+        )
     try:
         payload = json.loads(body)
     except json.JSONDecodeError as exc:
@@ -78,12 +95,16 @@ def parse_tool_call(text: str) -> ToolCall | None:
     return ToolCall(name, arguments)
 
 
-def render_tool_response(text: str) -> str:
-    """The text that follows a turn ending in ``</tool_call>``: Qwen3's tool message holding ``text``, then
-    the header of the model's next turn.
+def render_tool_responses(texts: Sequence[str]) -> str:
+    """The text that follows a turn of tool calls ended by ``<|im_end|>``: Qwen3's tool messages holding
+    ``texts`` (one per call, in order), then the header of the model's next turn.
 
-    ``<|im_end|>\\n`` closes the assistant's turn (generation stopped at ``</tool_call>``, before it),
-    then the one tool message as the template renders it, then ``<|im_start|>assistant\\n``. ``text`` is
-    put in as is (the template does not escape it either).
+    ``\n`` ends the assistant's turn (the template's ``<|im_end|>\n``; the model sampled ``<|im_end|>``),
+    then the consecutive tool messages as the template renders them, in one user turn, then
+    ``<|im_start|>assistant\n``. Each text is put in as is (the template does not escape it either).
+    ValueError when ``texts`` is empty (a turn without calls gets no reply).
     """
-    return f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    if not texts:
+        raise ValueError("render_tool_responses needs at least one tool output")
+    responses = "".join(f"\n<tool_response>\n{text}\n</tool_response>" for text in texts)
+    return f"\n<|im_start|>user{responses}<|im_end|>\n<|im_start|>assistant\n"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multi_turn_cases import STOPS, RecordingEngine, response_pieces, run_episodes
+from tests.multi_turn_cases import STOPS, RecordingEngine, response_pieces, run_episodes, tool_calls
 from tests.sglang.transformers_decode import load_model
 
 LOGPROB_TOLERANCE = 1e-4
@@ -38,6 +38,7 @@ def test_a_multi_turn_episode_trains_on_what_sglang_sampled_turn_by_turn(sglang,
             assert [t for _, ids, _ in pieces for t in ids] == sample.response_ids
             assert [lp for _, _, lps in pieces for lp in lps] == sample.rollout_logprobs
             assert sample.loss_mask == [int(kind == "engine") for kind, ids, _ in pieces for _ in ids]
+            assert sample.tools.calls == tool_calls(sum(kind == "reply" for kind, *_ in pieces))
             for (kind, ids, _), following in zip(pieces, pieces[1:], strict=False):
                 if kind == "engine" and following[0] == "reply":
                     assert ids[-1] in STOPS, "a turn the environment answered must end at its stop token"

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.rollout.reference.backend import ReferenceBackend
-from tests.multi_turn_cases import MAX_TURNS, STOPS, RecordingEngine, response_pieces, run_episodes
+from tests.multi_turn_cases import MAX_TURNS, STOPS, RecordingEngine, response_pieces, run_episodes, tool_calls
 from tests.reference_servers import serving
 from tests.tiny_checkpoints import save_tiny_moe
 
@@ -45,7 +45,7 @@ def test_trained_ids_are_the_engines_ids_turn_by_turn_and_replies_are_masked(mod
             assert [lp for _, _, lps in pieces for lp in lps] == sample.rollout_logprobs
             assert sample.loss_mask == [int(kind == "engine") for kind, ids, _ in pieces for _ in ids]
             replies = sum(kind == "reply" for kind, *_ in pieces)
-            assert sample.turns == replies + 1 and sample.tools.calls == replies
+            assert sample.turns == replies + 1 and sample.tools.calls == tool_calls(replies)
             assert sample.tools.limit_stops == (replies >= 2) and sample.tools.errors == (replies >= 3)
             assert sample.policy_tokens == (None if not replies else sum(sample.loss_mask))
             assert sample.turns <= MAX_TURNS

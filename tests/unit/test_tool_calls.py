@@ -1,8 +1,9 @@
-"""Tool calls in Qwen3's (Hermes) format: the model's call is read exactly, a malformed one is named, and the
-tool's reply is the text Qwen3's chat template puts after an assistant tool call.
+"""Tool calls in Qwen3's (Hermes) format: the model's calls are read exactly, in order, a malformed one is
+named in its place, and the tools' reply is the text Qwen3's chat template puts after an assistant's tool calls.
 
 The expected texts are built piece by piece from what Qwen3's chat template (its tokenizer_config.json
-``chat_template``, cited in :mod:`megatron_rl.tools.calls`) emits for each message, in order.
+``chat_template``, cited in :mod:`megatron_rl.tools.calls`) emits for each message, in order, or rendered
+by transformers' ``apply_chat_template`` from the template's text (:mod:`tests.qwen3_chat`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import json
 
 import pytest
 
-from megatron_rl.tools.calls import ToolCall, ToolCallError, parse_tool_call, render_tool_response
+from megatron_rl.tools.calls import ToolCall, ToolCallError, parse_tool_calls, render_tool_responses
+from tests.qwen3_chat import build_qwen3_like_tokenizer
 
 
 def _template_tool_call(name: str, arguments: dict[str, object]) -> str:
@@ -43,7 +45,21 @@ def _template_tool_call(name: str, arguments: dict[str, object]) -> str:
     ],
 )
 def test_a_turn_ending_in_a_call_is_read(text: str, expected: ToolCall | None) -> None:
-    assert parse_tool_call(text) == expected
+    assert parse_tool_calls(text) == ([] if expected is None else [expected])
+
+
+def test_every_call_of_a_turn_is_read_in_order_and_a_malformed_one_is_named_in_its_place() -> None:
+    first, second = _template_tool_call("calculator", {"expression": "1+2"}), _template_tool_call("clock", {})
+    assert parse_tool_calls("Two calls.\n" + first + "\n" + second) == [
+        ToolCall("calculator", {"expression": "1+2"}),
+        ToolCall("clock", {}),
+    ]
+    calls = parse_tool_calls(first + "\n<tool_call>\nnot json\n</tool_call>\n" + second + "\n")
+    assert calls[0] == ToolCall("calculator", {"expression": "1+2"}) and calls[2] == ToolCall("clock", {})
+    assert isinstance(calls[1], ToolCallError) and "not valid JSON" in str(calls[1])
+    between = parse_tool_calls(first + " and then " + second)
+    assert isinstance(between[0], ToolCallError) and between[1] == ToolCall("clock", {})
+    assert "text follows </tool_call>: 'and then'" in str(between[0])
 
 
 @pytest.mark.parametrize(
@@ -65,15 +81,13 @@ def test_a_turn_ending_in_a_call_is_read(text: str, expected: ToolCall | None) -
         ),
         ('<tool_call>\n{"name": "calc", "arguments": {}}', "not closed by </tool_call>"),
         (_template_tool_call("a", {}) + "\nso the answer is 3", "text follows </tool_call>: 'so the answer is 3'"),
-        (
-            _template_tool_call("a", {}) + "\n" + _template_tool_call("b", {}),
-            "more than one <tool_call> in the turn; call one tool per turn",
-        ),
     ],
 )
 def test_a_malformed_call_is_named(text: str, message: str) -> None:
+    (error,) = parse_tool_calls(text)
+    assert isinstance(error, ToolCallError)
     with pytest.raises(ToolCallError, match=message):
-        parse_tool_call(text)
+        raise error
 
 
 def test_the_reply_is_what_qwen3s_template_renders_after_a_tool_call() -> None:
@@ -83,17 +97,37 @@ def test_the_reply_is_what_qwen3s_template_renders_after_a_tool_call() -> None:
     tool = "<|im_start|>user" + "\n<tool_response>\n" + "1024" + "\n</tool_response>" + "<|im_end|>\n"
     generation_prompt = "<|im_start|>assistant\n"
     rendered = user + assistant + tool + generation_prompt
-    # Generation stops at </tool_call> (its last token); the reply is everything the template adds after it.
-    prompt_and_turn = user + "<|im_start|>assistant\n" + _template_tool_call("calculator", {"expression": "2**10"})
-    assert rendered == prompt_and_turn + render_tool_response("1024")
-    assert parse_tool_call(prompt_and_turn.rpartition("<|im_start|>assistant\n")[2]) == ToolCall(
-        "calculator", {"expression": "2**10"}
-    )
+    # Generation stops at <|im_end|> (its last token); the reply is everything the template adds after it.
+    turn = _template_tool_call("calculator", {"expression": "2**10"})
+    assert rendered == user + "<|im_start|>assistant\n" + turn + "<|im_end|>" + render_tool_responses(["1024"])
+    assert parse_tool_calls(turn) == [ToolCall("calculator", {"expression": "2**10"})]
+
+
+def test_the_replies_to_two_calls_are_what_apply_chat_template_renders_for_two_tool_messages() -> None:
+    calls = [("calculator", {"expression": "2**10"}), ("clock", {"zone": "UTC"})]
+    conversation = [
+        {"role": "user", "content": "What is 2**10, and the time?"},
+        {
+            "role": "assistant",
+            "content": "Two calls.",
+            "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls],
+        },
+        {"role": "tool", "content": "1024"},
+        {"role": "tool", "content": "12:00\nUTC"},
+    ]
+    tokenizer = build_qwen3_like_tokenizer()
+    before = tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    turn = "Two calls.\n" + "\n".join(_template_tool_call(name, arguments) for name, arguments in calls)
+    assert rendered == before + turn + "<|im_end|>" + render_tool_responses(["1024", "12:00\nUTC"])
+    assert parse_tool_calls(turn) == [ToolCall(name, arguments) for name, arguments in calls]
 
 
 def test_the_reply_holds_the_text_as_is() -> None:
-    assert render_tool_response("") == (
-        "<|im_end|>\n<|im_start|>user\n<tool_response>\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert render_tool_responses([""]) == (
+        "\n<|im_start|>user\n<tool_response>\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
     text = "line 1\n</tool_response> <|im_end|>"
-    assert text in render_tool_response(text)
+    assert text in render_tool_responses([text])
+    with pytest.raises(ValueError, match="at least one tool output"):
+        render_tool_responses([])
