@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multi_turn_cases import STOPS, RecordingEngine, response_pieces, run_episodes, tool_calls
+from tests.multi_turn_cases import (
+    MAX_TURNS,
+    STOPS,
+    TWO_CALL_TURN,
+    RecordingEngine,
+    response_pieces,
+    run_episodes,
+)
 from tests.sglang.transformers_decode import load_model
 
 LOGPROB_TOLERANCE = 1e-4
@@ -24,6 +31,15 @@ def _whole_sequence_log_probs(model: torch.nn.Module, ids: list[int]) -> list[fl
     """log p(ids[t] | ids[:t]) for t >= 1 from one forward over the whole sequence (what the trainer does)."""
     logits = model(torch.tensor([ids])).logits[0, :-1].double()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def _calls_answered(pieces: list[tuple[str, list[int], list[float]]]) -> int:
+    """The tool calls ReplyingEpisode answered in a response of ``pieces`` (one engine piece per turn): a turn ended
+    at a stop id before the last turn gets a reply, of two calls after turn TWO_CALL_TURN. Counted from the turns,
+    not the replies: a reply that leaves no room for the next turn is left out of the response, its calls ran."""
+    turns = [ids for kind, ids, _ in pieces if kind == "engine"]
+    answered = [turn for turn, ids in enumerate(turns, start=1) if ids[-1] in STOPS and turn < MAX_TURNS]
+    return sum(2 if turn == TWO_CALL_TURN else 1 for turn in answered)
 
 
 def test_a_multi_turn_episode_trains_on_what_sglang_sampled_turn_by_turn(sglang, moe_dir):
@@ -38,7 +54,7 @@ def test_a_multi_turn_episode_trains_on_what_sglang_sampled_turn_by_turn(sglang,
             assert [t for _, ids, _ in pieces for t in ids] == sample.response_ids
             assert [lp for _, _, lps in pieces for lp in lps] == sample.rollout_logprobs
             assert sample.loss_mask == [int(kind == "engine") for kind, ids, _ in pieces for _ in ids]
-            assert sample.tools.calls == tool_calls(sum(kind == "reply" for kind, *_ in pieces))
+            assert sample.tools.calls == _calls_answered(pieces)
             for (kind, ids, _), following in zip(pieces, pieces[1:], strict=False):
                 if kind == "engine" and following[0] == "reply":
                     assert ids[-1] in STOPS, "a turn the environment answered must end at its stop token"
