@@ -59,6 +59,22 @@ build_driver_standin() {
     "$venv/bin/python" -c 'from megatron_rl.rollout.sglang_cpu import driver_standin_dir; driver_standin_dir()'
 }
 
+stamp_of() { cat "$root/pyproject.toml" "$lock" | sha256sum | cut -c1-16; }
+# Refuse before installing anything when the disk cannot hold it: a pip that runs out of space midway leaves a
+# half-installed venv and only "No space left on device".
+check_free_space() {
+    local need_gb=0 free_gb
+    [ -f "$venv/.installed-$(stamp_of)" ] || need_gb=$((need_gb + ${1}))
+    if [ "$with_sglang" = 1 ] && ! ls "$root/.venv-sglang"/.installed-* >/dev/null 2>&1; then need_gb=$((need_gb + 12)); fi
+    free_gb=$(($(df -Pk "$root" | awk 'NR == 2 {print $4}') / 1024 / 1024))
+    if [ "$free_gb" -lt "$need_gb" ]; then
+        echo "error: the install needs about $need_gb GB free in $root, and its disk has $free_gb GB: free space (old clones' .venv folders, ~/.cache/pip) and rerun" >&2
+        exit 1
+    fi
+}
+
+check_free_space "$([ "$with_gpu" = 1 ] && echo 20 || echo 7)"
+
 sglang_install=""
 if [ "$with_sglang" = 1 ]; then
     # Beside the project's own install: each pip keeps one core busy, and this machine may have two.
@@ -67,7 +83,6 @@ if [ "$with_sglang" = 1 ]; then
     trap 'kill "$sglang_install" 2>/dev/null || true' EXIT
 fi
 
-stamp_of() { cat "$root/pyproject.toml" "$lock" | sha256sum | cut -c1-16; }
 stamp="$venv/.installed-$(stamp_of)"
 if [ ! -f "$stamp" ]; then
     if [ ! -x "$venv/bin/python" ]; then
