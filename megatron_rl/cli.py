@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import warnings
@@ -194,6 +195,41 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_preflight(args: argparse.Namespace) -> int:
+    """Exit 0 when every step passed, 1 when one failed (the report names it and the steps not reached)."""
+    try:
+        cfg, warnings = load_recipe(args.recipe, args.overrides, require_files=not args.dry_run)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        from megatron_rl.preflight.dry_run import describe_steps
+
+        _silence_library_warnings()
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime" on a login node
+        print(f"# preflight {args.recipe} {' '.join(args.overrides)} (dry run: nothing started)".rstrip())
+        print(_layout_summary(cfg))
+        print("\n".join(describe_steps(cfg)))
+        return 0
+    from megatron_rl.preflight.runner import preflight_dir, run_preflight
+
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    _silence_library_warnings()
+    print(f"# preflight {args.recipe} {' '.join(args.overrides)}".rstrip(), flush=True)
+    print(_layout_summary(cfg), flush=True)
+    report = run_preflight(cfg, args.recipe, args.overrides, echo=lambda line: print(line, flush=True))
+    where = preflight_dir(cfg)
+    if report.passed:
+        print(
+            f"# preflight passed; report {where}/report.md; `megatron-rl plan {args.recipe} --rates "
+            f"{where}/report.json` uses its rates"
+        )
+        return 0
+    print(f"# preflight FAILED; not reached: {', '.join(report.not_reached) or '-'}; report {where}/report.md")
+    return 1
+
+
 def _parallel_sizes(args: argparse.Namespace) -> ParallelSizes:
     from megatron_rl.parallel.distributed import ParallelSizes
 
@@ -329,6 +365,18 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("recipe", help="recipe YAML file")
     smoke.add_argument("overrides", nargs="*", help="dotted overrides applied before shrinking")
     smoke.set_defaults(handler=_cmd_smoke)
+
+    preflight = commands.add_parser(
+        "preflight",
+        help="on the allocation: every path the recipe uses, step by step at its own layout (install, inputs, "
+        "GPUs and network, trainer and engines on the model cut to a few layers, storage), with a report",
+    )
+    preflight.add_argument("recipe", help="recipe YAML file")
+    preflight.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.nodes=2")
+    preflight.add_argument(
+        "--dry-run", action="store_true", help="print the steps and the ranks, nodes and GPUs each uses; start nothing"
+    )
+    preflight.set_defaults(handler=_cmd_preflight)
 
     _add_checkpoint_commands(commands)
     return parser

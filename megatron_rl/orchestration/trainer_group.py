@@ -72,6 +72,10 @@ class TrainerGroup:
         """Every rank brings back what :meth:`offload` moved, bit for bit."""
         self._ranks.call(TrainerWorker.reload)
 
+    def device_memory(self) -> list[dict[str, int]]:
+        """Each rank's GPU bytes (:meth:`TrainerWorker.device_memory`), in rank order."""
+        return self._ranks.call(TrainerWorker.device_memory)
+
     def connect_engines(self, addresses: Sequence[tuple[str, str, int]]) -> None:
         """Every rank's weight sync delivers to the engines at ``addresses`` (name, host, port), in engine order."""
         self._ranks.call(TrainerWorker.connect_engines, list(addresses))

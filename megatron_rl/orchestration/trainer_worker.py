@@ -160,6 +160,15 @@ class TrainerWorker:
         """Bring back what :meth:`offload` moved, bit for bit."""
         self.actor.reload()
 
+    def device_memory(self) -> dict[str, int]:
+        """This rank's GPU bytes: ``allocated`` now and ``peak`` since the rank started (torch's caching allocator);
+        empty on CPU, where nothing is measured."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        return {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+
     def sync_weights(self, version: int) -> float:
         """Deliver the current weights to every engine as ``version``; seconds it took on this rank."""
         return self._syncer.sync_megatron(self.actor.chunks, self.actor.arch, str(version)).seconds
