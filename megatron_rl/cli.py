@@ -112,9 +112,12 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    """Exit 0 when the layout fits the GPUs, 1 when it does not or the recipe is invalid."""
+    """Exit 0 when the layout fits the GPUs, 1 when it does not, the recipe is invalid or ``--rates`` is no
+    preflight report."""
+    from megatron_rl.plan.estimates import ASSUMED, with_measured
     from megatron_rl.plan.memory import plan_memory
     from megatron_rl.plan.placement import plan_run_placement
+    from megatron_rl.plan.rates import read_report
     from megatron_rl.plan.report import render_plan
 
     try:
@@ -123,10 +126,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    assumptions = ASSUMED
+    if args.rates is not None:
+        try:
+            report = read_report(args.rates)
+        except ValueError as exc:  # names the file
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        dated = f" ({report.date})" if report.date else ""
+        assumptions = with_measured(report.rates, f"{args.rates}{dated}")
     plan = plan_memory(cfg, arch, args.gpu_memory_gib)
     placement = plan_run_placement(cfg)
-    print(f"# megatron-rl plan {args.recipe} {' '.join(args.overrides)}".rstrip())
-    print(render_plan(cfg, arch, plan, placement.trainer_positions, placement.engine_positions))
+    rates = f" --rates {args.rates}" if args.rates is not None else ""
+    print(f"# megatron-rl plan {args.recipe} {' '.join(args.overrides)}".rstrip() + rates)
+    positions = placement.trainer_positions, placement.engine_positions
+    print(render_plan(cfg, arch, plan, *positions, assumptions=assumptions))
     return 1 if plan.problems else 0
 
 
@@ -348,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("recipe", help="recipe YAML file")
     plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.ep=4")
     plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
+    plan.add_argument(
+        "--rates",
+        type=Path,
+        metavar="REPORT.json",
+        help="a `megatron-rl preflight` report.json: its measured rates replace the assumed ones in the estimates",
+    )
     plan.set_defaults(handler=_cmd_plan)
 
     train = commands.add_parser(

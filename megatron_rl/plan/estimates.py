@@ -1,8 +1,10 @@
 """Modelled GPU figures of a recipe: weight-sync seconds and tokens/s/GPU, from exact counts and named assumptions.
 
-Nothing here is measured. Every figure is a range ``low-high`` that comes from the recipe's
-exact byte and FLOP counts divided by an assumed rate; the assumptions are the constants below,
-each with its range and basis, and ``megatron-rl plan`` prints them next to the figures.
+Every figure is a range ``low-high`` that comes from the recipe's exact byte and FLOP counts divided
+by a rate. By default every rate is assumed: the constants below, each with its range and basis,
+gathered in :data:`ASSUMED`, and ``megatron-rl plan`` prints them next to the figures. ``plan --rates
+REPORT.json`` puts in the rates ``megatron-rl preflight`` measured on the cluster
+(:func:`with_measured`): a measured rate is one value, and its basis names the preflight step.
 
 Weight sync (:func:`estimate_sync`): the model is every parameter of the Hugging Face model once, in
 bf16 (2 B), or with ``rollout.quantization=fp8`` each projection in FP8 with its block scales
@@ -43,7 +45,8 @@ one EP gather per local expert tensor, 2,304, per rank) and their lower bandwidt
 messages, per-bucket request round trips and the engines' post-processing. The tensor terms
 are summed, not overlapped (two bucket buffers let a rank gather bucket k+1 while its engine loads
 bucket k, and the measured cost per tensor already holds a copy), so the sum leans high.
-Distributed and disk are data movement alone.
+Distributed and disk are data movement alone. With a measured ``sync_gbps`` the recipe's own
+transport is not modelled: its sync is model bytes / that rate (:func:`with_measured`).
 
 Tokens/s/GPU (:func:`estimate_throughput`), defined as NeMo-RL publishes it: all tokens of a step
 (prompt + response, every sample) / (step seconds x GPUs). Per token, a forward pass costs
@@ -55,13 +58,15 @@ other: generation (one forward per token at :data:`GENERATION_MFU`, on every GPU
 on the ``rollout.num_gpus`` engine GPUs when disaggregated), the old log-probs (one forward; a
 second for the reference model when ``use_kl_loss``) and training (forward + backward = 3
 forwards, one more under full recompute), both at :data:`TRAINING_MFU` of
-:data:`PEAK_BF16_TFLOPS` on the trainer's GPUs, then the weight sync.
+:data:`PEAK_BF16_TFLOPS` (or the measured ``gemm_tflops``) on the trainer's GPUs, then the weight sync.
 Not modelled: dynamic sampling's extra generation batches, pipeline bubbles, rewards.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.layout import trainer_world_size
@@ -73,6 +78,7 @@ from megatron_rl.plan.param_count import (
     model_params,
     synced_model_bytes,
 )
+from megatron_rl.plan.rates import RATE_NAMES, Rate
 
 BF16_BYTES = 2
 
@@ -114,8 +120,10 @@ class Assumption:
     basis: str
 
     def line(self) -> str:
-        """``name: low-high unit (basis)``."""
-        return f"{self.name}: {self.value.low:g}-{self.value.high:g} {self.unit} ({self.basis})"
+        """``name: low-high unit (basis)``; one value where low == high (a measured rate)."""
+        low, high = self.value.low, self.value.high
+        value = f"{low:g}" if low == high else f"{low:g}-{high:g}"
+        return f"{self.name}: {value} {self.unit} ({self.basis})"
 
 
 NVLINK_GBPS = Assumption(
@@ -155,6 +163,87 @@ GENERATION_MFU = Assumption(
 )
 MEAN_SEQUENCE_FRACTION = 0.5
 """Assumed mean sequence length as a fraction of ``max_prompt_length + max_response_length``."""
+MEASURED = "measured by preflight"
+"""How the basis of a measured rate begins."""
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The rates the estimates divide by, one per field; the defaults are the assumed constants above.
+
+    ``peak`` is the GEMM TFLOP/s both MFUs are fractions of when measured (else :data:`PEAK_BF16_TFLOPS`);
+    ``sync``, when measured, is the recipe's own transport's whole rate (:func:`estimate_sync`).
+    ``measured`` holds the names of :data:`~megatron_rl.plan.rates.RATE_NAMES` put in, and ``source``
+    where they come from (the report and its date); both empty for the assumed set.
+    """
+
+    nvlink: Assumption = NVLINK_GBPS
+    export_per_tensor: Assumption = EXPORT_MICROSECONDS_PER_TENSOR
+    load_per_tensor: Assumption = LOAD_MICROSECONDS_PER_TENSOR
+    network: Assumption = NETWORK_GBPS
+    fs_write: Assumption = FS_WRITE_GBPS
+    fs_read: Assumption = FS_READ_GBPS
+    training_mfu: Assumption = TRAINING_MFU
+    generation_mfu: Assumption = GENERATION_MFU
+    peak: Assumption | None = None
+    sync: Assumption | None = None
+    measured: tuple[str, ...] = ()
+    source: str = ""
+
+    @property
+    def peak_tflops(self) -> float:
+        """The TFLOP/s the MFUs are fractions of: the measured GEMM rate, else the nominal bf16 peak."""
+        return self.peak.value.low if self.peak is not None else PEAK_BF16_TFLOPS
+
+    @property
+    def assumed(self) -> tuple[str, ...]:
+        """The names of :data:`~megatron_rl.plan.rates.RATE_NAMES` not measured, whose assumptions stand."""
+        return tuple(name for name in RATE_NAMES if name not in self.measured)
+
+
+ASSUMED = Assumptions()
+"""Every rate assumed: what the estimates use without ``plan --rates``."""
+
+_REPLACED_BY = {
+    "intra_node_gbps": "nvlink",
+    "inter_node_gbps": "network",
+    "fs_write_gbps": "fs_write",
+    "fs_read_gbps": "fs_read",
+}
+"""The rates that stand in for one assumption each: rate name -> field of :class:`Assumptions`."""
+
+
+def _measured(name: str, unit: str, rate: Rate, note: str = "") -> Assumption:
+    """``rate`` as an assumption of one value, its basis naming what preflight measured it on."""
+    return Assumption(name, Range(rate.value, rate.value), unit, f"{MEASURED}: {rate.source}{note}")
+
+
+def with_measured(rates: Mapping[str, Rate], source: str = "") -> Assumptions:
+    """:data:`ASSUMED` with each assumption a measured rate stands for replaced by that one value.
+
+    ``intra_node_gbps`` replaces :data:`NVLINK_GBPS`, ``inter_node_gbps`` :data:`NETWORK_GBPS`,
+    ``fs_write_gbps`` and ``fs_read_gbps`` the filesystem rates; ``gemm_tflops`` replaces the peak both
+    MFUs are fractions of (the MFUs themselves stay assumed). ``sync_gbps`` makes the recipe's own
+    transport's sync ``model bytes / sync_gbps``, one term: preflight measured it on the cut model, so
+    the per-tensor costs of the full-size model (tensor transport: export and load per tensor, the
+    all-gathers' launches) are what it leaves out. ``source`` names the report, for the printout.
+    """
+    changes: dict[str, Any] = {}
+    for rate_name, field in _REPLACED_BY.items():
+        if rate_name in rates:
+            assumed: Assumption = getattr(ASSUMED, field)
+            changes[field] = _measured(assumed.name, assumed.unit, rates[rate_name])
+    if "gemm_tflops" in rates:
+        gemm = rates["gemm_tflops"]
+        changes["peak"] = _measured("dense GEMM rate, the MFUs' base", "TFLOP/s", gemm)
+        base = f"of {gemm.value:g} TFLOP/s measured"
+        changes["training_mfu"] = replace(TRAINING_MFU, unit=base)
+        changes["generation_mfu"] = replace(GENERATION_MFU, unit=base)
+    if "sync_gbps" in rates:
+        note = "; on the cut model, so the per-tensor costs at full size are left out"
+        changes["sync"] = _measured("weight sync into the engines", "GB/s", rates["sync_gbps"], note)
+    measured = tuple(name for name in RATE_NAMES if name in rates)
+    return replace(ASSUMED, **changes, measured=measured, source=source)
 
 
 @dataclass(frozen=True)
@@ -216,12 +305,12 @@ def sync_refusal(cfg: RunConfig, transport: str) -> str | None:
     return None
 
 
-def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int) -> SyncEstimate:
+def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int, assumed: Assumptions) -> SyncEstimate:
     """The per-GPU colocated path (module docstring); ValueError where :func:`sync_refusal` refuses it."""
     refusal = sync_refusal(cfg, "tensor")
     if refusal is not None:
         raise ValueError(refusal)
-    nvlink = NVLINK_GBPS.value.scaled(1e9)
+    nvlink = assumed.nvlink.value.scaled(1e9)
     gathered = gathered_bytes_per_gpu(arch, cfg.parallel)
     share = engine_gpu_weights(arch, cfg.rollout).nbytes(cfg.rollout.quantization)
     dense_tensors, expert_tensors = hf_tensor_counts(arch)
@@ -236,35 +325,45 @@ def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int) -> Sy
         SyncTerm(f"all-gathers ({gathered / 1e9:.2f} GB)", _exactly(gathered).per(nvlink)),
         *([SyncTerm(f"pipeline broadcast ({broadcast / 1e9:.2f} GB)", _exactly(broadcast).per(nvlink))] * (stages > 1)),
         SyncTerm(f"engine copy ({share / 1e9:.2f} GB)", _exactly(share).per(nvlink)),
-        SyncTerm(f"{tensors:,} tensors exported", EXPORT_MICROSECONDS_PER_TENSOR.value.scaled(tensors * 1e-6)),
-        SyncTerm(f"{loaded:,} tensors loaded", LOAD_MICROSECONDS_PER_TENSOR.value.scaled(loaded * 1e-6)),
+        SyncTerm(f"{tensors:,} tensors exported", assumed.export_per_tensor.value.scaled(tensors * 1e-6)),
+        SyncTerm(f"{loaded:,} tensors loaded", assumed.load_per_tensor.value.scaled(loaded * 1e-6)),
     )
     link = "per GPU at the NVLink rate, all GPUs at once"
     link_bytes = gathered + broadcast + share
-    assumptions = (NVLINK_GBPS, EXPORT_MICROSECONDS_PER_TENSOR, LOAD_MICROSECONDS_PER_TENSOR)
-    return SyncEstimate("tensor", model_bytes, link, link_bytes, terms, assumptions)
+    used = (assumed.nvlink, assumed.export_per_tensor, assumed.load_per_tensor)
+    return SyncEstimate("tensor", model_bytes, link, link_bytes, terms, used)
 
 
-def estimate_sync(cfg: RunConfig, arch: QwenArchitecture, transport: str | None = None) -> SyncEstimate:
-    """Seconds of one sync with ``transport`` (default: the recipe's, resolved); see the module docstring.
+def estimate_sync(
+    cfg: RunConfig, arch: QwenArchitecture, transport: str | None = None, *, assumptions: Assumptions = ASSUMED
+) -> SyncEstimate:
+    """Seconds of one sync with ``transport`` (default: the recipe's, resolved) at ``assumptions``; see the module
+    docstring. A measured ``assumptions.sync`` stands for the recipe's own transport, asked for as None: its
+    sync is then the model bytes at that rate, one term; a transport named is modelled.
 
     Raises ValueError for an unknown transport, and for tensor at ``parallel.pp`` > 1.
     """
     kind = transport or cfg.weight_sync.resolved(cfg.rollout.placement)
     model_bytes = synced_model_bytes(arch, fp8_block(cfg))
+    if transport is None and assumptions.sync is not None and sync_refusal(cfg, kind) is None:
+        measured = (SyncTerm("measured sync", _exactly(model_bytes).per(assumptions.sync.value.scaled(1e9))),)
+        link = "into the engines at the rate preflight measured"
+        return SyncEstimate(kind, model_bytes, link, model_bytes, measured, (assumptions.sync,))
     if kind == "tensor":
-        return _tensor_sync(cfg, arch, model_bytes)
+        return _tensor_sync(cfg, arch, model_bytes, assumptions)
     model = _exactly(model_bytes)
     if kind == "distributed":
-        broadcast = (SyncTerm("broadcast", model.per(NETWORK_GBPS.value.scaled(1e9))),)
-        return SyncEstimate(kind, model_bytes, "through one sender's NIC", model_bytes, broadcast, (NETWORK_GBPS,))
+        broadcast = (SyncTerm("broadcast", model.per(assumptions.network.value.scaled(1e9))),)
+        return SyncEstimate(
+            kind, model_bytes, "through one sender's NIC", model_bytes, broadcast, (assumptions.network,)
+        )
     if kind == "disk":
         terms = (
-            SyncTerm("write", model.per(FS_WRITE_GBPS.value.scaled(1e9))),
-            SyncTerm("read", model.per(FS_READ_GBPS.value.scaled(1e9))),
+            SyncTerm("write", model.per(assumptions.fs_write.value.scaled(1e9))),
+            SyncTerm("read", model.per(assumptions.fs_read.value.scaled(1e9))),
         )
         link = "through the shared filesystem (written, then read)"
-        return SyncEstimate(kind, model_bytes, link, model_bytes, terms, (FS_WRITE_GBPS, FS_READ_GBPS))
+        return SyncEstimate(kind, model_bytes, link, model_bytes, terms, (assumptions.fs_write, assumptions.fs_read))
     raise ValueError(f"unknown weight-sync transport {kind!r}: expected tensor, distributed or disk")
 
 
@@ -305,8 +404,10 @@ class ThroughputEstimate:
     assumptions: tuple[Assumption, ...]
 
 
-def estimate_throughput(cfg: RunConfig, arch: QwenArchitecture) -> ThroughputEstimate:
-    """Tokens/s/GPU of the recipe's step (see the module docstring for the model).
+def estimate_throughput(
+    cfg: RunConfig, arch: QwenArchitecture, *, assumptions: Assumptions = ASSUMED
+) -> ThroughputEstimate:
+    """Tokens/s/GPU of the recipe's step at ``assumptions`` (see the module docstring for the model).
 
     ``training_forwards``: forward-pass equivalents per token on the trainer (old log-probs,
     reference, forward + backward, recompute). The rate is per GPU over all ``cluster`` GPUs.
@@ -321,14 +422,15 @@ def estimate_throughput(cfg: RunConfig, arch: QwenArchitecture) -> ThroughputEst
     trainer_gpus = trainer_world_size(cfg.cluster, rollout)
     flops = forward_flops_per_token(arch, mean_sequence / 2)
     forwards = 1 + (1 if cfg.algorithm.use_kl_loss else 0) + 3 + (1 if train.recompute == "full" else 0)
-    peak = PEAK_BF16_TFLOPS * 1e12
+    peak = assumptions.peak_tflops * 1e12
     generated = tokens / engine_gpus * flops
     trained = tokens / trainer_gpus * flops * forwards
-    generation = Range(generated, generated).per(GENERATION_MFU.value.scaled(peak))
-    training = Range(trained, trained).per(TRAINING_MFU.value.scaled(peak))
-    sync = estimate_sync(cfg, arch)
+    generation = Range(generated, generated).per(assumptions.generation_mfu.value.scaled(peak))
+    training = Range(trained, trained).per(assumptions.training_mfu.value.scaled(peak))
+    sync = estimate_sync(cfg, arch, assumptions=assumptions)
     overlapped = train.max_staleness > 0
     step = (generation.longer(training) if overlapped else generation + training) + sync.seconds
     rate = Range(tokens / gpus / step.high, tokens / gpus / step.low)
-    assumptions = (GENERATION_MFU, TRAINING_MFU, *sync.assumptions)
-    return ThroughputEstimate(tokens, mean_sequence, flops, forwards, step, rate, sync, assumptions)
+    peak_rate = (assumptions.peak,) if assumptions.peak is not None else ()
+    used = (*peak_rate, assumptions.generation_mfu, assumptions.training_mfu, *sync.assumptions)
+    return ThroughputEstimate(tokens, mean_sequence, flops, forwards, step, rate, sync, used)

@@ -44,9 +44,23 @@ def parse_rates(rates: dict[str, dict[str, object]], where: str) -> dict[str, Ra
     return parsed
 
 
+@dataclass(frozen=True)
+class RatesReport:
+    """What ``plan --rates`` takes from a report: its measured ``rates`` and its ``date`` (None when it has none)."""
+
+    rates: dict[str, Rate]
+    date: str | None
+
+
+def read_report(path: Path) -> RatesReport:
+    """The rates and date of a preflight ``report.json``; ValueError naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+        return RatesReport(parse_rates(data["rates"], str(path)), data.get("date"))
+    except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a preflight report.json ({error!r}): run `megatron-rl preflight`") from error
+
+
 def read_rates(path: Path) -> dict[str, Rate]:
     """The measured rates of a preflight ``report.json``; ValueError naming the file when it is not one."""
-    try:
-        return parse_rates(json.loads(path.read_text())["rates"], str(path))
-    except (KeyError, TypeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a preflight report.json ({error!r}): run `megatron-rl preflight`") from error
+    return read_report(path).rates

@@ -12,6 +12,9 @@ from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.plan.estimates import (
+    ASSUMED,
+    MEASURED,
+    Assumptions,
     SyncEstimate,
     estimate_sync,
     estimate_throughput,
@@ -189,10 +192,10 @@ def _range(values: tuple[float, float], digits: int) -> str:
     return f"{values[0]:,.{digits}f}-{values[1]:,.{digits}f}"
 
 
-def _sync_lines(sync: SyncEstimate) -> list[str]:
-    """The recipe's sync: bytes over its limiting link, seconds, and the terms they add up from."""
+def _sync_lines(sync: SyncEstimate, title: str = "weight sync") -> list[str]:
+    """A sync: bytes over its limiting link, seconds, and the terms they add up from."""
     lines = [
-        f"  ~ weight sync ({sync.transport}): {sync.link_bytes / 1e9:.2f} GB {sync.link} -> "
+        f"  ~ {title} ({sync.transport}): {sync.link_bytes / 1e9:.2f} GB {sync.link} -> "
         f"{_range((sync.seconds.low, sync.seconds.high), 2)} s"
     ]
     if len(sync.terms) > 1:
@@ -201,20 +204,37 @@ def _sync_lines(sync: SyncEstimate) -> list[str]:
     return lines
 
 
-def estimates_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:
-    """Modelled weight-sync seconds and tokens/s/GPU (:mod:`megatron_rl.plan.estimates`), with their assumptions;
-    a transport :func:`~megatron_rl.plan.estimates.sync_refusal` refuses is named instead of modelled."""
+def _rates_line(assumptions: Assumptions) -> list[str]:
+    """Where measured rates come from and which rates stay assumed; nothing for the assumed set."""
+    if not assumptions.source:
+        return []
+    measured = ", ".join(assumptions.measured) or "none"
+    return [f"  rates: {MEASURED} in {assumptions.source} for {measured}; assumed: {', '.join(assumptions.assumed)}"]
+
+
+def estimates_section(cfg: RunConfig, arch: QwenArchitecture, *, assumptions: Assumptions = ASSUMED) -> list[str]:
+    """Modelled weight-sync seconds and tokens/s/GPU (:mod:`megatron_rl.plan.estimates`) at ``assumptions``, with
+    each rate used (a measured one's basis says so); a transport
+    :func:`~megatron_rl.plan.estimates.sync_refusal` refuses is named instead of modelled."""
     refusal = sync_refusal(cfg, cfg.weight_sync.resolved(cfg.rollout.placement))
     if refusal is not None:
         return ["", f"estimated GPU figures: none ({refusal})"]
-    step = estimate_throughput(cfg, arch)
+    step = estimate_throughput(cfg, arch, assumptions=assumptions)
     sync = step.sync
     kinds = [k for k in ("tensor", "distributed", "disk") if k != sync.transport and sync_refusal(cfg, k) is None]
-    others = [estimate_sync(cfg, arch, kind) for kind in kinds]
+    others = [estimate_sync(cfg, arch, kind, assumptions=assumptions) for kind in kinds]
+    # a measured sync leaves its transport's model out of the step; shown beside it, to compare
+    modelled = [estimate_sync(cfg, arch, sync.transport, assumptions=assumptions)] if assumptions.sync else []
+    rates = (
+        "the rates below, some measured by preflight"
+        if assumptions.measured
+        else "the assumed rates below, not measured"
+    )
     lines = [
         "",
-        "estimated GPU figures (~ modelled from exact counts and the assumed rates below, not measured)",
+        f"estimated GPU figures (~ modelled from exact counts and {rates})",
         *_sync_lines(sync),
+        *(line for m in modelled for line in _sync_lines(m, "weight sync modelled")),
         "  ~ other transports: "
         + ", ".join(f"{o.transport} {_range((o.seconds.low, o.seconds.high), 2)} s" for o in others)
         + (" (tensor: colocated engines, per GPU, every node at once)" if "tensor" in kinds else ""),
@@ -225,10 +245,11 @@ def estimates_section(cfg: RunConfig, arch: QwenArchitecture) -> list[str]:
         f"  ~ tokens/s/GPU: {_range((step.tokens_per_second_per_gpu.low, step.tokens_per_second_per_gpu.high), 0)} "
         f"({step.forward_flops_per_token / 1e9:.1f} GFLOP per token forward; generation 1 forward, "
         f"trainer {step.training_forwards} forwards per token)",
-        "  assumptions:",
+        *_rates_line(assumptions),
+        "  assumptions:" if not assumptions.measured else "  assumptions (measured ones say so; the rest assumed):",
     ]
-    assumptions = dict.fromkeys([*step.assumptions, *(a for o in others for a in o.assumptions)])
-    return lines + [f"    {a.line()}" for a in assumptions]
+    used = dict.fromkeys([*step.assumptions, *(a for o in (*modelled, *others) for a in o.assumptions)])
+    return lines + [f"    {a.line()}" for a in used]
 
 
 def verdict_section(plan: MemoryPlan) -> list[str]:
@@ -253,13 +274,15 @@ def render_plan(
     plan: MemoryPlan,
     trainer_positions: Sequence[int],
     engine_positions: Sequence[Sequence[int]],
+    *,
+    assumptions: Assumptions = ASSUMED,
 ) -> str:
-    """The whole report as text (no trailing newline)."""
+    """The whole report as text (no trailing newline); the GPU figures at ``assumptions``."""
     lines = [*model_section(cfg, arch), *parameter_section(cfg, arch, plan.stages)]
     if plan.engine is None:
         state = ", ".join(f"{a.label} {a.nbytes / 2**20:.2f}" for a in max(plan.stages, key=lambda s: s.total).state)
         return "\n".join([*lines, "", f"CPU recipe, no GPU memory to check; trainer state per rank (MiB): {state}"])
     lines += trainer_memory_section(plan) + engine_section(cfg, arch, plan.engine, plan.gpu_bytes)
-    lines += colocated_section(plan) + estimates_section(cfg, arch)
+    lines += colocated_section(plan) + estimates_section(cfg, arch, assumptions=assumptions)
     lines += placement_section(cfg, trainer_positions, engine_positions) + verdict_section(plan)
     return "\n".join(lines)
