@@ -69,6 +69,7 @@ def describe_steps(cfg: RunConfig) -> list[str]:
         "install": f"the driver's node: torch, CUDA, pinned versions{', TE FP8' if cfg.train.precision == 'fp8' else ''}"
         f"{', SGLang where the engines run' if cfg.rollout.engine == 'sglang' else ''}",
         "inputs": f"{model}; tokenizer; {data}; reward {cfg.data.reward} on 3 rows",
+        "storage": f"256 MB written, read back and checked in {cfg.checkpoint_dir}",
         "devices": f"{layout.world_size} trainer ranks ({_where(cfg, plan.trainer_positions)}): a GEMM each; "
         f"all-reduce, all-gather, all-to-all over {'; '.join(groups) or 'no group larger than 1'}; a broadcast over "
         f"all ranks; network {cfg.cluster.network_interface or 'loopback'}",
@@ -82,7 +83,6 @@ def describe_steps(cfg: RunConfig) -> list[str]:
         + f"), {cfg.rollout.placement}; weight sync by {transport}"
         f"{' in FP8' if cfg.rollout.quantization == 'fp8' else ''}, compared with /weights_checker; one step "
         f"generated ({cfg.train.prompts_per_step} prompts x {cfg.rollout.n_samples_per_prompt}) and trained on",
-        "storage": f"256 MB written, read back and checked in {cfg.checkpoint_dir}",
     }
     assert tuple(steps) == STEP_NAMES
     return [f"{number}. {name}: {text}" for number, (name, text) in enumerate(steps.items(), start=1)]

@@ -15,8 +15,9 @@ from typing import Any
 
 from megatron_rl.plan.rates import Rate, parse_rates
 
-STEP_NAMES = ("install", "inputs", "devices", "trainer", "engines", "storage")
-"""The steps in the order they run; a failed step stops the run, and the rest are listed as not reached."""
+STEP_NAMES = ("install", "inputs", "storage", "devices", "trainer", "engines")
+"""The steps in the order they run, those on this node first (seconds) before the allocation's (minutes); a failed
+step stops the run, and the rest are listed as not reached."""
 
 
 class StepFailure(Exception):

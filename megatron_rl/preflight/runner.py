@@ -58,10 +58,10 @@ def run_preflight(
     steps: dict[str, Callable[[], StepOutcome]] = {
         "install": lambda: check_install(cfg),
         "inputs": lambda: check_inputs(cfg),
+        "storage": lambda: check_storage(cfg),
         "devices": cluster.devices,
         "trainer": cluster.trainer,
         "engines": cluster.engines,
-        "storage": lambda: check_storage(cfg),
     }
     assert tuple(steps) == STEP_NAMES
     try:

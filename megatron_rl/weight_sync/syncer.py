@@ -44,6 +44,7 @@ from megatron_rl.config.schema import WeightSyncConfig
 from megatron_rl.models.weight_transfer import Allocate, export_full_model, export_hf_weights
 from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.weight_sync.buckets import MIB, BucketFiller, NamedTensor, tensor_bytes
+from megatron_rl.weight_sync.fault_injection import dropped_tensor, without
 from megatron_rl.weight_sync.fp8_blocks import quantize_named
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
 
@@ -147,10 +148,17 @@ class WeightSyncer:
             _barrier()
             self.transport.begin(version)
             if self.transport.feeds:
-                # A quantised weight is a new tensor, so the export does not write into bucket memory then.
-                stream = (
-                    export(filler.allocate) if self.fp8_block is None else quantize_named(export(None), self.fp8_block)
-                )
+                # A quantised weight is a new tensor, so the export does not write into bucket memory then; nor when
+                # a planted fault drops one (the filler expects every tensor it allocated).
+                dropped = dropped_tensor()
+                if self.fp8_block is not None:
+                    stream = quantize_named(export(None), self.fp8_block)
+                elif dropped is not None:
+                    stream = export(None)
+                else:
+                    stream = export(filler.allocate)
+                if dropped is not None:
+                    stream = without(stream, dropped)
                 for name, tensor in stream:
                     filler.add(name, tensor)
                 filler.flush()

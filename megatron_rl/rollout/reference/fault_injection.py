@@ -4,8 +4,9 @@
 :data:`EXIT_CODE` when it receives its N-th ``/generate`` request (1-based, counted from its start),
 with the requests it holds unanswered, as a process killed by the kernel leaves them. ``DIR``
 holds one file per crash so far (of any engine of the run); once it holds ``TIMES``, no engine
-exits any more, so a restarted engine runs on. ``tests/faults/`` uses it to check engine restarts
-(``docs/reliability.md``).
+exits any more, so a restarted engine runs on. N = 0: at start-up, before it serves (an engine that cannot
+start). ``tests/faults/`` uses it to check engine restarts (``docs/reliability.md``), ``tests/e2e/test_preflight.py``
+preflight's engines step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,27 @@ def engine_exit_fault(after_requests: int, times: int, directory: str | Path) ->
     return f"{after_requests}:{times}:{directory}"
 
 
+def _exit_unless_crashed_enough(times: int, directory: str) -> None:
+    """Exit (code :data:`EXIT_CODE`) unless ``directory`` already holds ``times`` crashes; record this one."""
+    crashes = Path(directory)
+    crashes.mkdir(parents=True, exist_ok=True)
+    for crash in range(times):
+        try:  # engines reaching the request at once race here: exclusive creation lets exactly TIMES exit
+            os.close(os.open(crashes / f"crash-{crash}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        os._exit(EXIT_CODE)
+
+
+def exit_at_start_if_asked() -> None:
+    """At start-up: exit when the environment asks for a crash on request 0."""
+    value = os.environ.get(ENGINE_EXIT_ENV, "").strip()
+    if value:
+        after, times, directory = value.split(":", 2)
+        if int(after) == 0:
+            _exit_unless_crashed_enough(int(times), directory)
+
+
 def exit_if_asked() -> None:
     """Count one ``/generate`` request; exit the process (code :data:`EXIT_CODE`) when the environment says so."""
     global _generate_requests
@@ -35,13 +57,5 @@ def exit_if_asked() -> None:
     after, times, directory = value.split(":", 2)
     with _lock:
         _generate_requests += 1
-        if _generate_requests != int(after):
-            return
-        crashes = Path(directory)
-        crashes.mkdir(parents=True, exist_ok=True)
-        for crash in range(int(times)):
-            try:  # engines reaching the request at once race here: exclusive creation lets exactly TIMES exit
-                os.close(os.open(crashes / f"crash-{crash}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                continue
-            os._exit(EXIT_CODE)
+        if _generate_requests == int(after):
+            _exit_unless_crashed_enough(int(times), directory)

@@ -80,7 +80,7 @@ from megatron_rl.rollout.reference.backend import (
     ReferenceBackend,
     WeightUpdateRefused,
 )
-from megatron_rl.rollout.reference.fault_injection import exit_if_asked
+from megatron_rl.rollout.reference.fault_injection import exit_at_start_if_asked, exit_if_asked
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.nnodes > 1 and not args.dist_init_addr:
         parser.error("--nnodes > 1 needs --dist-init-addr (host:port of node rank 0)")
+    exit_at_start_if_asked()
     api_key = args.api_key or os.environ.pop(API_KEY_ENV, None) or None
     check_listen_host(args.host)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reference-engine %(levelname)s %(message)s")
