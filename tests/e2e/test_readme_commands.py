@@ -32,6 +32,7 @@ RUN_HERE = [
     ".venv/bin/megatron-rl plan recipes/qwen3_30b_a3b_dapo.yaml",
     ".venv/bin/megatron-rl plan recipes/qwen3_30b_a3b_dapo.yaml parallel.ep=2",
     ".venv/bin/megatron-rl plan recipes/qwen3_235b_a22b_dapo.yaml",
+    ".venv/bin/megatron-rl preflight recipes/qwen3_30b_a3b_dapo.yaml --dry-run",
     ".venv/bin/megatron-rl check-parity --hf checkpoints/my-qwen3-moe --tp 2 --ep 2 --etp 1",
     ".venv/bin/megatron-rl convert hf-to-mcore --hf checkpoints/my-qwen3-moe --out checkpoints/my-qwen3-moe-mcore "
     "--tp 2 --ep 2",
@@ -55,6 +56,14 @@ PROVEN_ELSEWHERE = {
     # 4 nodes x 8 GPUs; the same batch script trains the tiny recipe on a one-node Slurm.
     "sbatch --nodes=4 --gpus-per-node=8 slurm/train.sbatch recipes/qwen3_30b_a3b_dapo.yaml": (
         "tests/slurm/test_ray_on_slurm.py::test_train_sbatch_runs_the_rl_job_on_the_allocation"
+    ),
+    # 4 nodes x 8 GPUs; the same batch script runs the tiny recipe's preflight on a one-node Slurm.
+    "sbatch --nodes=4 --gpus-per-node=8 slurm/preflight.sbatch recipes/qwen3_30b_a3b_dapo.yaml": (
+        "tests/slurm/test_ray_on_slurm.py::test_preflight_sbatch_passes_every_step_on_the_allocation"
+    ),
+    # Needs the report of a preflight run: the preflight test writes one and runs plan --rates on it.
+    ".venv/bin/megatron-rl plan recipes/qwen3_30b_a3b_dapo.yaml --rates runs/qwen3-30b-a3b-dapo/preflight/report.json": (
+        "tests/e2e/test_preflight.py::test_preflight_passes_every_step_on_the_default_recipe_and_plan_takes_its_rates"
     ),
     # Nine runs of 150 steps (about 20 minutes): its flags are checked here with --help.
     ".venv/bin/python scripts/compare_algorithms.py --seeds 1234 1 2": "--help",

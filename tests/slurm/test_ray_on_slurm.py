@@ -76,3 +76,37 @@ def test_train_sbatch_runs_the_rl_job_on_the_allocation(slurm_env: dict[str, str
     assert "[ray_cluster] all 1 node(s) joined" in log
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000001"
     assert '"step": 1' in (tmp_path / "logs" / "metrics.jsonl").read_text()
+
+
+def _preflight_sbatch(env: dict[str, str], tmp_path: Path, *overrides: str) -> tuple[int, str]:
+    result = subprocess.run(
+        ["sbatch", "--wait", f"--output={tmp_path / 'job.out'}", str(ROOT / "slurm" / "preflight.sbatch")]
+        + [str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml"), *overrides],
+        cwd=tmp_path,
+        env=env | {"MEGATRON_RL_ROOT": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    return result.returncode, result.stderr + (tmp_path / "job.out").read_text()
+
+
+def test_preflight_sbatch_returns_preflight_exit_status_and_names_the_failed_step(
+    slurm_env: dict[str, str], tmp_path: Path
+) -> None:
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    status, log = _preflight_sbatch(slurm_env, tmp_path, f"checkpoint.dir={not_a_dir / 'checkpoints'}")
+    assert status == 1, log
+    assert "PASS install" in log and "FAIL storage" in log
+    assert "not reached: devices, trainer, engines" in log
+    assert (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.json").is_file()
+
+
+@pytest.mark.full
+def test_preflight_sbatch_passes_every_step_on_the_allocation(slurm_env: dict[str, str], tmp_path: Path) -> None:
+    status, log = _preflight_sbatch(slurm_env, tmp_path)
+    assert status == 0, log
+    assert "[ray_cluster] all 1 node(s) joined" in log
+    assert "# preflight passed" in log

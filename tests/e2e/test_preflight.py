@@ -1,0 +1,110 @@
+"""`megatron-rl preflight` end to end on CPU: every step passes on the default recipe, its rates feed `plan --rates`,
+and one planted fault per step fails that step with its cause and fix, listing the steps not reached."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_rl.preflight.report import STEP_NAMES
+from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, engine_exit_fault
+from megatron_rl.weight_sync.fault_injection import SYNC_DROP_ENV
+from tests.e2e.tiny_runs import RECIPE, ROOT, run_env
+
+PREFLIGHT_MINUTES = 5
+"""The issue's bound on a tiny recipe's whole preflight."""
+
+
+def run_preflight(cwd: Path, overrides: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``megatron-rl preflight`` of the default recipe in ``cwd`` (its runs/ folder there)."""
+    command = [sys.executable, "-m", "megatron_rl.cli", "preflight", str(RECIPE), *overrides]
+    return subprocess.run(
+        command, cwd=cwd, env=run_env() | (env or {}), capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def read_report(cwd: Path) -> dict:
+    return json.loads((cwd / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.json").read_text())
+
+
+@pytest.mark.slow
+def test_preflight_passes_every_step_on_the_default_recipe_and_plan_takes_its_rates(tmp_path: Path) -> None:
+    result = run_preflight(tmp_path, [])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(tmp_path)
+    assert report["passed"] and not report["not_reached"]
+    assert [step["name"] for step in report["steps"]] == list(STEP_NAMES)
+    for name in STEP_NAMES:
+        assert f"PASS {name}" in result.stdout
+    assert sum(step["seconds"] for step in report["steps"]) < PREFLIGHT_MINUTES * 60
+    assert set(report["rates"]) == {"gemm_tflops", "intra_node_gbps", "sync_gbps", "fs_write_gbps", "fs_read_gbps"}
+    engines = next(step for step in report["steps"] if step["name"] == "engines")
+    assert "bit for bit" in " ".join(engines["lines"])
+    assert engines["figures"]["mismatch_abs_max"] < 1e-3  # fp32 trainer vs fp32 reference engine, same weights
+    assert (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.md").is_file()
+    assert not (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "checkpoints" / "latest").exists()
+
+    report_path = tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.json"
+    plan = [sys.executable, "-m", "megatron_rl.cli", "plan", str(ROOT / "recipes" / "qwen3_30b_a3b_dapo.yaml")]
+    assumed = subprocess.run(plan, env=run_env(), capture_output=True, text=True, timeout=120, check=False)
+    measured = subprocess.run(
+        [*plan, "--rates", str(report_path)], env=run_env(), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert measured.stdout != assumed.stdout
+    assert "measured by preflight" in measured.stdout
+    for rate in report["rates"]:
+        assert rate in measured.stdout
+
+
+def _parquet_without_answers(path: Path) -> Path:
+    pq.write_table(pa.table({"prompt": ["1 + 1 ="] * 8}), path)
+    return path
+
+
+def _fault_cases(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, str], str, str]]:
+    """Per step: overrides, environment, a word the cause must hold, and the recipe field or file the fix names."""
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    parquet = _parquet_without_answers(tmp_path / "no-answers.parquet")
+    return {
+        "inputs": ([f"data.train_files=[{parquet}]", "data.synthetic=null"], {}, "ground_truth", "data.answer_key"),
+        "storage": ([f"checkpoint.dir={not_a_dir / 'checkpoints'}"], {}, str(not_a_dir), "checkpoint.dir"),
+        "devices": (
+            ["cluster.nodes=2", "cluster.network_interface=nope0", "cluster.cpu_engines=2", "parallel.ep=1"],
+            {},
+            "nope0",
+            "cluster.network_interface",
+        ),
+        "engines-start": (
+            [],
+            {ENGINE_EXIT_ENV: engine_exit_fault(0, 10, tmp_path / "crashes")},
+            "did not start",
+            "rollout.",
+        ),
+        "engines-sync": ([], {SYNC_DROP_ENV: "model.layers.1.mlp.gate.weight"}, "mlp.gate", "weight_sync.transport"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["inputs", "storage", "devices", "engines-start", "engines-sync"])
+def test_a_planted_fault_fails_its_step_naming_cause_and_fix(tmp_path: Path, fault: str) -> None:
+    overrides, env, cause, fix = _fault_cases(tmp_path)[fault]
+    result = run_preflight(tmp_path, overrides, env)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    report = read_report(tmp_path)
+    step = fault.split("-")[0]
+    failed = report["steps"][-1]
+    assert failed["name"] == step and not failed["passed"]
+    assert all(s["passed"] for s in report["steps"][:-1])
+    assert cause in failed["cause"], failed
+    assert fix in failed["fix"], failed
+    assert report["not_reached"] == list(STEP_NAMES[STEP_NAMES.index(step) + 1 :])
+    assert f"FAIL {step}" in result.stdout and f"fix: {failed['fix']}" in result.stdout
+    markdown = (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.md").read_text()
+    assert "**cause**" in markdown and all(f"| {name} | not reached |" in markdown for name in report["not_reached"])
