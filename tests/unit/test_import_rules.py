@@ -45,6 +45,23 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"checkpoint", "models", "parallel", "config", "weight_sync.fp8_blocks"},
     "tools": {"tools", "named_functions"},
     "named_functions": set(),
+    "preflight": {
+        "preflight",
+        "actor",
+        "algorithms",
+        "checkpoint",
+        "config",
+        "data",
+        "metrics",
+        "models",
+        "named_functions",
+        "orchestration",
+        "parallel",
+        "plan",
+        "rollout",
+        "tools",
+        "weight_sync",
+    },
 }
 """Per package, the megatron_rl packages (or single modules) its modules may import directly."""
 
