@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from megatron_rl.config import RunConfig
 from megatron_rl.preflight.cluster import ClusterSteps
-from megatron_rl.preflight.inputs import check_inputs
+from megatron_rl.preflight.inputs import check_inputs, preflight_dir
 from megatron_rl.preflight.install import check_install
 from megatron_rl.preflight.report import STEP_NAMES, PreflightReport, StepFailure, StepOutcome, StepResult
 from megatron_rl.preflight.storage import check_storage
@@ -23,11 +22,6 @@ UNEXPECTED_FIX = {
     "storage": "checkpoint.dir",
 }
 """What to look at when a step fails with an error it did not anticipate (its traceback is printed)."""
-
-
-def preflight_dir(cfg: RunConfig) -> Path:
-    """``runs/<name>/preflight``: the report, the cut model and its trainer's and engines' files."""
-    return Path(cfg.run_dir) / "preflight"
 
 
 def _run_step(name: str, step: Callable[[], StepOutcome]) -> tuple[StepResult, StepOutcome | None]:

@@ -21,7 +21,9 @@ PREFLIGHT_MINUTES = 5
 """The issue's bound on a tiny recipe's whole preflight."""
 
 
-def run_preflight(cwd: Path, overrides: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_preflight(
+    cwd: Path, overrides: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``megatron-rl preflight`` of the default recipe in ``cwd`` (its runs/ folder there)."""
     command = [sys.executable, "-m", "megatron_rl.cli", "preflight", str(RECIPE), *overrides]
     return subprocess.run(
