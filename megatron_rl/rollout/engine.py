@@ -128,5 +128,13 @@ class RolloutEngine(abc.ABC):
         """Reload all weights from a Hugging Face directory."""
 
     @abc.abstractmethod
+    def check_weights(
+        self, action: str, *, allow_quant_error: bool = False, skip_tensor_list: list[str] | None = None
+    ) -> dict:
+        """SGLang's ``/weights_checker`` ``action`` (``snapshot``, ``reset_tensors``, ``compare``, ``checksum``):
+        its answer body; EngineRequestError carrying SGLang's message when the check fails (a compare that
+        found differences names each differing tensor on a line of its own, ``name=...``)."""
+
+    @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop the engine process; safe to call twice."""

@@ -42,6 +42,7 @@ from megatron_rl.rollout.engine import (
 from megatron_rl.rollout.protocol import (
     AbortRequest,
     BeginWeightUpdateRequest,
+    CheckWeightsRequest,
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
@@ -75,6 +76,17 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(0))
+
+
+def _check_failure_message(body: str) -> str | None:
+    """The message of SGLang's ``{"success": false, "message"}`` answer; None for any other body."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(answer, dict) and answer.get("success") is False and isinstance(answer.get("message"), str):
+        return answer["message"] or "(empty: SGLang's bare assertion, e.g. a compare with no snapshot taken)"
+    return None
 
 
 class HttpEngine(RolloutEngine):
@@ -330,6 +342,23 @@ class HttpEngine(RolloutEngine):
 
     def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> None:
         self.request("/update_weights_from_disk", request.to_json())
+
+    def check_weights(
+        self, action: str, *, allow_quant_error: bool = False, skip_tensor_list: list[str] | None = None
+    ) -> dict:
+        request = CheckWeightsRequest(action, allow_quant_error, skip_tensor_list)
+        try:
+            return self.request("/weights_checker", request.to_json())
+        except EngineRequestError as error:
+            message = _check_failure_message(error.body)
+            if message is None:
+                raise
+            # the whole message: request() cuts the body at 500 characters, a compare names every differing tensor
+            raise EngineRequestError(
+                f"engine {self.name}: /weights_checker {action} failed (HTTP {error.status}): {message}",
+                status=error.status,
+                body=error.body,
+            ) from error
 
     def shutdown(self) -> None:
         if self.process is not None:

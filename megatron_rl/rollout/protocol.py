@@ -300,6 +300,20 @@ class GetWeightsByNameRequest(_Body):
 
 
 @dataclass(frozen=True)
+class CheckWeightsRequest(_Body):
+    """``POST /weights_checker`` (SGLang's ``CheckWeightsReqInput``): ``action`` is ``snapshot`` (copy every
+    weight), ``reset_tensors`` (overwrite them with random values), ``compare`` (against the snapshot, bit for
+    bit; ``allow_quant_error``: FP8 weights may differ within their quantisation ULPs) or ``checksum``;
+    ``skip_tensor_list``: substrings of the tensor names to leave out; ``selector``: the target model, its
+    draft model, or all."""
+
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+@dataclass(frozen=True)
 class FinishReason:
     """Why a sample ended: ``stop`` (a stop token, ``matched``), ``length`` (max_new_tokens) or ``abort``."""
 

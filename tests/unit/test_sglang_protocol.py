@@ -50,6 +50,7 @@ from megatron_rl.rollout.partial import sample_seeds
 from megatron_rl.rollout.protocol import (
     AbortRequest,
     BeginWeightUpdateRequest,
+    CheckWeightsRequest,
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
     FinishReason,
@@ -114,6 +115,9 @@ SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
         "AbortReq", frozenset({"rid", "abort_all", "finished_reason", "abort_message", "weight_versions"}), frozenset()
     ),
     "GetWeightsByNameRequest": ("GetWeightsByNameReqInput", frozenset({"name", "truncate_size"}), frozenset({"name"})),
+    "CheckWeightsRequest": (
+        "CheckWeightsReqInput", frozenset({"action", "allow_quant_error", "skip_tensor_list", "selector"}), frozenset()
+    ),
 }  # fmt: skip
 INTERNAL_FIELDS = {"rid", "http_worker_ipc"}  # BaseReq routing fields; only AbortReq's rid is ours to set
 
@@ -129,6 +133,7 @@ BODIES = [
     PauseGenerationRequest("retract"),
     AbortRequest("g17"),
     GetWeightsByNameRequest("model.embed_tokens.weight", 4),
+    CheckWeightsRequest("compare", allow_quant_error=True, skip_tensor_list=["embed_tokens"]),
 ]
 GENERATE = GenerateRequest(
     [1, 2, 3],

@@ -257,6 +257,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "tensor it allocated in its bucket",
     ("orchestration/trainer_group.py", "shards for"): "the driver shards by the group's own DP size",
     ("orchestration/trainer_group.py", "trained on other samples"): "a delivery check at run time",
+    ("rollout/reference/weight_checker.py", ""): "a /weights_checker request's answer (SGLang's check), at request "
+    "time",
     ("rollout/reference/weights.py", ""): "weight update contents, written by the trainer's exporter",
     ("rollout/reference/fp8_weights.py", ""): "weight update contents: one recipe makes both the engines' FP8 "
     "checkpoint and the trainer's FP8 syncs (rollout.quantization, rollout.fp8_block_size)",

@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.rollout.protocol import (
     MEMORY_TAGS,
+    CheckWeightsRequest,
     FinishReason,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
@@ -58,6 +59,7 @@ from megatron_rl.rollout.reference.fp8_weights import Fp8Weights
 from megatron_rl.rollout.reference.generator import RequestState, decode_step, eos_ids
 from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.rollout.reference.slot_model import SlotModel
+from megatron_rl.rollout.reference.weight_checker import WeightChecker
 from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
 from megatron_rl.weight_sync.dense_buckets import empty_bucket
 from megatron_rl.weight_sync.fp8_blocks import SCALE_SUFFIX
@@ -131,6 +133,7 @@ class ReferenceBackend:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.fp8 = None if fp8_block is None else Fp8Weights(fp8_block)
+        self.weight_checker = WeightChecker(model, self.fp8, tp_rank=tp_rank, tp_size=tp_size)
         context = context_length or model.config.max_position_embeddings
         self.slot_model = SlotModel(model, slots=max_running_requests, context_length=context)
         self._eos = eos_ids(model)
@@ -578,3 +581,9 @@ class ReferenceBackend:
         with self._model_lock:
             held = None if self.fp8 is None else self.fp8.lookup(name)
             return (resolve_weight(self.params, name) if held is None else held)[:truncate_size].float().tolist()
+
+    def check_weights(self, request: CheckWeightsRequest) -> dict[str, Any]:
+        """SGLang's ``/weights_checker`` answer (:mod:`~megatron_rl.rollout.reference.weight_checker`), between
+        decode steps as SGLang's scheduler runs it; WeightCheckFailed (HTTP 400) with SGLang's message."""
+        with self._model_lock:
+            return self.weight_checker.handle(request)

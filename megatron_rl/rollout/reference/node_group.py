@@ -19,6 +19,9 @@ control request; here each node is one rank, ``tp_rank`` = node rank, holding a 
   at ``rank_offset + node rank`` (world size = 1 + every engine rank), and each loads what the
   trainer broadcasts.
 - ``/get_weights_by_name`` reads every node and fails (500) when they hold different values.
+- ``/weights_checker`` acts on every node (each snapshots, resets, compares its own replica); the first
+  failure is the answer; a checksum answers every node's entry in ``ranks``, in node order, as SGLang
+  gathers its TP ranks'.
 
 Node loss: node 0's link to a node breaks at once when that process dies (gloo: connection closed);
 node 0 then exits (:data:`NODE_LOST_EXIT_CODE`), so ``/health`` fails and its host restarts the
@@ -44,6 +47,7 @@ import torch.distributed as dist
 from megatron_rl.rollout.protocol import GenerateRequest
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 from megatron_rl.rollout.reference.server import TextReply
+from megatron_rl.rollout.reference.weight_checker import merge_rank_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,8 @@ link at once."""
 LOCAL_PATHS = frozenset({"/health", "/health_generate", "/model_info", "/metrics"})
 """Answered by node 0 alone (what SGLang's HTTP process answers itself)."""
 EVERY_NODE_READS = frozenset({"/get_weights_by_name"})
+RANK_GATHERS = frozenset({"/weights_checker"})
+"""Answers that gather each node's ``ranks`` entries (a checksum), as SGLang's TP ranks all-gather theirs."""
 
 
 def parse_dist_init_addr(address: str) -> tuple[str, int]:
@@ -161,6 +167,8 @@ class NodeGroup:
             differing = [node for node, a in enumerate(answers) if a[1] != local[1]]
             logger.error("%s %s: nodes %s hold other values than node 0", path, body, differing)
             return 500, TextReply("Internal Server Error", 500)
+        if path in RANK_GATHERS and "ranks" in local[1]:
+            return 200, merge_rank_checksums([a[1] for a in answers])
         return local
 
     def _generate(self, query: str, body: dict[str, Any]) -> Answer:

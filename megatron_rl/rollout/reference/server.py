@@ -20,7 +20,8 @@ Status codes and bodies follow SGLang 0.5.23 (``srt/entrypoints/http_server.py``
 200 on success; 400 with ``{"error": {"message"}}`` for a malformed request or
 one the current state refuses; 400 with ``{"success": false, "message"}`` for a
 refused weight-update request (outside a session, a second session, an
-unknown group, an update whose flush was refused); ``/flush_cache`` in plain
+unknown group, an update whose flush was refused) and for a failed ``/weights_checker``
+action (:mod:`~megatron_rl.rollout.reference.weight_checker`); ``/flush_cache`` in plain
 text without a Content-Type (200 ``FLUSH_CACHE_OK``, 400 ``FLUSH_CACHE_FAILED``;
 ``?timeout=S`` waits up to S seconds for idle); 500 ``Internal Server Error`` in
 plain text for an unexpected failure, the ``dp_size == 1`` assertion included
@@ -63,6 +64,7 @@ from megatron_rl.rollout.protocol import (
     IDLE_SECONDS_METRIC,
     AbortRequest,
     BeginWeightUpdateRequest,
+    CheckWeightsRequest,
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
@@ -81,6 +83,7 @@ from megatron_rl.rollout.reference.backend import (
     WeightUpdateRefused,
 )
 from megatron_rl.rollout.reference.fault_injection import exit_at_start_if_asked, exit_if_asked
+from megatron_rl.rollout.reference.weight_checker import WeightCheckFailed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -163,6 +166,7 @@ ROUTES: dict[str, Route] = {
     "/release_memory_occupation": lambda b, body: b.release(MemoryOccupationRequest.from_json(body).tags),
     "/resume_memory_occupation": lambda b, body: b.resume(MemoryOccupationRequest.from_json(body).tags),
     "/get_weights_by_name": lambda b, body: b.weights_by_name(**GetWeightsByNameRequest.from_json(body).to_json()),
+    "/weights_checker": lambda b, body: b.check_weights(CheckWeightsRequest.from_json(body)),
     "/begin_weight_update": _update(lambda b, r: b.begin_weight_update(), BeginWeightUpdateRequest.from_json),
     "/end_weight_update": _update(lambda b, r: b.end_weight_update(), EndWeightUpdateRequest.from_json),
     "/update_weights_from_tensor": _update(
@@ -205,7 +209,7 @@ def answer(backend: ReferenceBackend, path: str, query: str, body: dict[str, Any
         if path in QUERY_ROUTES:
             return 200, QUERY_ROUTES[path](backend, parse_qs(query))
         return 200, ROUTES[path](backend, body)
-    except WeightUpdateRefused as error:
+    except (WeightUpdateRefused, WeightCheckFailed) as error:
         return 400, {"success": False, "message": str(error)}
     except (ValueError, TypeError, KeyError, EngineStateError) as error:
         message = f"{type(error).__name__}: {error}"

@@ -37,6 +37,15 @@ def _expert_view(params: dict[str, torch.nn.Parameter], name: str, match: re.Mat
     return fused[expert, :half] if match["proj"] == "gate" else fused[expert, half:]
 
 
+def holding_parameter(name: str) -> str:
+    """The name of the model parameter that holds Hub tensor ``name``: the fused experts' parameter for a
+    per-expert name, ``name`` itself otherwise (whether or not the model has it)."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return name
+    return f"{match['prefix']}.{'down_proj' if match['proj'] == 'down' else 'gate_up_proj'}"
+
+
 def resolve_weight(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor:
     """The tensor (a parameter or a view of one) that holds Hub tensor ``name``.
 
