@@ -8,6 +8,7 @@ recipe's own layout; everything they write goes under ``runs/<name>/preflight/``
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from megatron_rl.preflight.cut_model import cut_model
 from megatron_rl.preflight.device_probe import DeviceProbe
 from megatron_rl.preflight.report import StepFailure, StepOutcome
 from megatron_rl.rollout.access import new_api_key
-from megatron_rl.rollout.engine import EngineError
+from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.rollout.episodes import build_episode
 
 PREFLIGHT_RESPONSE_TOKENS = 64
@@ -96,6 +97,13 @@ def _gemm_faults(gemms: Sequence[dict[str, Any]]) -> list[str]:
     return faults
 
 
+def weight_checksums(engine: RolloutEngine) -> dict[str, str]:
+    """``engine``'s checksum of every weight, keyed ``<tp rank>/<name>`` (SGLang's ``/weights_checker`` checksum: a
+    hash of each tensor's bytes, on each TP rank)."""
+    ranks = engine.check_weights("checksum")["ranks"]
+    return {f"{rank}/{name}": value for rank, entry in enumerate(ranks) for name, value in entry["checksums"].items()}
+
+
 class ClusterSteps:
     """The devices, trainer and engines steps of one preflight run, in that order, on one placement.
 
@@ -112,6 +120,8 @@ class ClusterSteps:
         self.run: RunResources | None = None
         self.slots: list[RankSlot] = []
         self.offloaded = False
+        self.trained_dir = work_dir / "trained_hf"
+        """The trainer's weights after its PPO step, as a Hugging Face checkpoint the engines load."""
 
     def _reload(self, cfg: RunConfig, extra: Sequence[str]) -> RunConfig:
         overrides = [*self.overrides, f"checkpoint.dir={cfg.checkpoint_dir}", *extra]
@@ -260,6 +270,9 @@ class ClusterSteps:
             figures |= self._memory_against_plan(arch, trained, offloaded, lines)
         else:
             lines.append("device memory: not measured (CPU ranks)")
+        # What the engines start from, so their checksums of what they loaded are the ones a sync must reproduce.
+        shutil.rmtree(self.trained_dir, ignore_errors=True)
+        trainers.export_hf(self.trained_dir)
         if engines_hand_over_memory(cfg) and cfg.cluster.gpus_per_node > 0:
             trainers.offload()  # colocated engines size their KV cache from the free memory they start with
             self.offloaded = True
@@ -289,13 +302,14 @@ class ClusterSteps:
         return {"peak_gib": round(peak / 2**30, 3), "offloaded_gib": round(left / 2**30, 3)}
 
     def engines(self) -> StepOutcome:
-        """The engines at the recipe's engine layout on the cut model: started, weights synced through the recipe's
-        transport and compared bit for bit with the checkpoint they loaded (SGLang's ``/weights_checker``: snapshot,
-        reset, sync, compare), then one step generated and trained on, for the trainer-vs-engine log-prob gap."""
+        """The engines at the recipe's engine layout, started from the trainer's weights as exported after its step:
+        each engine's checksums of what it loaded, then its weights reset, synced through the recipe's transport
+        and checked against those checksums (SGLang's ``/weights_checker``); then one step generated and trained
+        on, for the trainer-vs-engine log-prob gap."""
         run, cfg = self._run, self.cfg
         plan = plan_run_placement(cfg)
         assert run.placement is not None
-        weights = prepare_rollout_weights(cfg, run.hf_dir)
+        weights = prepare_rollout_weights(cfg, self.trained_dir)
         run.engine_hosts = start_engines(cfg, weights, run.placement, self.slots, plan, run.network, run.api_key)
         try:
             run.engine_hosts.wait_healthy()
@@ -310,34 +324,58 @@ class ClusterSteps:
             run.trainers.reload()
         run.trainers.connect_engines(run.engine_hosts.addresses)
         hand_over = (ColocatedHandOver if engines_hand_over_memory(cfg) else HandOver)(engines, run.trainers)
+        fp8 = cfg.rollout.quantization == "fp8"
+        loaded = [weight_checksums(engine) for engine in engines]
         for engine in engines:
-            engine.check_weights("snapshot")
-            engine.check_weights("reset_tensors")  # so a tensor the sync leaves out cannot compare equal
+            if fp8:  # the compare that tolerates FP8 rounding needs it
+                engine.check_weights("snapshot")
+            engine.check_weights("reset_tensors")  # so a tensor the sync leaves out cannot stay equal
         started = time.perf_counter()
         hand_over.sync_weights(1)
         seconds = time.perf_counter() - started
-        fp8 = cfg.rollout.quantization == "fp8"
-        for engine in engines:
-            try:
-                engine.check_weights("compare", allow_quant_error=fp8)
-            except EngineError as error:
-                raise StepFailure(
-                    f"{engine.name}: after the sync its weights differ from the checkpoint: {error}",
-                    f"weight_sync.transport ({cfg.weight_sync.resolved(cfg.rollout.placement)}): a sync bug; "
-                    "report it with this report.json",
-                ) from error
+        within_rounding = self._check_synced(engines, loaded, fp8)
         arch = read_architecture(cfg.model.path, cfg.model.random_init)
         nbytes = synced_model_bytes(arch, cfg.rollout.fp8_block if fp8 else None)
         transport = cfg.weight_sync.resolved(cfg.rollout.placement)
         lines = [
             f"{len(engines)} {cfg.rollout.engine} engine(s) at {', '.join(f'{h}:{p}' for _, h, p in run.engine_hosts.addresses)}",
             f"weight sync ({transport}): {nbytes / 1e6:.1f} MB in {seconds:.2f} s; every engine's weights equal "
-            f"the checkpoint's{' (within FP8 rounding)' if fp8 else ' bit for bit'} (/weights_checker compare)",
+            f"the trainer's export{' within FP8 rounding' if within_rounding else ' bit for bit'} (/weights_checker: "
+            "checksums of every tensor as loaded from it, then reset, synced)",
         ]
         figures: dict[str, Any] = {"sync_seconds": round(seconds, 3), "synced_mb": round(nbytes / 1e6, 1)}
         figures |= self._generate_and_train(hand_over, lines)
         rate = Rate(nbytes / seconds / 1e9, "GB/s", f"{transport} sync of the {nbytes / 1e6:.0f} MB cut model")
         return StepOutcome(lines, figures, {"sync_gbps": rate})
+
+    def _check_synced(self, engines: Sequence[RolloutEngine], loaded: list[dict[str, str]], fp8: bool) -> bool:
+        """StepFailure naming each engine's tensors whose checksum after the sync differs from the one the engine
+        computed on the trainer's export it loaded. With FP8 rollouts, differing tensors are compared once more allowing
+        one FP8 rounding step (the trainer quantises bf16 weights itself); True when that was needed."""
+        cfg = self.cfg
+        differing = {}
+        for engine, before in zip(engines, loaded, strict=True):
+            after = weight_checksums(engine)
+            names = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+            if names:
+                differing[engine] = names
+        if not differing:
+            return False
+        if fp8:
+            try:
+                for engine in differing:
+                    engine.check_weights("compare", allow_quant_error=True)
+                return True
+            except EngineError as error:
+                cause = str(error)
+        else:
+            cause = "; ".join(
+                f"{engine.name}: {len(names)} tensor(s) differ after the sync from the trainer's weights it loaded: {', '.join(names[:8])}"
+                + (" ..." if len(names) > 8 else "")
+                for engine, names in differing.items()
+            )
+        transport = cfg.weight_sync.resolved(cfg.rollout.placement)
+        raise StepFailure(cause, f"weight_sync.transport ({transport}): a sync bug; report it with this report.json")
 
     def _generate_and_train(self, hand_over: HandOver, lines: list[str]) -> dict[str, Any]:
         """One step's rollout from the synced engines and a PPO step on it: the log-prob gap between them."""

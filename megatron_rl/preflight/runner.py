@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ def run_preflight(
     :func:`preflight_dir` (also when a step failed) and returned. Ray, trainer ranks and engines are released
     before return, whatever happened."""
     work_dir = preflight_dir(cfg)
+    shutil.rmtree(work_dir, ignore_errors=True)  # preflight's own folder: a cut model or export of an earlier run
     report = PreflightReport(recipe, list(overrides))
     cluster = ClusterSteps(recipe, overrides, cfg, work_dir)
     steps: dict[str, Callable[[], StepOutcome]] = {
