@@ -345,7 +345,7 @@ class ClusterSteps:
         ]
         figures: dict[str, Any] = {"sync_seconds": round(seconds, 3), "synced_mb": round(nbytes / 1e6, 1)}
         figures |= self._generate_and_train(hand_over, lines)
-        rate = Rate(nbytes / seconds / 1e9, "GB/s", f"{transport} sync of the {nbytes / 1e6:.0f} MB cut model")
+        rate = Rate(nbytes / seconds / 1e9, "GB/s", f"{transport} sync of the {nbytes / 1e6:.3g} MB cut model")
         return StepOutcome(lines, figures, {"sync_gbps": rate})
 
     def _check_synced(self, engines: Sequence[RolloutEngine], loaded: list[dict[str, str]], fp8: bool) -> bool:
@@ -402,7 +402,7 @@ class ClusterSteps:
         metrics, _ = run.trainers.train_step(
             step.shard(run.trainers.data_parallel_size, cfg.train.mini_batches_per_step)
         )
-        gap = {key: metrics[key] for key in ("mismatch_abs_mean", "mismatch_abs_max", "mismatch_kl") if key in metrics}
+        gap: dict[str, Any] = {key: metrics[key] for key in ("mismatch_abs_mean", "mismatch_abs_max", "mismatch_kl") if key in metrics}
         lines.append(
             f"generated {sum(len(g.samples) for g in groups)} responses; trainer vs engine log-probs on them: "
             + ", ".join(f"{key} {value:.3g}" for key, value in gap.items())

@@ -40,10 +40,11 @@ def cut_depth(cfg: RunConfig, num_layers: int) -> int:
 def _cut_config(config: dict[str, object], layers: int) -> dict[str, object]:
     """``config`` with ``num_hidden_layers`` = ``layers`` and its per-layer lists cut to match."""
     cut = dict(config) | {"num_hidden_layers": layers}
-    if isinstance(cut.get("mlp_only_layers"), list):
-        cut["mlp_only_layers"] = [i for i in cut["mlp_only_layers"] if i < layers]  # type: ignore[union-attr]
-    if isinstance(cut.get("layer_types"), list):
-        cut["layer_types"] = cut["layer_types"][:layers]  # type: ignore[index]
+    dense_layers, layer_types = cut.get("mlp_only_layers"), cut.get("layer_types")
+    if isinstance(dense_layers, list):
+        cut["mlp_only_layers"] = [i for i in dense_layers if i < layers]
+    if isinstance(layer_types, list):
+        cut["layer_types"] = layer_types[:layers]
     return cut
 
 

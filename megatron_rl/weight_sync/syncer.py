@@ -151,6 +151,7 @@ class WeightSyncer:
                 # A quantised weight is a new tensor, so the export does not write into bucket memory then; nor when
                 # a planted fault drops one (the filler expects every tensor it allocated).
                 dropped = dropped_tensor()
+                stream: Iterable[NamedTensor]
                 if self.fp8_block is not None:
                     stream = quantize_named(export(None), self.fp8_block)
                 elif dropped is not None:

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
 from megatron_rl.preflight.report import STEP_NAMES
 from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, engine_exit_fault
 from megatron_rl.weight_sync.fault_injection import SYNC_DROP_ENV
@@ -74,8 +75,15 @@ def _fault_cases(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, str], s
     not_a_dir = tmp_path / "a-file"
     not_a_dir.write_text("")
     parquet = _parquet_without_answers(tmp_path / "no-answers.parquet")
+    tokenizer = save_synthetic_tokenizer(tmp_path / "tokenizer")
+    data = [
+        f"data.train_files=[{parquet}]",
+        "data.synthetic=null",
+        "train.val_interval=0",
+        f"model.tokenizer={tokenizer}",
+    ]
     return {
-        "inputs": ([f"data.train_files=[{parquet}]", "data.synthetic=null"], {}, "ground_truth", "data.answer_key"),
+        "inputs": (data, {}, "reward_model", "data.answer_key"),
         "storage": ([f"checkpoint.dir={not_a_dir / 'checkpoints'}"], {}, str(not_a_dir), "checkpoint.dir"),
         "devices": (
             ["cluster.nodes=2", "cluster.network_interface=nope0", "cluster.cpu_engines=2", "parallel.ep=1"],
