@@ -1,5 +1,6 @@
-"""`megatron-rl preflight` end to end on CPU: every step passes on the default recipe, its rates feed `plan --rates`,
-and one planted fault per step fails that step with its cause and fix, listing the steps not reached."""
+"""`megatron-rl preflight` end to end on CPU: every step passes on the default recipe, and one planted fault per step
+fails that step with its cause and fix, listing the steps not reached (tests/sglang/test_preflight.py: the SGLang
+recipe, and `plan --rates` on its report)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
 from megatron_rl.preflight.report import STEP_NAMES
 from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, engine_exit_fault
 from megatron_rl.weight_sync.fault_injection import SYNC_DROP_ENV
-from tests.e2e.tiny_runs import RECIPE, ROOT, run_env
+from tests.e2e.tiny_runs import RECIPE, run_env
 
 PREFLIGHT_MINUTES = 5
 """The issue's bound on a tiny recipe's whole preflight."""
@@ -36,8 +37,8 @@ def read_report(cwd: Path) -> dict:
     return json.loads((cwd / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.json").read_text())
 
 
-@pytest.mark.slow
-def test_preflight_passes_every_step_on_the_default_recipe_and_plan_takes_its_rates(tmp_path: Path) -> None:
+@pytest.mark.full  # CI runs the whole preflight on the SGLang recipe; the faults below pass its first steps here
+def test_preflight_passes_every_step_on_the_default_recipe(tmp_path: Path) -> None:
     result = run_preflight(tmp_path, [])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = read_report(tmp_path)
@@ -52,17 +53,6 @@ def test_preflight_passes_every_step_on_the_default_recipe_and_plan_takes_its_ra
     assert engines["figures"]["mismatch_abs_max"] < 1e-3  # fp32 trainer vs fp32 reference engine, same weights
     assert (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.md").is_file()
     assert not (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "checkpoints" / "latest").exists()
-
-    report_path = tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.json"
-    plan = [sys.executable, "-m", "megatron_rl.cli", "plan", str(ROOT / "recipes" / "qwen3_30b_a3b_dapo.yaml")]
-    assumed = subprocess.run(plan, env=run_env(), capture_output=True, text=True, timeout=120, check=False)
-    measured = subprocess.run(
-        [*plan, "--rates", str(report_path)], env=run_env(), capture_output=True, text=True, timeout=120, check=False
-    )
-    assert measured.stdout != assumed.stdout
-    assert "measured by preflight" in measured.stdout
-    for rate in report["rates"]:
-        assert rate in measured.stdout
 
 
 def _parquet_without_answers(path: Path) -> Path:
@@ -102,7 +92,17 @@ def _fault_cases(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, str], s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["inputs", "storage", "devices", "engines-start", "engines-sync"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "inputs",
+        "storage",
+        "devices",
+        # an engine exiting before it is healthy is also CI's tests/distributed/test_engine_failures.py
+        pytest.param("engines-start", marks=pytest.mark.full),
+        "engines-sync",
+    ],
+)
 def test_a_planted_fault_fails_its_step_naming_cause_and_fix(tmp_path: Path, fault: str) -> None:
     overrides, env, cause, fix = _fault_cases(tmp_path)[fault]
     result = run_preflight(tmp_path, overrides, env)

@@ -63,7 +63,7 @@ PROVEN_ELSEWHERE = {
     ),
     # Needs the report of a preflight run: the preflight test writes one and runs plan --rates on it.
     ".venv/bin/megatron-rl plan recipes/qwen3_30b_a3b_dapo.yaml --rates runs/qwen3-30b-a3b-dapo/preflight/report.json": (
-        "tests/e2e/test_preflight.py::test_preflight_passes_every_step_on_the_default_recipe_and_plan_takes_its_rates"
+        "tests/sglang/test_preflight.py::test_preflight_of_the_sglang_recipe_passes_every_step_and_plan_takes_its_rates"
     ),
     # Nine runs of 150 steps (about 20 minutes): its flags are checked here with --help.
     ".venv/bin/python scripts/compare_algorithms.py --seeds 1234 1 2": "--help",

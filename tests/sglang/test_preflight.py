@@ -34,7 +34,7 @@ def _preflight(cwd: Path, env: dict[str, str] | None = None) -> tuple[subprocess
 
 
 @pytest.mark.slow
-def test_preflight_of_the_sglang_recipe_passes_every_step_on_the_real_sglang(tmp_path: Path) -> None:
+def test_preflight_of_the_sglang_recipe_passes_every_step_and_plan_takes_its_rates(tmp_path: Path) -> None:
     result, report = _preflight(tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert report["passed"] and [step["name"] for step in report["steps"]] == list(STEP_NAMES)
@@ -47,6 +47,17 @@ def test_preflight_of_the_sglang_recipe_passes_every_step_on_the_real_sglang(tmp
     markdown = (tmp_path / "runs" / "tiny-moe-cpu-dapo-sglang" / "preflight" / "report.md").read_text()
     for rate in ("gemm_tflops", "intra_node_gbps", "sync_gbps", "fs_write_gbps", "fs_read_gbps"):
         assert report["rates"][rate]["value"] > 0 and f"- {rate}: " in markdown
+
+    report_path = tmp_path / "runs" / "tiny-moe-cpu-dapo-sglang" / "preflight" / "report.json"
+    plan = [sys.executable, "-m", "megatron_rl.cli", "plan", str(ROOT / "recipes" / "qwen3_30b_a3b_dapo.yaml")]
+    assumed = subprocess.run(plan, env=run_env(), capture_output=True, text=True, timeout=120, check=False)
+    measured = subprocess.run(
+        [*plan, "--rates", str(report_path)], env=run_env(), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert measured.returncode == assumed.returncode and measured.stdout != assumed.stdout
+    assert "measured by preflight" in measured.stdout
+    for rate in report["rates"]:
+        assert rate in measured.stdout
 
 
 @pytest.mark.full

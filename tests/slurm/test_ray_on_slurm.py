@@ -92,6 +92,7 @@ def _preflight_sbatch(env: dict[str, str], tmp_path: Path, *overrides: str) -> t
     return result.returncode, result.stderr + (tmp_path / "job.out").read_text()
 
 
+@pytest.mark.full  # exit statuses: test_ray_job_returns_the_command_exit_status
 def test_preflight_sbatch_returns_preflight_exit_status_and_names_the_failed_step(
     slurm_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -104,7 +105,6 @@ def test_preflight_sbatch_returns_preflight_exit_status_and_names_the_failed_ste
     assert (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.json").is_file()
 
 
-@pytest.mark.full
 def test_preflight_sbatch_passes_every_step_on_the_allocation(slurm_env: dict[str, str], tmp_path: Path) -> None:
     status, log = _preflight_sbatch(slurm_env, tmp_path)
     assert status == 0, log
