@@ -402,7 +402,9 @@ class ClusterSteps:
         metrics, _ = run.trainers.train_step(
             step.shard(run.trainers.data_parallel_size, cfg.train.mini_batches_per_step)
         )
-        gap: dict[str, Any] = {key: metrics[key] for key in ("mismatch_abs_mean", "mismatch_abs_max", "mismatch_kl") if key in metrics}
+        gap: dict[str, Any] = {
+            key: metrics[key] for key in ("mismatch_abs_mean", "mismatch_abs_max", "mismatch_kl") if key in metrics
+        }
         lines.append(
             f"generated {sum(len(g.samples) for g in groups)} responses; trainer vs engine log-probs on them: "
             + ", ".join(f"{key} {value:.3g}" for key, value in gap.items())
