@@ -37,7 +37,7 @@ from megatron_rl.orchestration.resources import (
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.memory import stage_plan
 from megatron_rl.plan.param_count import synced_model_bytes
-from megatron_rl.plan.placement import plan_run_placement
+from megatron_rl.plan.placement import RunPlacementPlan, plan_run_placement
 from megatron_rl.plan.rates import Rate
 from megatron_rl.preflight.cut_model import cut_model
 from megatron_rl.preflight.device_probe import DeviceProbe
@@ -138,7 +138,8 @@ class ClusterSteps:
         return [self.slots[position] for position in plan.trainer_positions]
 
     def devices(self) -> StepOutcome:
-        """A GEMM on every trainer rank's device, checked and timed, then collectives on the recipe's groups."""
+        """A GEMM on every trainer rank's device (and a disaggregated engine's), checked and timed, then collectives on
+        the recipe's groups."""
         cfg = self.cfg
         network = RunNetwork.of(cfg.cluster)
         try:
@@ -149,6 +150,8 @@ class ClusterSteps:
             ) from error
         start_ray(cfg, network)
         plan = plan_run_placement(cfg)
+        # Data and weights come with the trainer step; until then the resources hold the placement, which close()
+        # releases with Ray whatever step failed.
         self.run = RunResources(cfg, data=None, hf_dir=Path(), network=network, api_key=new_api_key())  # type: ignore[arg-type]
         self.run.placement, self.slots = create_rank_slots(
             plan.num_bundles,
@@ -157,19 +160,11 @@ class ClusterSteps:
             name=cfg.name,
             on_this_node=network.is_loopback,
         )
-        probes = RankWorkerGroup(
-            DeviceProbe,
-            self.run.placement,
-            self._trainer_slots(),
-            num_gpus=plan.trainer.num_gpus,
-            num_cpus=plan.trainer.num_cpus,
-            args=(cfg,),
-            env={"OMP_NUM_THREADS": "1"} if cfg.cluster.gpus_per_node == 0 else None,
-            network=network,
-        )
+        probes = self._probes(self._trainer_slots(), joins_groups=True)
         try:
             gemms = probes.call(DeviceProbe.gemm)
-            faults = _gemm_faults(gemms)
+            engine_gemms = self._engine_gemms(plan)
+            faults = _gemm_faults([*gemms, *engine_gemms])
             if faults:
                 raise StepFailure(
                     "; ".join(faults), "leave the named node out of the allocation (sbatch --exclude=HOST)"
@@ -178,17 +173,49 @@ class ClusterSteps:
             probes.call(DeviceProbe.close)
         finally:
             probes.shutdown()
-        return self._devices_outcome(network, gemms, bandwidths)
+        return self._devices_outcome(network, gemms, engine_gemms, bandwidths)
+
+    def _probes(self, slots: list[RankSlot], *, joins_groups: bool) -> RankWorkerGroup[DeviceProbe]:
+        """A :class:`DeviceProbe` on each of ``slots``, with a trainer rank's share of its bundle."""
+        cfg, run = self.cfg, self._run
+        plan = plan_run_placement(cfg)
+        assert run.placement is not None
+        return RankWorkerGroup(
+            DeviceProbe,
+            run.placement,
+            slots,
+            num_gpus=plan.trainer.num_gpus,
+            num_cpus=plan.trainer.num_cpus,
+            args=(cfg,),
+            kwargs={"joins_groups": joins_groups},
+            env={"OMP_NUM_THREADS": "1"} if cfg.cluster.gpus_per_node == 0 else None,
+            network=run.network,
+        )
+
+    def _engine_gemms(self, plan: RunPlacementPlan) -> list[dict[str, Any]]:
+        """The GEMM on every engine GPU of a disaggregated layout (colocated engines share the trainer's GPUs)."""
+        if self.cfg.rollout.placement != "disaggregated":
+            return []
+        slots = [self.slots[position] for positions in plan.engine_positions for position in positions]
+        probes = self._probes(slots, joins_groups=False)
+        try:
+            return probes.call(DeviceProbe.gemm)
+        finally:
+            probes.shutdown()
 
     def _devices_outcome(
-        self, network: RunNetwork, gemms: list[dict[str, Any]], bandwidths: list[dict[str, Any]]
+        self,
+        network: RunNetwork,
+        gemms: list[dict[str, Any]],
+        engine_gemms: list[dict[str, Any]],
+        bandwidths: list[dict[str, Any]],
     ) -> StepOutcome:
-        slowest = min(gemms, key=lambda g: g["tflops"])
+        slowest = min(gemms, key=lambda g: g["tflops"])  # the trainer's: the rate plan's MFUs are fractions of
         lines = [f"network: {network.describe()}"]
         lines += [
             f"{g['where']} {g['device_name']}: {g['size']}^2 {g['dtype']} GEMM {g['tflops']:.2f} TFLOP/s, "
             f"error {g['max_error_ratio']:.2g} of its bound"
-            for g in gemms
+            for g in [*gemms, *engine_gemms]
         ]
         lines += [
             f"{b['collective']} over {b['group']} groups of {b['size']}"
@@ -210,9 +237,9 @@ class ClusterSteps:
 
     @staticmethod
     def _short_rollout(cfg: RunConfig) -> list[str]:
-        """Overrides for the engines step's one generated step: one group per DP rank and mini-batch, responses of at
+        """Overrides for the engines step: one generated step of one group per DP rank and mini-batch, responses of at
         most :data:`PREFLIGHT_RESPONSE_TOKENS`, nothing filtered (a cut model's rewards are all alike, so dynamic
-        sampling would never fill a step), no validation."""
+        sampling would never fill a step), no validation; FP8 engines convert the trainer's export."""
         dp = trainer_layout(cfg.parallel, cfg.cluster, cfg.rollout).dp
         return [
             f"train.prompts_per_step={dp * cfg.train.mini_batches_per_step}",
@@ -221,6 +248,8 @@ class ClusterSteps:
             "algorithm.dynamic_sampling.enable=false",
             "algorithm.overlong.enable=false",
             "train.val_interval=0",
+            # FP8 engines start from the trainer's export converted here, not from the recipe's FP8 checkpoint
+            *(["rollout.fp8_checkpoint=null"] if cfg.rollout.quantization == "fp8" else []),
         ]
 
     def trainer(self) -> StepOutcome:

@@ -39,21 +39,29 @@ class DeviceProbe:
     Args:
         cfg: the run's recipe; its parallel sizes build the process groups, ``train.precision`` picks the GEMM
             dtype (bf16 on a GPU unless fp32; fp32 on CPU, as the trainer runs there).
+        joins_groups: a trainer rank (the recipe's process groups); False for a disaggregated engine's GPU, which
+            runs :meth:`gemm` only.
     """
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, *, joins_groups: bool = True) -> None:
         from megatron_rl.actor.policy_actor import parallel_sizes
+        from megatron_rl.parallel.device import select_device
         from megatron_rl.parallel.distributed import initialize_parallel
 
-        self.device = initialize_parallel(parallel_sizes(cfg.parallel), seed=cfg.train.seed)
+        self.rank = int(os.environ["RANK"])
+        self.label = f"rank {self.rank}" if joins_groups else f"engine GPU {self.rank}"
+        self.host = socket.gethostname()
+        if joins_groups:
+            self.device = initialize_parallel(parallel_sizes(cfg.parallel), seed=cfg.train.seed)
+            hosts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, self.host)
+            self.hosts: list[str] = hosts
+        else:  # an engine's GPU: a GEMM only, no process group
+            self.device = select_device()
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
         cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cuda and cfg.train.precision != "fp32" else torch.float32
-        self.rank = dist.get_rank()
-        self.host = socket.gethostname()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        hosts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, self.host)
-        self.hosts: list[str] = hosts
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -72,9 +80,9 @@ class DeviceProbe:
         return best
 
     def where(self) -> str:
-        """``host:gpuN`` (or ``host:cpu``) and the rank: how a report names this rank."""
+        """``rank 3 (host:gpu3)`` (``engine GPU k`` for an engine's, ``host:cpu`` on CPU): how a report names it."""
         device = f"gpu{torch.cuda.current_device()}" if self.device.type == "cuda" else "cpu"
-        return f"rank {self.rank} ({self.host}:{device})"
+        return f"{self.label} ({self.host}:{device})"
 
     def gemm(self) -> dict[str, Any]:
         """A ``GEMM_SIZE`` square GEMM in the probe's dtype, checked element by element against fp64 and timed.

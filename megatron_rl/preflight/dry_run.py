@@ -63,6 +63,11 @@ def describe_steps(cfg: RunConfig) -> list[str]:
     for name, ranks in process_groups(cfg).items():
         across = any(len({node_of[r] for r in group}) > 1 for group in ranks)
         groups.append(f"{len(ranks)} {name} group(s) of {len(ranks[0])}{' across nodes' if across else ''}")
+    engine_gpus = (
+        f" and the engines' {sum(len(p) for p in plan.engine_positions)} {'GPUs' if per_node else 'CPU bundles'}"
+        if cfg.rollout.placement == "disaggregated"
+        else ""
+    )
     model = f"{cfg.model.path}: config, index, shards" if cfg.model.path else "random init (no weights to read)"
     data = ", ".join(str(f) for f in (cfg.data.train_files or [])) or "the synthetic task"
     steps = {
@@ -70,7 +75,8 @@ def describe_steps(cfg: RunConfig) -> list[str]:
         f"{', SGLang where the engines run' if cfg.rollout.engine == 'sglang' else ''}",
         "inputs": f"{model}; tokenizer; {data}; reward {cfg.data.reward} on 3 rows",
         "storage": f"256 MB written, read back and checked in {cfg.checkpoint_dir}",
-        "devices": f"{layout.world_size} trainer ranks ({_where(cfg, plan.trainer_positions)}): a GEMM each; "
+        "devices": f"{layout.world_size} trainer ranks ({_where(cfg, plan.trainer_positions)}){engine_gpus}: a GEMM "
+        "each; "
         f"all-reduce, all-gather, all-to-all over {'; '.join(groups) or 'no group larger than 1'}; a broadcast over "
         f"all ranks; network {cfg.cluster.network_interface or 'loopback'}",
         "trainer": f"{arch.num_layers} decoder layers cut to {cut_depth(cfg, arch.num_layers)}; the same "
