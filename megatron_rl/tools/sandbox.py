@@ -1,21 +1,39 @@
 """Run untrusted Python source in a sandbox: no network, no host files, one private writable directory, limits.
 
-Isolation (set up by :mod:`megatron_rl.tools.sandbox_init`, which needs root: namespaces and mounts):
+No root needed: :mod:`megatron_rl.tools.sandbox_init` does every privileged step inside a user
+namespace it creates (Linux's unprivileged user namespaces). Our own code rather than bubblewrap
+because bubblewrap is a system package a cluster user cannot install, while this needs only Python's
+standard library and gives the same set-up (user namespace, pivot_root, seccomp filter). Isolation:
 
-- namespaces of its own: network (only a loopback, left down: no address is reachable, not even the
-  host's 127.0.0.1), mount, PID (the code sees only its own processes), IPC and UTS;
+- namespaces of its own: user, network (only a loopback, left down: no address is reachable, not
+  even the host's 127.0.0.1), mount, PID (the code sees only its own processes), IPC and UTS;
 - a root of its own (``pivot_root``; the host's tree is detached): read-only bind mounts of the Python
   installation (``sys.base_prefix``: the standard library, not a virtual environment's packages) and
   the system libraries it links (``/usr/lib``, ``/usr/lib64``, ``/lib``, ``/lib64``,
   ``/etc/ld.so.cache``, those that exist), ``/dev/null``, ``/dev/zero``, ``/dev/random``,
-  ``/dev/urandom``, the code as ``/main.py``, and ``/tmp``: an empty tmpfs of ``disk_bytes``, the
-  only writable place, the working directory and ``HOME``, gone when the run ends. Nothing else of
-  the host (its ``/tmp``, ``/root``, ``/work``, ``/proc``, the run's keys and checkpoints) exists inside;
-- an unprivileged uid of its own (``UID_BASE`` + the set-up process's host pid): it owns no host file,
-  and each sandbox gets its own process count (``RLIMIT_NPROC`` counts per uid, so a shared uid such
-  as nobody would let one sandbox's fork bomb starve every other). No capabilities, no new privileges
-  (``PR_SET_NO_NEW_PRIVS``, and every bind mount is ``nosuid``);
+  ``/dev/urandom``, the code as ``/main.py``, and ``/tmp``: an empty tmpfs of ``disk_bytes`` and
+  ``disk_files`` inodes, the only writable place, the working directory and ``HOME``, gone when the run
+  ends. Nothing else of the host (its ``/tmp``, ``/root``, ``/work``, ``/proc``, ``/dev/shm``, the run's
+  keys and checkpoints) exists inside;
+- uid and gid ``SANDBOX_UID`` inside, no capabilities (bounding and ambient sets emptied), no new
+  privileges (``PR_SET_NO_NEW_PRIVS``; every bind mount is ``nosuid``). Outside, that uid is: run as
+  root, a uid of the sandbox's own (``UID_BASE`` + its set-up process's pid), which owns no host file;
+  run as a user, the user's own uid (host files stay out of reach through the mount namespace, and the
+  user's supplementary groups stay, unmapped: a user namespace may not drop them). Each sandbox gets its
+  own process count either way: ``RLIMIT_NPROC`` counts per uid *of each user namespace* (Linux >= 5.14),
+  so one sandbox's fork bomb does not starve another, even of the same user;
+- a seccomp filter (:func:`megatron_rl.tools.sandbox_init.seccomp_program`): sockets of ``AF_UNIX``
+  only (no vsock, netlink, packet, raw or inet socket); no namespace, mount, ``bpf``,
+  ``perf_event_open``, ``userfaultfd``, ``io_uring``, ``kexec``, module, keyring, ``ptrace`` or
+  ``process_vm_*`` call; no ``memfd_create``, SysV IPC object or POSIX message queue (memory that
+  ``RLIMIT_AS`` does not count); a syscall of another ABI (i386, x32) is refused;
 - the interpreter runs as ``python -I -B /main.py``: isolated mode, no environment variables read.
+
+Memory in total (:func:`memory_bound`): a memory cgroup is not used (few machines delegate one to a
+user); the bounds add up instead: ``RLIMIT_AS`` x ``RLIMIT_NPROC`` (every process, threads, anonymous
+shared memory), the ``/tmp`` tmpfs (files, also the ones mapped), no memfd, SysV or POSIX shared memory
+(filtered; no ``/dev/shm``), ``RLIMIT_NOFILE`` (``open_files``: pipes and sockets each hold at most
+their kernel buffer) and ``RLIMIT_MSGQUEUE`` 0.
 
 Limits (:class:`SandboxLimits`) and what reports each in :attr:`SandboxResult.stopped`:
 
@@ -24,7 +42,7 @@ Limits (:class:`SandboxLimits`) and what reports each in :attr:`SandboxResult.st
   the PID namespace and every process in it down);
 - ``output``: stdout or stderr passed ``output_bytes``: the sandbox is killed, each stream is kept
   truncated to ``output_bytes``;
-- ``memory``: ``RLIMIT_AS`` per process; reported when the code ended on an uncaught ``MemoryError``;
+- ``memory``: ``RLIMIT_AS`` per process (:func:`memory_bound` for the total); reported when the code ended on an uncaught ``MemoryError``;
 - ``processes``: ``RLIMIT_NPROC`` (threads count too); reported when the code ended on an uncaught
   ``BlockingIOError: [Errno 11]`` (a refused fork) or ``can't start new thread``;
 - ``file_size``: ``RLIMIT_FSIZE`` per file; reported on an uncaught ``[Errno 27] File too large``;
@@ -35,7 +53,8 @@ with one of those errors (Python's report of an uncaught exception) names the li
 catches the error and exits 0 was not stopped; code that fails after printing such a line itself is
 reported as stopped. When the code's first process ends, the others end with it (the PID namespace's PID 1
 exits). Where any set-up step fails, :func:`run_sandboxed` raises :class:`SandboxUnavailableError`
-naming the step: the code never runs unconfined.
+naming the step and, where the machine's settings explain it, the setting and its fix
+(:func:`namespace_hints`): the code never runs unconfined.
 """
 
 from __future__ import annotations
@@ -57,7 +76,8 @@ StopReason = Literal["cpu_time", "wall_time", "memory", "output", "processes", "
 
 INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
 UID_BASE = 1_000_000
-"""Sandboxed code runs as uid ``UID_BASE`` + its set-up process's host pid (unique while that runs)."""
+"""Run as root, sandboxed code runs as host uid ``UID_BASE`` + its set-up process's host pid (unique while that runs)."""
+PROC_SYS = Path("/proc/sys")
 SYSTEM_LIBRARIES = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/etc/ld.so.cache")
 KILL_GRACE_S = 5.0
 """Seconds the parent keeps reading a killed sandbox's output before it gives up on the pipes."""
@@ -76,15 +96,22 @@ class SandboxUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """What one sandboxed run may use; every value must be positive (ValueError otherwise)."""
+    """What one sandboxed run may use; every value must be positive (ValueError otherwise).
+
+    ``memory_bytes`` is per process and ``processes`` counts threads; ``disk_files`` bounds the inodes
+    of ``/tmp`` (each costs kernel memory, even empty) and ``open_files`` the descriptors per process.
+    :func:`memory_bound` is what they add up to.
+    """
 
     cpu_time_s: float = 10.0
     wall_time_s: float = 20.0
     memory_bytes: int = 1 << 30
-    processes: int = 32
+    processes: int = 8
     output_bytes: int = 16 << 10
     file_size_bytes: int = 16 << 20
     disk_bytes: int = 64 << 20
+    disk_files: int = 4096
+    open_files: int = 64
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -106,6 +133,74 @@ class SandboxResult:
     stderr: str
     exit_code: int | None
     stopped: StopReason | None
+
+
+@dataclass(frozen=True)
+class MemoryBound:
+    """The most memory one sandbox can hold at once, and by which mechanism.
+
+    ``mechanism`` is ``"rlimits"``: the sum of ``parts`` (bytes each): ``processes`` (``RLIMIT_AS`` x
+    ``RLIMIT_NPROC``: every process's memory, anonymous shared memory counted in each mapper),
+    ``disk`` (the ``/tmp`` tmpfs) and ``kernel_buffers`` (``RLIMIT_NOFILE`` descriptors per process,
+    each a pipe or unix socket holding at most ``fs.pipe-max-size`` or twice ``net.core.wmem_max``).
+    memfd, SysV and POSIX shared memory and message queues are refused, so they add nothing.
+    """
+
+    mechanism: Literal["rlimits"]
+    total_bytes: int
+    parts: dict[str, int]
+
+
+def memory_bound(limits: SandboxLimits = SandboxLimits()) -> MemoryBound:
+    """What ``limits`` bound a sandbox's memory to in total on this machine (see :class:`MemoryBound`)."""
+    buffer = max(
+        _read_int(PROC_SYS / "fs/pipe-max-size", 1 << 20), 2 * _read_int(PROC_SYS / "net/core/wmem_max", 1 << 20)
+    )
+    parts = {
+        "processes": limits.processes * limits.memory_bytes,
+        "disk": limits.disk_bytes,
+        "kernel_buffers": limits.processes * limits.open_files * buffer,
+    }
+    return MemoryBound("rlimits", sum(parts.values()), parts)
+
+
+def _read_int(path: Path, default: int) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def namespace_hints(proc_sys: Path = PROC_SYS, status: Path = Path("/proc/self/status")) -> list[str]:
+    """The settings of this machine that stop a user from creating the sandbox's namespaces, each with its fix."""
+    hints = []
+    if _read_int(proc_sys / "user/max_user_namespaces", 1) == 0:
+        hints.append(
+            "user.max_user_namespaces=0 allows no user namespace; set it above 0 (sysctl -w user.max_user_namespaces=10000)"
+        )
+    if os.geteuid() != 0 and _read_int(proc_sys / "kernel/unprivileged_userns_clone", 1) == 0:
+        hints.append(
+            "kernel.unprivileged_userns_clone=0 refuses user namespaces to users; set it to 1 (sysctl -w kernel.unprivileged_userns_clone=1)"
+        )
+    if _read_int(proc_sys / "kernel/apparmor_restrict_unprivileged_userns", 0) == 1:
+        hints.append(
+            "kernel.apparmor_restrict_unprivileged_userns=1 (Ubuntu's AppArmor) takes capabilities from new user namespaces; "
+            "set it to 0, or give the Python interpreter an AppArmor profile with 'userns,'"
+        )
+    seccomp = next((line.split()[1] for line in _lines(status) if line.startswith("Seccomp:")), "0")
+    if seccomp != "0":
+        hints.append(
+            "this process runs under a seccomp filter (a container's, e.g. Docker's default profile refuses unshare "
+            "and mount); run the container with a profile allowing them (docker run --security-opt seccomp=unconfined)"
+        )
+    return hints
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
 
 
 def sandbox_problem() -> str | None:
@@ -130,14 +225,11 @@ def run_sandboxed(code: str, limits: SandboxLimits = SandboxLimits()) -> Sandbox
     """
     if sys.platform != "linux":
         raise SandboxUnavailableError(f"the sandbox needs Linux namespaces; this is {sys.platform}")
-    if os.geteuid() != 0:
-        raise SandboxUnavailableError(
-            f"the sandbox needs root to create namespaces and mounts; this process runs as uid {os.geteuid()}"
-        )
     python = os.path.realpath(sys.executable)
     if not python.startswith(sys.base_prefix + os.sep):
         raise SandboxUnavailableError(f"the interpreter {python} lies outside its installation {sys.base_prefix}")
     root = tempfile.mkdtemp(prefix="megatron-rl-sandbox-")  # the mount point, inside the sandbox's namespace only
+    os.chmod(root, 0o755)  # reachable by the set-up process once it has left root for a uid of its own
     status_read, status_write = os.pipe()
     try:
         try:
@@ -158,7 +250,7 @@ def run_sandboxed(code: str, limits: SandboxLimits = SandboxLimits()) -> Sandbox
             "python": python,
             "binds": _binds(),
             "links": _links(),
-            "uid": UID_BASE + process.pid,
+            "root_uid_base": UID_BASE,
             "status_fd": status_write,
             "parent_pid": os.getpid(),
         }
@@ -181,6 +273,8 @@ def _job_limits(limits: SandboxLimits) -> dict[str, int | float]:
         "processes": limits.processes,
         "file_size_bytes": limits.file_size_bytes,
         "disk_bytes": limits.disk_bytes,
+        "disk_files": limits.disk_files,
+        "open_files": limits.open_files,
     }
 
 
@@ -253,7 +347,9 @@ def _result(
     """The result from the sandbox's reports; SandboxUnavailableError when set-up failed."""
     errors = [str(report["error"]) for report in reports if "error" in report]
     if errors:
-        raise SandboxUnavailableError(f"cannot set up the sandbox: {errors[0]}")
+        hints = namespace_hints()
+        causes = f"; {'; '.join(hints)}" if hints else ""
+        raise SandboxUnavailableError(f"cannot set up the sandbox: {errors[0]}{causes}")
     ends = [report for report in reports if "error" not in report]
     err_text = stderr.decode("utf-8", "replace")
     if not ends and killed_for is None:
