@@ -117,7 +117,10 @@ def test_an_import_path_tool_answers_to_its_full_entry_too(pool: ToolPool) -> No
         ("x = bytearray(2**31)", "MemoryError\n[stopped: it ran out of its 1024 MiB of memory]\n"),
         ("import os\nwhile True:\n    os.fork()", "[stopped: it reached its 8 processes]\n"),
         ("print('x' * 100_000)", "[stopped: its output passed 16384 bytes and is cut there]\n"),
-        ("import socket\nsocket.create_connection(('1.1.1.1', 80))", "OSError: [Errno 97] Address family not supported by protocol\n"),
+        (
+            "import socket\nsocket.create_connection(('1.1.1.1', 80))",
+            "OSError: [Errno 97] Address family not supported by protocol\n",
+        ),
     ],
 )
 def test_code_the_sandbox_stops_is_a_result_the_model_reads_and_a_stop_is_counted(
