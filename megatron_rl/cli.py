@@ -60,11 +60,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         cfg, warnings = load_recipe(args.recipe, args.overrides, require_files=args.strict)
         resolve_reward(cfg.data)
-        check_episode(cfg.rollout)
+        machine_problems = check_episode(cfg.rollout)
     except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for warning in warnings:
+    if args.strict and machine_problems:
+        for problem in machine_problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1
+    for warning in [*warnings, *machine_problems]:
         print(f"warning: {warning}", file=sys.stderr)
     print(_layout_summary(cfg))
     print(recipe_to_yaml(cfg), end="")
@@ -146,11 +150,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from megatron_rl.orchestration.driver import train
+    from megatron_rl.rollout.episodes import check_episode
 
     try:
         cfg, warnings = load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
+        machine_problems = check_episode(cfg.rollout)  # before any GPU or Ray: a tool that cannot run here
+    except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if machine_problems:
+        for problem in machine_problems:
+            print(f"error: {problem}", file=sys.stderr)
         return 1
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)

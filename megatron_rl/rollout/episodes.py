@@ -119,20 +119,26 @@ def episode_factory(name: str) -> EpisodeFactory:
         raise ValueError(f"rollout.episode: {exc}") from exc
 
 
-def check_episode(rollout: RolloutConfig) -> None:
-    """Raise ValueError, naming the field, when ``rollout.episode`` does not resolve or a tool of
-    ``rollout.tools`` does not resolve or cannot run on this machine (the python tool without its sandbox);
-    cheap: starts nothing."""
+def check_episode(rollout: RolloutConfig) -> list[str]:
+    """Raise ValueError, naming the field, when ``rollout.episode`` or a tool of ``rollout.tools`` does not
+    resolve; return, one message each, the tools that cannot run on this machine (the python tool where
+    its sandbox cannot be set up for this user: the message names the cause and the fix). Cheap: starts
+    nothing but :func:`~megatron_rl.tools.sandbox_problem`'s trial sandbox.
+
+    The caller decides what a machine problem is: an error for ``train`` and ``validate --strict``, a
+    warning for plain ``validate`` (a recipe checked on a login node that is not where it runs)."""
     from megatron_rl.tools import get_tool, tool_problem
 
     episode_factory(rollout.episode)
+    problems = []
     for name in rollout.tools:
         try:
             problem = tool_problem(get_tool(name))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"rollout.tools: {exc}") from exc
         if problem is not None:
-            raise ValueError(f"rollout.tools: {name!r} cannot run on this machine: {problem}")
+            problems.append(f"rollout.tools: {name!r} cannot run on this machine: {problem}")
+    return problems
 
 
 def build_episode(rollout: RolloutConfig, tokenizer: PreTrainedTokenizerBase) -> Episode:

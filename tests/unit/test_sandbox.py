@@ -293,3 +293,21 @@ def test_a_failed_set_up_step_raises_naming_it_and_runs_nothing(monkeypatch: pyt
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="SandboxLimits.memory_bytes must be positive, got 0"):
         SandboxLimits(memory_bytes=0)
+
+
+def test_the_settings_that_refuse_user_namespaces_are_named_with_their_fix(tmp_path: Path) -> None:
+    from megatron_rl.tools.sandbox import namespace_hints
+
+    for name, value in [("user/max_user_namespaces", "0"), ("kernel/apparmor_restrict_unprivileged_userns", "1")]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(value + "\n")
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nSeccomp:\t2\n")
+    hints = namespace_hints(tmp_path, status)
+    assert [hint.split(" ", 1)[0] for hint in hints] == [
+        "user.max_user_namespaces=0",
+        "kernel.apparmor_restrict_unprivileged_userns=1",
+        "this",
+    ]
+    assert "sysctl -w user.max_user_namespaces=10000" in hints[0] and "seccomp=unconfined" in hints[2]
+    assert namespace_hints(tmp_path / "none", tmp_path / "none") == []

@@ -599,3 +599,38 @@ def test_a_fork_bomb_in_one_sandbox_does_not_starve_another_run_as_root() -> Non
     beside = run_sandboxed(hold.replace("time.sleep(6)", "time.sleep(0)"), limits)
     bomb.join()
     assert (results[0].stdout, beside.stdout) == ("3\n", "3\n")
+
+
+# --- validate says whether the sandbox can run here -------------------------------------------------
+
+TOOLS_RECIPES = ("recipes/qwen3_30b_a3b_dapo_tools.yaml", "recipes/tiny_moe_cpu_dapo_tools.yaml")
+UNDER_A_FILTER = (
+    "import sys; sys.path.insert(0, '.'); import ctypes; from megatron_rl.tools import sandbox_init; "
+    "ctypes.CDLL(None).prctl(38, 1, 0, 0, 0); sandbox_init._install_seccomp_filter(); "  # as a container's would
+    "from megatron_rl.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parametrize("recipe", TOOLS_RECIPES)
+def test_validate_as_the_unprivileged_user_finds_the_sandbox_runs(sandbox_user: str, recipe: str) -> None:
+    result = _as_user(sandbox_user, sys.executable, "-m", "megatron_rl.cli", "validate", recipe)
+    assert result.returncode == 0 and "cannot run on this machine" not in result.stderr, result.stderr[-2000:]
+
+
+def test_validate_names_why_the_sandbox_cannot_run_and_train_refuses_before_starting() -> None:
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", UNDER_A_FILTER, *argv]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+
+    cause = (
+        "rollout.tools: 'python' cannot run on this machine: cannot set up the sandbox: create the user namespace "
+        "(with mount, network, PID, IPC and UTS): [Errno 1] Operation not permitted; this process runs under a "
+        "seccomp filter"
+    )
+    with_python = (TOOLS_RECIPES[1], "rollout.tools=[python]")  # the tiny recipe's data files exist here
+    plain = cli("validate", *with_python)
+    assert plain.returncode == 0 and f"warning: {cause}" in plain.stderr, plain.stderr[-2000:]
+    for argv in (("validate", "--strict", *with_python), ("train", *with_python)):
+        refused = cli(*argv)
+        assert refused.returncode == 1 and f"error: {cause}" in refused.stderr, refused.stderr[-2000:]
+        assert "docker run --security-opt seccomp=unconfined" in refused.stderr

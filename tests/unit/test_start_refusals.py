@@ -291,7 +291,7 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("tools/calculator.py", ""): "the calculator refusing a model's expression at run time: the model reads the error",
     ("tools/python_tool.py", ""): "the python tool refusing a model's arguments at run time: the model reads the error",
     ("tools/calls.py", ""): "a malformed tool call in a model's turn at run time: the model reads the error",
-    ("tools/sandbox.py", ""): "the machine (Linux, root, namespaces, mounts) where code is sandboxed, and the python "
+    ("tools/sandbox.py", ""): "the machine (Linux, user namespaces, mounts) where code is sandboxed, and the python "
     "tool's fixed limits",
     ("tools/sandbox_init.py", ""): "a libc call of the sandbox's set-up, reported as SandboxUnavailableError "
     "naming the step",
