@@ -255,6 +255,35 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_sandbox_server(args: argparse.Namespace) -> int:
+    """Serve until stopped; exit 1 before listening when there is no API key or the sandbox cannot run here."""
+    import os
+
+    from megatron_rl.rollout.sandbox_server import build_server, read_api_key
+    from megatron_rl.tools.sandbox import sandbox_problem
+
+    try:
+        api_key = read_api_key(args.api_key_file, dict(os.environ))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    problem = sandbox_problem()
+    if problem is not None:
+        print(f"error: the sandbox cannot run on this machine, so it cannot serve it: {problem}", file=sys.stderr)
+        return 1
+    server = build_server(args.host, args.port, args.workers, api_key)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox-server %(levelname)s %(message)s")
+    address = f"http://{args.host}:{server.server_port}"
+    print(f"# sandbox-server: {address} ({args.workers} workers; POST /run_code, GET /health)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def _parallel_sizes(args: argparse.Namespace) -> ParallelSizes:
     from megatron_rl.parallel.distributed import ParallelSizes
 
@@ -408,6 +437,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the steps and the ranks, nodes and GPUs each uses; start nothing"
     )
     preflight.set_defaults(handler=_cmd_preflight)
+
+    sandbox = commands.add_parser(
+        "sandbox-server",
+        help="serve the python tool's sandbox over HTTP (SandboxFusion's POST /run_code) for nodes where it "
+        "cannot run; recipes point rollout.tool_sandbox.url at it",
+    )
+    sandbox.add_argument("--host", default="127.0.0.1", help="the one address to listen on (no wildcard)")
+    sandbox.add_argument("--port", type=int, default=8080, help="port (0: any free one, printed at start)")
+    sandbox.add_argument("--workers", type=int, default=4, help="sandboxes run at once; more requests wait")
+    sandbox.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="file holding the API key requests must send (default: $MEGATRON_RL_ENGINE_API_KEY)",
+    )
+    sandbox.set_defaults(handler=_cmd_sandbox_server)
 
     _add_checkpoint_commands(commands)
     return parser

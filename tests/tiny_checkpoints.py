@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 VOCAB = 100
 
@@ -100,3 +100,23 @@ def checkpoint_named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         else:
             grads[name] = param.grad
     return grads
+
+
+def chain_model(path, chain: list[int], vocab_size: int) -> torch.nn.Module:
+    """The tiny MoE at ``path`` made to sample ``chain``: its next token after ``chain[i]`` is ``chain[i + 1]``,
+    whatever came before (by a logit margin of 100), and ``chain[-1]`` is its EOS."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                parameter.zero_()  # no layer adds to the residual stream: the last hidden state is the embedding
+        model.model.norm.weight.fill_(1.0)
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed.zero_()
+        head.zero_()
+        for position, (token, following) in enumerate(zip(chain, chain[1:], strict=False)):
+            embed[token, position] = 1.0
+            head[following, position] = 100.0 / model.config.hidden_size**0.5  # logit 100 after the RMS norm
+    model.config.eos_token_id = chain[-1]
+    assert model.config.vocab_size >= vocab_size
+    return model

@@ -167,6 +167,28 @@ class AlgorithmConfig(Section):
     routing_replay: bool = Field(False, description="Replay the experts the rollout engine routed to (R3, MoE only).")
 
 
+class ToolSandboxConfig(Section):
+    """A sandbox service the python tool sends its code to (``megatron-rl sandbox-server`` or SandboxFusion)."""
+
+    url: str = Field(
+        description="Base URL of the service, e.g. http://10.0.0.5:8080 (POST /run_code is appended); the run's "
+        "API key ($MEGATRON_RL_ENGINE_API_KEY) is sent as 'Authorization: Bearer' when set."
+    )
+    timeout_s: PositiveFloat = Field(
+        60.0, description="Seconds one request may take (the sandbox's 20 s wall limit and a queue at the service)."
+    )
+    retries: NonNegativeInt = Field(
+        3, description="Retries of a request after a connection error or a 5xx answer, with doubling backoff."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")) or len(url.rstrip("/")) <= len("https://"):
+            raise ValueError(f"{url!r} is not an http:// or https:// URL")
+        return url
+
+
 class RolloutConfig(Section):
     """Generation engines and sampling."""
 
@@ -276,6 +298,11 @@ class RolloutConfig(Section):
         30.0, description="Seconds a tool call may run; past it the call fails and the model reads an error."
     )
     tool_num_workers: PositiveInt = Field(4, description="Tool worker processes (calls run in parallel up to this).")
+    tool_sandbox: ToolSandboxConfig | None = Field(
+        None,
+        description="Where the python tool runs its code: None, the local sandbox (docs/tools.md); or a sandbox "
+        "service speaking SandboxFusion's run_code API, for nodes where the sandbox cannot run.",
+    )
     max_tool_calls_per_turn: PositiveInt = Field(
         4,
         description="Multi-turn episodes: the most tool calls run from one model turn (Qwen3's format may hold "

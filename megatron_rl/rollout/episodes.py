@@ -122,22 +122,26 @@ def episode_factory(name: str) -> EpisodeFactory:
 def check_episode(rollout: RolloutConfig) -> list[str]:
     """Raise ValueError, naming the field, when ``rollout.episode`` or a tool of ``rollout.tools`` does not
     resolve; return, one message each, the tools that cannot run on this machine (the python tool where
-    its sandbox cannot be set up for this user: the message names the cause and the fix). Cheap: starts
-    nothing but :func:`~megatron_rl.tools.sandbox_problem`'s trial sandbox.
+    its sandbox cannot be set up for this user: the message names the cause and the fix; not with
+    ``rollout.tool_sandbox``, whose service runs the code). Cheap: starts nothing but
+    :func:`~megatron_rl.tools.sandbox_problem`'s trial sandbox.
 
     The caller decides what a machine problem is: an error for ``train`` and ``validate --strict``, a
     warning for plain ``validate`` (a recipe checked on a login node that is not where it runs)."""
+    from megatron_rl.rollout.tool_pool import sandbox_service
     from megatron_rl.tools import get_tool, tool_problem
+    from megatron_rl.tools.sandbox_service import service_in_use
 
     episode_factory(rollout.episode)
     problems = []
-    for name in rollout.tools:
-        try:
-            problem = tool_problem(get_tool(name))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"rollout.tools: {exc}") from exc
-        if problem is not None:
-            problems.append(f"rollout.tools: {name!r} cannot run on this machine: {problem}")
+    with service_in_use(sandbox_service(rollout.tool_sandbox)):  # as the tool workers will see it
+        for name in rollout.tools:
+            try:
+                problem = tool_problem(get_tool(name))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"rollout.tools: {exc}") from exc
+            if problem is not None:
+                problems.append(f"rollout.tools: {name!r} cannot run on this machine: {problem}")
     return problems
 
 

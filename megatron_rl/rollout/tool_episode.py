@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from megatron_rl.data.synthetic_tokenizer import ASSISTANT_TOKEN, CALL_TOKEN, TOOL_TOKEN
 from megatron_rl.rollout.episodes import EnvironmentReply, Episode, EpisodeSetup, register_episode
-from megatron_rl.rollout.tool_pool import ToolOutput, ToolPool
+from megatron_rl.rollout.tool_pool import ToolOutput, ToolPool, sandbox_service
 from megatron_rl.tools.calls import TURN_END, ToolCall, ToolCallError, parse_tool_calls, render_tool_responses
 from megatron_rl.tools.registry import tool_call_name
 
@@ -60,7 +60,8 @@ class ToolEpisode(Episode):
         self.tool_names = tuple(rollout.tools)
         self._decode: Callable[[list[int]], str] = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False))
         self._encode: Callable[[str], list[int]] = lambda text: list(tokenizer.encode(text, add_special_tokens=False))
-        self.tools = ToolPool(rollout.tools, rollout.tool_num_workers, rollout.tool_timeout_s)
+        sandbox = sandbox_service(rollout.tool_sandbox)
+        self.tools = ToolPool(rollout.tools, rollout.tool_num_workers, rollout.tool_timeout_s, sandbox)
 
     @abstractmethod
     def parse(self, turn_text: str) -> list[ToolCall | ToolCallError]:

@@ -4,7 +4,9 @@ Each call runs in one of ``num_workers`` spawned processes (:mod:`megatron_rl.ro
 each driven by a thread of the pool, so up to ``num_workers`` calls run at once. Every worker imports
 the pool's tools by name at start (:func:`megatron_rl.tools.get_tool`) and checks that each can run on
 this machine (:func:`megatron_rl.tools.tool_problem`: the ``python`` tool needs its sandbox); the pool's
-construction fails when a worker cannot, naming ``rollout.tools``, the tool and why. A registered name
+construction fails when a worker cannot, naming ``rollout.tools``, the tool and why. With a sandbox service
+(``rollout.tool_sandbox``, :func:`sandbox_service`), each worker's python tool sends its code there instead
+(:func:`megatron_rl.tools.sandbox_service.use_service`), and needs no local sandbox. A registered name
 travels to the workers as the import path of its function, so a tool registered outside
 :mod:`megatron_rl.tools` (where this process imported it) loads there too.
 
@@ -21,18 +23,24 @@ error, the traceback.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from megatron_rl.named_functions import import_path
+from megatron_rl.rollout.access import API_KEY_ENV
 from megatron_rl.rollout.worker_processes import STARTUP_TIMEOUT_S, WorkerExit, WorkerProcess, WorkerSlot, stop_threads
 from megatron_rl.tools.calls import ToolCall
 from megatron_rl.tools.registry import LimitedOutput, get_tool, tool_call_name, tool_problem
+from megatron_rl.tools.sandbox_service import SandboxService, use_service
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import ToolSandboxConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +71,18 @@ def _import_path(tool: str) -> str:
     return import_path(fn)
 
 
-def _load_tools(paths: Mapping[str, str]) -> Callable[[ToolJob], ToolAnswer]:
-    """In a worker: import every tool (recipe entry -> import path) and check it can run here; return the
-    function that runs one call."""
+def sandbox_service(config: ToolSandboxConfig | None) -> SandboxService | None:
+    """The service ``rollout.tool_sandbox`` names, with the run's API key from this process's environment
+    (:data:`~megatron_rl.rollout.access.API_KEY_ENV`; unset: no key sent); None for the local sandbox."""
+    if config is None:
+        return None
+    return SandboxService(config.url, config.timeout_s, config.retries, os.environ.get(API_KEY_ENV) or None)
+
+
+def _load_tools(paths: Mapping[str, str], sandbox: SandboxService | None) -> Callable[[ToolJob], ToolAnswer]:
+    """In a worker: point the python tool at ``sandbox`` (None: the local one), import every tool (recipe
+    entry -> import path) and check it can run here; return the function that runs one call."""
+    use_service(sandbox)
     functions = {}
     for tool, path in paths.items():
         fn = get_tool(path)
@@ -88,7 +105,8 @@ def _load_tools(paths: Mapping[str, str]) -> Callable[[ToolJob], ToolAnswer]:
 
 
 class ToolPool:
-    """``num_workers`` processes running calls of ``tools`` (recipe entries), each bounded by ``timeout_s``.
+    """``num_workers`` processes running calls of ``tools`` (recipe entries), each bounded by ``timeout_s``;
+    the python tool runs its code on ``sandbox`` (None: the local sandbox).
 
     The model calls a tool by its registered name, or by the function's name for an import path
     (:func:`megatron_rl.tools.registry.tool_call_name`; the whole entry is accepted too). Raises ValueError for ``num_workers`` < 1,
@@ -97,7 +115,9 @@ class ToolPool:
     does not start.
     """
 
-    def __init__(self, tools: Sequence[str], num_workers: int, timeout_s: float) -> None:
+    def __init__(
+        self, tools: Sequence[str], num_workers: int, timeout_s: float, sandbox: SandboxService | None = None
+    ) -> None:
         if num_workers < 1 or not timeout_s > 0:
             raise ValueError(f"tool pool: num_workers must be >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
         call_names = [tool_call_name(tool) for tool in tools]
@@ -110,7 +130,8 @@ class ToolPool:
             **dict(zip(call_names, self.tools, strict=True)),
         }
         self._paths = {tool: _import_path(tool) for tool in self.tools}
-        workers = [WorkerProcess("tools", _load_tools, self._paths) for _ in range(num_workers)]
+        self._sandbox = sandbox
+        workers = [WorkerProcess("tools", _load_tools, self._paths, sandbox) for _ in range(num_workers)]
         try:
             for worker in workers:
                 _wait_ready(worker)
@@ -171,7 +192,7 @@ class ToolPool:
         return ToolOutput(text)
 
     def _new_worker(self) -> WorkerProcess:
-        worker = WorkerProcess("tools", _load_tools, self._paths)
+        worker = WorkerProcess("tools", _load_tools, self._paths, self._sandbox)
         _wait_ready(worker)
         return worker
 

@@ -371,6 +371,12 @@ def _stop_reason(end: dict[str, Any], exit_code: int, stderr: str, limits: Sandb
         return "cpu_time"
     if exit_code == 0:
         return None
+    return stderr_stop_reason(stderr)
+
+
+def stderr_stop_reason(stderr: str) -> StopReason | None:
+    """The limit named by the last line of ``stderr`` that reports one (``memory``, ``processes``, ``file_size``,
+    ``disk``; see the module docstring), None when no line does. Meaningful for code that failed only."""
     for line in reversed(stderr.splitlines()):  # the last report wins; a fork bomb's children interleave theirs
         for prefix, reason in _STDERR_STOPS:
             if line.startswith(prefix):

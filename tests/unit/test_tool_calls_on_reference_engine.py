@@ -15,9 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from tokenizers import AddedToken
-from transformers import AutoModelForCausalLM
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
@@ -27,7 +25,7 @@ from megatron_rl.rollout.reference.backend import ReferenceBackend
 from tests.multi_turn_cases import RecordingEngine
 from tests.qwen3_chat import build_qwen3_like_tokenizer
 from tests.reference_servers import serving
-from tests.tiny_checkpoints import save_tiny_moe
+from tests.tiny_checkpoints import chain_model, save_tiny_moe
 
 EXPRESSIONS = ("1 + 2", "3 * 4")
 TEXT = "Two calls.\n"
@@ -36,25 +34,6 @@ TEXT = "Two calls.\n"
 def _call(expression: str) -> str:
     arguments = json.dumps({"expression": expression})
     return '<tool_call>\n{"name": "calculator", "arguments": ' + arguments + "}\n</tool_call>"
-
-
-def _chain_model(path, chain: list[int], vocab_size: int) -> torch.nn.Module:
-    """The tiny MoE whose next token after ``chain[i]`` is ``chain[i + 1]``, whatever came before."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "o_proj" in name or "down_proj" in name:
-                parameter.zero_()  # no layer adds to the residual stream: the last hidden state is the embedding
-        model.model.norm.weight.fill_(1.0)
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embed.zero_()
-        head.zero_()
-        for position, (token, following) in enumerate(zip(chain, chain[1:], strict=False)):
-            embed[token, position] = 1.0
-            head[following, position] = 100.0 / model.config.hidden_size**0.5  # logit 100 after the RMS norm
-    model.config.eos_token_id = chain[-1]
-    assert model.config.vocab_size >= vocab_size
-    return model
 
 
 @pytest.mark.parametrize("partial_tokens", [None, 2])
@@ -67,7 +46,7 @@ def test_a_turn_of_two_calls_runs_both_and_appends_the_templates_two_tool_messag
     prompt = list(tokenizer.apply_chat_template(question, add_generation_prompt=True, return_dict=False))
     turn = [*tokenizer.convert_tokens_to_ids(blocks), tokenizer.eos_token_id]
     path = save_tiny_moe(tmp_path / "moe", vocab_size=512, max_position_embeddings=256)
-    model = _chain_model(path, [prompt[-1], *turn], len(tokenizer))
+    model = chain_model(path, [prompt[-1], *turn], len(tokenizer))
     rollout = RolloutConfig(
         engine="reference",
         n_samples_per_prompt=2,

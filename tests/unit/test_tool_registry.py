@@ -10,6 +10,7 @@ import pytest
 from megatron_rl.tools import (
     ToolContractError,
     get_tool,
+    python_tool,
     register_tool,
     registered_tools,
     run_sandboxed,
@@ -20,6 +21,7 @@ from megatron_rl.tools import (
 from megatron_rl.tools import registry as tool_registry
 from megatron_rl.tools.calculator import calculator
 from megatron_rl.tools.python_tool import python
+from megatron_rl.tools.sandbox_service import SandboxService, service_in_use
 from tests.faults.tools import UNAVAILABLE_REASON
 
 FAULTS = "tests.faults.tools"
@@ -51,8 +53,12 @@ def test_the_builtin_tools_are_registered_and_run_here() -> None:
     assert tool_problem(python) is None and sandbox_problem() is None  # the python tool needs the sandbox
 
 
-def test_the_python_tool_requires_the_sandbox() -> None:
-    assert tool_registry._REQUIREMENTS[python] is sandbox_problem
+def test_the_python_tool_requires_the_sandbox_unless_a_service_runs_its_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(python_tool, "sandbox_problem", lambda: "no namespaces here")
+    assert tool_problem(python) == "no namespaces here"
+    with service_in_use(SandboxService("http://127.0.0.1:9")):
+        assert tool_problem(python) is None  # the service's answers say whether it runs
+    monkeypatch.undo()
     assert python({"code": "print(6 * 7)"}, {}) == run_sandboxed("print(6 * 7)").stdout == "42\n"
 
 
