@@ -216,7 +216,7 @@ def _running(pid: int) -> bool:
     """Whether process ``pid`` exists and has not exited (a zombie has)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone before the open, or between open and read
         return False
     return state != "Z"
 
