@@ -22,6 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+# Full tier (63 s): the rehearsal of what a lent GPU runs; run it before a device session.
+@pytest.mark.full
 @pytest.mark.distributed
 def test_device_check_dry_run_passes_every_check(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}

@@ -27,6 +27,8 @@ def _seeded(rid: str) -> GenerateRequest:
     return GenerateRequest([5, 17, 42], params, rid=rid, sample_seeds=sample_seeds(1234 * 2**32 + 7, N))
 
 
+# Full tier: it starts a server of its own to document a refusal of the pinned SGLang; runs never ask for it on CPU.
+@pytest.mark.full
 def test_deterministic_inference_is_refused_by_sglang_on_cpu(moe_dir, tmp_path):
     with pytest.raises(EngineStartupError, match="attention backends are supported for deterministic inference"):
         start_sglang(moe_dir, tmp_path, name="sglang-deterministic", api_key=None, deterministic_inference=True)

@@ -55,6 +55,8 @@ def test_the_cpu_engine_loads_the_driver_stand_in_and_no_real_driver(sglang):
     assert sglang.process.env["SGLANG_USE_CPU_ENGINE"] == "1"
 
 
+# Full tier: a server of its own to document the pinned SGLang on CPU (engines_hand_over_memory keeps runs off it).
+@pytest.mark.full
 def test_release_memory_kills_sglangs_cpu_scheduler_so_cpu_runs_never_ask(moe_dir, tmp_path):
     """SGLang 0.5.23's release synchronises a CUDA device (weight_updater.release_memory_occupation): on CPU its
     scheduler dies and the server exits. CPU runs therefore hand no memory over (resources.engines_hand_over_memory)."""
@@ -67,6 +69,8 @@ def test_release_memory_kills_sglangs_cpu_scheduler_so_cpu_runs_never_ask(moe_di
         engine.shutdown()
 
 
+# Full tier: a server of its own to document the pinned SGLang on CPU (validate refuses routing replay there).
+@pytest.mark.full
 def test_routed_experts_cannot_be_returned_by_sglang_on_cpu(moe_dir, tmp_path):
     """--enable-return-routed-experts allocates a CUDA-registered host buffer (state_capturer/base.py) and the
     CPU server does not start: validate refuses routing replay with SGLang on CPU."""
