@@ -174,14 +174,15 @@ def run_remote(code: str, limits: SandboxLimits, service: SandboxService) -> San
     if service.api_key:
         headers["Authorization"] = f"Bearer {service.api_key}"
     url = service.url.rstrip("/") + "/run_code"
-    for attempt in range(service.retries + 1):
+    for attempt in range(service.retries):
         try:
             return result_of_response(_post(url, body, headers, service.timeout_s))
-        except _Retryable as exc:
-            if attempt == service.retries:
-                raise SandboxServiceError(f"{url}: {exc} (after {service.retries} retries)") from exc
+        except _Retryable:
             time.sleep(min(BACKOFF_S * 2**attempt, MAX_BACKOFF_S))
-    raise AssertionError("unreachable: the last attempt returns or raises")
+    try:
+        return result_of_response(_post(url, body, headers, service.timeout_s))
+    except _Retryable as exc:
+        raise SandboxServiceError(f"{url}: {exc} (after {service.retries} retries)") from exc
 
 
 class _Retryable(Exception):

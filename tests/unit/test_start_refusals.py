@@ -192,6 +192,8 @@ START_REFUSALS = (
 
 # (path, fragment of the raise; "" for every raise of the file) -> why the recipe does not cause it.
 NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
+    ("rollout/sandbox_server.py", ""): "a request to `megatron-rl sandbox-server` or its command line, not a recipe",
+    ("tools/sandbox_service.py", ""): "the sandbox service's answer at run time (rollout.tool_sandbox.url reached)",
     ("actor/batch.py", ""): "tensor shape contract of ActorBatch between driver and actor",
     ("actor/loss.py", ""): "the driver always sets old/reference log-probs and advantages before training",
     ("actor/packing.py", "row lengths"): "internal contract of the packer",
