@@ -57,3 +57,25 @@ def test_train_keeps_python_raising_broken_pipe_on_a_socket_the_peer_closed(tmp_
 def test_validate_in_process_gives_the_callers_pipe_handler_back() -> None:
     assert main(["validate", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]) == 0
     assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
+
+
+def _probe(command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.closed_pipe_probe", command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_train_survives_an_engine_closing_its_kept_alive_connection_at_the_moment_of_a_write() -> None:
+    """The held-out run's death, reproduced in the command's own process: the engine closes the connection as the
+    next request is written, the write meets EPIPE; `train` keeps Python's SIGPIPE handling, so the client sees
+    BrokenPipeError and resends on a new connection. The same exchange under `validate` (SIGPIPE at its default
+    action, for `| head`) kills the process, as every command did before the fix."""
+    survived = _probe("train")
+    assert survived.returncode == 0 and "answered twice" in survived.stdout, survived.stderr[-2000:]
+    killed = _probe("validate")
+    assert killed.returncode == -signal.SIGPIPE, (killed.returncode, killed.stderr[-2000:])
