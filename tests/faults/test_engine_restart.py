@@ -201,6 +201,8 @@ def test_a_crashed_engine_is_restarted_and_the_run_ends_with_the_uninterrupted_w
     assert [[r[k] for k in keys] for r in records] == [[r[k] for k in keys] for r in _records(uninterrupted)]
 
 
+# Full tier: CI restarts a crashed engine (colocated) and stops on the only engine crashing beside training.
+@pytest.mark.full
 @pytest.mark.slow
 def test_past_max_engine_restarts_the_run_stops_naming_the_engine_its_exit_code_and_log(tmp_path: Path) -> None:
     done = _run(tmp_path, "rollout.max_engine_restarts=1", fault=engine_exit_fault(20, 2, tmp_path / "crashes"))

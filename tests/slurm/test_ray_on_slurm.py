@@ -105,6 +105,7 @@ def test_preflight_sbatch_returns_preflight_exit_status_and_names_the_failed_ste
     assert (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.json").is_file()
 
 
+@pytest.mark.full  # CI: train.sbatch on Slurm, and the whole preflight on the SGLang recipe
 def test_preflight_sbatch_passes_every_step_on_the_allocation(slurm_env: dict[str, str], tmp_path: Path) -> None:
     status, log = _preflight_sbatch(slurm_env, tmp_path)
     assert status == 0, log

@@ -189,6 +189,8 @@ def counting_proxy() -> Iterator[_CountingProxy | None]:
     proxy.server_close()
 
 
+# Full tier (37 s, PyPI): run it when a lock or pyproject.toml changes.
+@pytest.mark.full
 @pytest.mark.network
 @pytest.mark.timeout(600)
 def test_pips_resolver_turns_the_gpu_set_into_exactly_the_gpu_lock(
