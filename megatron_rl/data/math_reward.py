@@ -172,6 +172,17 @@ def _plain_number(text: str) -> Fraction:
     return Fraction(text.replace(",", ""))
 
 
+def math_answer(response: str) -> str | None:
+    """The lenient checker's normal form of ``response``'s final answer: a plain number as its exact value
+    (``0.5``, ``\\frac{1}{2}`` and ``1/2`` all give ``1/2``), else the normalised text; None without an answer."""
+    predicted = extract_answer(response)
+    text = None if predicted is None else normalize_answer(predicted)
+    if not text:
+        return None
+    value = parse_number(text)
+    return text if value is None else str(value)
+
+
 def answers_match(predicted: str, ground_truth: str) -> bool:
     """Whether two answer strings are equal after normalisation (numbers compared exactly)."""
     left, right = normalize_answer(predicted), normalize_answer(ground_truth)
@@ -334,20 +345,22 @@ def dapo_is_correct(response: str, ground_truth: str, *, strict_box: bool = Fals
 
 @register_reward("math_dapo")
 def math_dapo(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:
-    """+1.0 if ``response`` is correct by the DAPO rule, else -1.0 (DAPO's reward)."""
+    """+1.0 if ``response`` is correct by the DAPO rule, else -1.0 (DAPO's reward); the answer in DAPO's normal form."""
     correct = dapo_is_correct(response, ground_truth)
-    return RewardOutput(score=1.0 if correct else -1.0, correct=correct)
+    extracted = dapo_extract_answer(response)
+    answer = None if extracted is None else dapo_normalize(extracted)
+    return RewardOutput(score=1.0 if correct else -1.0, correct=correct, answer=answer)
 
 
 @register_reward("math_equiv")
 def math_equiv(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:
     """+1.0 if the response's final answer is equivalent to ``ground_truth`` (lenient checker), else -1.0."""
     correct = is_correct_math_response(response, ground_truth)
-    return RewardOutput(score=1.0 if correct else -1.0, correct=correct)
+    return RewardOutput(score=1.0 if correct else -1.0, correct=correct, answer=math_answer(response))
 
 
 @register_reward("math_01")
 def math_01(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:
     """1.0 if the response's final answer is equivalent to ``ground_truth`` (lenient checker), else 0.0."""
     correct = is_correct_math_response(response, ground_truth)
-    return RewardOutput(score=1.0 if correct else 0.0, correct=correct)
+    return RewardOutput(score=1.0 if correct else 0.0, correct=correct, answer=math_answer(response))

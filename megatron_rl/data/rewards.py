@@ -26,14 +26,18 @@ from megatron_rl.named_functions import find_function, qualified_name, register_
 
 @dataclass(frozen=True, slots=True)
 class RewardOutput:
-    """The score of one response and whether its answer is correct.
+    """The score of one response, whether its answer is correct, and the answer it gave.
 
     ``score`` is what the advantage estimator sees (e.g. +1/-1); ``correct`` feeds accuracy
     metrics, dynamic sampling and length-bias diagnostics, independently of the score scale.
+    ``answer`` is the response's final answer in the reward's normal form, None when it gave none:
+    majority voting (``maj@k``) counts responses with equal answers as one vote each for that
+    answer, so two answers the reward judges equal must have the same normal form.
     """
 
     score: float
     correct: bool
+    answer: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.score, bool) or not isinstance(self.score, (int, float)):
@@ -42,6 +46,8 @@ class RewardOutput:
             raise ValueError(f"RewardOutput.score must be finite, got {self.score}")
         if not isinstance(self.correct, bool):
             raise TypeError(f"RewardOutput.correct must be a bool, got {type(self.correct).__name__}")
+        if self.answer is not None and not isinstance(self.answer, str):
+            raise TypeError(f"RewardOutput.answer must be a str or None, got {type(self.answer).__name__}")
         object.__setattr__(self, "score", float(self.score))
 
 

@@ -104,20 +104,23 @@ SYNTHETIC_PROMPT_FORMATS: tuple[str, ...] = ("text", "chat")
 @register_reward("synthetic_successor")
 @register_reward("synthetic_max")
 def synthetic_exact(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:
-    """+1.0 iff ``response`` is exactly the answer then ``<eos>`` (see the module docstring), else -1.0."""
-    correct = _final_answer(_RESPONSE_TOKEN.findall(response)) == [ground_truth.strip(), EOS_TOKEN]
-    return RewardOutput(score=1.0 if correct else -1.0, correct=correct)
+    """+1.0 iff ``response`` is exactly the answer then ``<eos>`` (see the module docstring), else -1.0; the
+    answer is the response's tokens, trailing ``<pad>`` dropped."""
+    final = _final_answer(_RESPONSE_TOKEN.findall(response))
+    correct = final == [ground_truth.strip(), EOS_TOKEN]
+    return RewardOutput(score=1.0 if correct else -1.0, correct=correct, answer=" ".join(final) or None)
 
 
 @register_reward("synthetic_lookup")
 def synthetic_lookup_answer(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:
     """+1.0 iff ``response`` looked the answer up (a ``<call>`` answered by a ``<tool>`` reply) and its final
-    answer, the tokens after the last ``<assistant>``, is exactly the answer then ``<eos>``; else -1.0."""
+    answer, the tokens after the last ``<assistant>``, is exactly the answer then ``<eos>``; else -1.0. The
+    answer is that final answer; a response that did not look up gave none."""
     tokens = _RESPONSE_TOKEN.findall(response)
     looked_up = CALL_TOKEN in tokens and TOOL_TOKEN in tokens and ASSISTANT_TOKEN in tokens
-    answer = tokens[len(tokens) - tokens[::-1].index(ASSISTANT_TOKEN) :] if looked_up else []
-    correct = _final_answer(answer) == [ground_truth.strip(), EOS_TOKEN]
-    return RewardOutput(score=1.0 if correct else -1.0, correct=correct)
+    final = _final_answer(tokens[len(tokens) - tokens[::-1].index(ASSISTANT_TOKEN) :] if looked_up else [])
+    correct = final == [ground_truth.strip(), EOS_TOKEN]
+    return RewardOutput(score=1.0 if correct else -1.0, correct=correct, answer=" ".join(final) or None)
 
 
 def _final_answer(tokens: list[str]) -> list[str]:

@@ -95,6 +95,7 @@ class GroupAssembler:
                     policy_tokens=None if sample.policy_mask is None else sum(sample.policy_mask),
                     turns=sample.turns,
                     tools=sample.tools,
+                    answer=reward.answer,
                 )
             )
         return RolloutGroup(uid=group.uid, prompt_index=item.index, samples=samples)

@@ -35,7 +35,8 @@ class RolloutSample:
     ``score`` includes the overlong penalty (``overlong_penalty`` holds it alone);
     ``routed_experts`` is int32 ``[prompt + response - 1, layers, top_k]`` or None;
     ``reward_failure`` is ``"error"`` or ``"timeout"`` when the reward failed on this response
-    (``score`` is then the reward's failed score), else None. ``version_segments`` is
+    (``score`` is then the reward's failed score), else None; ``answer`` is the reward's normal form of the
+    response's final answer (None: it gave none, or the reward failed). ``version_segments`` is
     ``[(weight_version, tokens), ...]``: the engine-reported weight version each run of response
     tokens was sampled under, in order (one segment unless a partial rollout continued the response
     under newer weights; ``weight_version`` is the last segment's); empty means all of
@@ -61,6 +62,7 @@ class RolloutSample:
     policy_tokens: int | None = None
     turns: int = 1
     tools: ToolCounts = ToolCounts()
+    answer: str | None = None
 
     @property
     def sampled_tokens(self) -> int:

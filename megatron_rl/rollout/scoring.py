@@ -38,17 +38,20 @@ logger = logging.getLogger(__name__)
 
 Failure = Literal["error", "timeout"]
 Job = tuple[str, str, Mapping[str, Any]]
-Answer = tuple[float, bool, str | None]
-"""A worker's answer: score, correct, and the traceback when the reward failed (else None)."""
+Answer = tuple[float, bool, str | None, str | None]
+"""A worker's answer: score, correct, the response's answer (see ``RewardOutput.answer``), and the traceback
+when the reward failed (else None)."""
 
 
 @dataclass(frozen=True)
 class ScoredResponse:
-    """The score of one response; ``failure`` says why the reward gave none (the score is then the failed one)."""
+    """The score of one response and its answer; ``failure`` says why the reward gave none (the score is then the
+    failed one, and the answer None)."""
 
     score: float
     correct: bool
     failure: Failure | None = None
+    answer: str | None = None
 
 
 def _load_reward(reward: str) -> Callable[[Job], Answer]:
@@ -62,9 +65,9 @@ def _load_reward(reward: str) -> Callable[[Job], Answer]:
             output = fn(*job)
             if not isinstance(output, RewardOutput):
                 raise TypeError(f"the reward returned {type(output).__name__}, not a RewardOutput")
-            return (output.score, output.correct, None)
+            return (output.score, output.correct, output.answer, None)
         except Exception as exc:
-            return (0.0, False, "".join(traceback.format_exception(exc)).rstrip())
+            return (0.0, False, None, "".join(traceback.format_exception(exc)).rstrip())
 
     return score
 
@@ -88,7 +91,7 @@ def _failure_detail(answer: Answer | WorkerExit) -> str:
     """The traceback of a failed answer, or the exit code of a worker that died on the job."""
     if isinstance(answer, WorkerExit):
         return f"the reward worker process exited with code {answer.exitcode}"
-    return str(answer[2])
+    return str(answer[3])
 
 
 class _GroupScores:
@@ -149,7 +152,7 @@ class RewardPool:
             for worker in workers:
                 worker.kill()
             raise
-        if not isinstance(probe, tuple) or probe[2] is not None:
+        if not isinstance(probe, tuple) or probe[3] is not None:
             for worker in workers:
                 worker.kill()
             reason = f"ran past {timeout_s} s" if probe is None else f"failed:\n{_failure_detail(probe)}"
@@ -200,9 +203,9 @@ class RewardPool:
         if answer is None:
             detail = f"ran past data.reward_timeout_s={self.timeout_s} s; its worker process was killed and replaced"
             return self._failed("timeout", detail, label, index, job)
-        if isinstance(answer, WorkerExit) or answer[2] is not None:
+        if isinstance(answer, WorkerExit) or answer[3] is not None:
             return self._failed("error", _failure_detail(answer), label, index, job)
-        return ScoredResponse(answer[0], answer[1])
+        return ScoredResponse(answer[0], answer[1], answer=answer[2])
 
     def _new_worker(self) -> WorkerProcess:
         worker = _start_worker(self.reward)

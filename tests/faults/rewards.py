@@ -30,7 +30,7 @@ def faulty_exact(response: str, ground_truth: str, extra_info: Mapping[str, Any]
     if EXIT in response:
         os._exit(3)
     correct = response.strip() == ground_truth
-    return RewardOutput(score=1.0 if correct else -1.0, correct=correct)
+    return RewardOutput(score=1.0 if correct else -1.0, correct=correct, answer=response.strip() or None)
 
 
 def zero_one_faulty(response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput:

@@ -48,10 +48,10 @@ def test_a_raising_reward_scores_the_response_as_failed_and_logs_it_once(
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.scoring"):
         scored = _score(pool, ["4", f"{RAISE} 9", "3"])
-    assert scored == [
-        ScoredResponse(1.0, True),
+    assert scored == [  # the answers come back from the worker with the scores; a failed response has none
+        ScoredResponse(1.0, True, answer="4"),
         ScoredResponse(-1.0, False, "error"),
-        ScoredResponse(-1.0, False),
+        ScoredResponse(-1.0, False, answer="3"),
     ]
     (record,) = caplog.records
     message = record.getMessage()
@@ -70,13 +70,13 @@ def test_a_hung_reward_times_out_and_a_fresh_worker_scores_the_rest(
     assert [s.score for s in scored] == [-1.0, -1.0, 1.0, -1.0]
     assert len(caplog.records) == 2 and "ran past data.reward_timeout_s=1.0 s" in caplog.text
     assert "killed and replaced" in caplog.text
-    assert _score(pool, ["4"]) == [ScoredResponse(1.0, True)]
+    assert _score(pool, ["4"]) == [ScoredResponse(1.0, True, answer="4")]
 
 
 def test_a_reward_that_kills_its_worker_process_scores_as_failed_and_the_pool_recovers(pool: RewardPool) -> None:
     scored = _score(pool, [EXIT, "4"])
-    assert scored == [ScoredResponse(-1.0, False, "error"), ScoredResponse(1.0, True)]
-    assert _score(pool, ["5", "4"]) == [ScoredResponse(-1.0, False), ScoredResponse(1.0, True)]
+    assert scored == [ScoredResponse(-1.0, False, "error"), ScoredResponse(1.0, True, answer="4")]
+    assert _score(pool, ["5", "4"]) == [ScoredResponse(-1.0, False, answer="5"), ScoredResponse(1.0, True, answer="4")]
 
 
 def test_the_failed_score_is_the_rewards_own_score_of_a_wrong_answer() -> None:

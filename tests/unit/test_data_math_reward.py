@@ -21,7 +21,13 @@ from megatron_rl.data import (
     math_equiv,
     normalize_answer,
 )
-from megatron_rl.data.math_reward import DAPO_WINDOW_CHARS, dapo_extract_answer, dapo_is_correct, dapo_normalize
+from megatron_rl.data.math_reward import (
+    DAPO_WINDOW_CHARS,
+    dapo_extract_answer,
+    dapo_is_correct,
+    dapo_normalize,
+    math_answer,
+)
 
 # (response, ground truth, correct by the DAPO rule, correct by the lenient checker).
 # The DAPO column is what the reference ``compute_score`` (verl/utils/reward_score/math_dapo.py)
@@ -124,15 +130,38 @@ FORMATS = [
 def test_math_dapo_follows_the_reference_and_math_equiv_stays_lenient(
     response: str, ground_truth: str, dapo_correct: bool, equiv_correct: bool
 ) -> None:
-    assert math_dapo(response, ground_truth, {}) == RewardOutput(
-        score=1.0 if dapo_correct else -1.0, correct=dapo_correct
-    )
-    assert math_equiv(response, ground_truth, {}) == RewardOutput(
-        score=1.0 if equiv_correct else -1.0, correct=equiv_correct
-    )
-    assert math_01(response, ground_truth, {}) == RewardOutput(
-        score=1.0 if equiv_correct else 0.0, correct=equiv_correct
-    )
+    scored = {
+        name: fn(response, ground_truth, {})
+        for name, fn in (("dapo", math_dapo), ("equiv", math_equiv), ("01", math_01))
+    }
+    assert (scored["dapo"].score, scored["dapo"].correct) == (1.0 if dapo_correct else -1.0, dapo_correct)
+    assert (scored["equiv"].score, scored["equiv"].correct) == (1.0 if equiv_correct else -1.0, equiv_correct)
+    assert (scored["01"].score, scored["01"].correct) == (1.0 if equiv_correct else 0.0, equiv_correct)
+    # Majority voting needs the answer the checker compared: a correct response's answer is the ground truth's.
+    if dapo_correct:
+        assert scored["dapo"].answer == dapo_normalize(ground_truth)
+    if equiv_correct:
+        assert scored["equiv"].answer == scored["01"].answer == math_answer(f"Answer: {ground_truth}")
+
+
+@pytest.mark.parametrize(
+    ("responses", "answer"),
+    [
+        (["\\boxed{0.5}", "Answer: \\frac{1}{2}", "Answer: 1/2", "\\boxed{\\dfrac{1}{2}}"], "1/2"),
+        (["Answer: 1,000", "\\boxed{1000}", "Answer: 1000."], "1000"),
+        (["Answer: x=\\sqrt{2}", "\\boxed{\\sqrt{2}}"], "\\sqrt{2}"),
+        (["no answer", "Answer:", ""], None),
+    ],
+)
+def test_equal_answers_share_one_normal_form_for_voting(responses: list[str], answer: str | None) -> None:
+    assert {math_answer(response) for response in responses} == {answer}
+    assert {math_equiv(response, "1", {}).answer for response in responses} == {answer}
+
+
+def test_the_dapo_answer_is_the_dapo_normal_form_of_the_last_answer_line() -> None:
+    assert math_dapo("Answer: 5 cm\nAnswer: x = 1,000", "1000", {}).answer == "1000"
+    assert math_dapo("Answer: $\\frac12$", "0.5", {}) == RewardOutput(score=-1.0, correct=False, answer="\\frac{1}{2}")
+    assert math_dapo("\\boxed{4}", "4", {}).answer is None
 
 
 def test_format_table_covers_disagreements_both_ways() -> None:

@@ -167,6 +167,17 @@ def test_the_lookup_reward_takes_the_final_answer_only_after_a_lookup(response: 
     assert output.correct is correct and output.score == (1.0 if correct else -1.0)
 
 
+def test_the_answer_a_response_votes_for_is_its_final_tokens() -> None:
+    # Correctness depends on the answer alone, so responses that vote together are judged alike.
+    assert (
+        synthetic_exact("4 <eos> <pad> <pad>", "4", {}).answer == synthetic_exact("4<eos>", "4", {}).answer == "4 <eos>"
+    )
+    assert synthetic_exact("4", "4", {}).answer == "4"
+    assert synthetic_exact("<pad>", "4", {}).answer is None
+    assert synthetic_lookup_answer("<call> <tool> 4 <assistant> 4 <eos>", "4", {}).answer == "4 <eos>"
+    assert synthetic_lookup_answer("4 <eos>", "4", {}).answer is None  # no lookup, no answer
+
+
 def test_the_tool_tokens_are_in_the_lookup_tokenizer_only() -> None:
     plain, tools = build_synthetic_tokenizer(), build_synthetic_tokenizer(tools=True)
     assert len(plain) == SYNTHETIC_VOCAB_SIZE and len(tools) == SYNTHETIC_VOCAB_SIZE + 3
