@@ -35,6 +35,7 @@ from megatron_rl.algorithms.registry import (
     register_advantage_estimator,
     register_policy_loss,
 )
+from megatron_rl.algorithms.sample_metrics import majority_at_k, metrics_at_k, pass_at_k
 from megatron_rl.algorithms.shaping import overlong_penalty
 
 __all__ = [
@@ -56,7 +57,10 @@ __all__ = [
     "importance_correction",
     "kl_estimate",
     "length_bias_metrics",
+    "majority_at_k",
+    "metrics_at_k",
     "overlong_penalty",
+    "pass_at_k",
     "ppo_clip_loss",
     "register_advantage_estimator",
     "register_policy_loss",
