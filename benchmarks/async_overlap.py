@@ -31,7 +31,7 @@ def run(staleness: int, steps: int, seed: int, work: Path) -> list[dict[str, flo
     """One training run at ``staleness``; its per-step metric records (validation off, no checkpoints kept)."""
     run_dir = work / f"staleness{staleness}"
     command = [sys.executable, "-m", "megatron_rl.cli", "train", str(RECIPE), f"train.max_staleness={staleness}"]
-    command += [f"train.steps={steps}", f"train.seed={seed}", "train.val_interval=0", "checkpoint.interval=0"]
+    command += [f"train.steps={steps}", f"train.seed={seed}", "validation.interval=0", "checkpoint.interval=0"]
     command += [f"checkpoint.dir={run_dir / 'checkpoints'}", f"logging.dir={run_dir / 'logs'}", "logging.sinks=[jsonl]"]
     command += ["checkpoint.resume=none"]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

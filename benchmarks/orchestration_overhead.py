@@ -122,7 +122,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="orchestration-overhead-"))
     overrides = [
         f"train.steps={args.steps}",
-        f"train.val_interval={args.val_interval}",
+        f"validation.interval={args.val_interval}",
         "checkpoint.interval=0",
         f"checkpoint.dir={work}/checkpoints",
         f"logging.dir={work}/logs",

@@ -3,7 +3,7 @@
 Runs the same command with each tree's ``megatron_rl`` (and its own ``recipes/``) first on PYTHONPATH, in a fresh
 folder each time, alternating baseline and this tree ``--repeats`` times so that both see the same machine load:
 
-    megatron-rl train recipes/tiny_moe_cpu_dapo.yaml train.steps=1 train.val_interval=0 checkpoint.interval=0
+    megatron-rl train recipes/tiny_moe_cpu_dapo.yaml train.steps=1 validation.interval=0 checkpoint.interval=0
 
 and, alone, the driver's imports (``import megatron_rl.orchestration.driver`` in a fresh interpreter). The
 baseline is extracted from this repository's history with ``git archive`` (``--baseline``: the commit before the
@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks.tables import print_table
 
 ROOT = Path(__file__).resolve().parents[1]
-ONE_STEP = ["train.steps=1", "train.val_interval=0", "checkpoint.interval=0", "logging.sinks=[jsonl]"]
+ONE_STEP = ["train.steps=1", "validation.interval=0", "checkpoint.interval=0", "logging.sinks=[jsonl]"]
 
 
 def extract(commit: str, into: Path) -> Path:

@@ -89,12 +89,17 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
             model_vocab_size=arch.vocab_size,
             max_prompt_length=cfg.rollout.max_prompt_length,
             work_dir=f"{cfg.run_dir}/data",
+            validation=cfg.validation,
         )
     except (RecipeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"# tokenizer: {prepared.tokenizer_dir} ({len(prepared.tokenizer)} tokens, model vocab {arch.vocab_size})")
-    for split, dataset in (("train", prepared.train), ("val", prepared.val)):
+    splits = [
+        ("train", prepared.train),
+        *((f"validation set {name}", data) for name, data in prepared.val_sets.items()),
+    ]
+    for split, dataset in splits:
         if dataset is not None:
             lengths = [len(item.prompt_ids) for item in dataset]
             print(

@@ -68,7 +68,7 @@ def plot_validation(records: dict[str, list[list[dict[str, float]]]], seeds: lis
     figure, axes = plt.subplots(1, len(records), figsize=(4 * len(records), 3.2), sharey=True)
     for axis, (label, runs) in zip(axes, records.items(), strict=True):
         for seed, run in zip(seeds, runs, strict=True):
-            points = [(r["step"], r["val/accuracy"]) for r in run if "val/accuracy" in r]
+            points = [(r["step"], r["val/greedy/mean@1"]) for r in run if "val/greedy/mean@1" in r]
             axis.plot(*zip(*points, strict=True), marker="o", markersize=3, label=f"seed {seed}")
         axis.set_title(label)
         axis.set_xlabel("step")
@@ -91,8 +91,8 @@ def main() -> None:
     chosen = {label: VARIANTS[label] for label in args.algorithms}
     records = {label: [metrics(algo, seed) for seed in args.seeds] for label, algo in chosen.items()}
 
-    val_steps = sorted({r["step"] for runs in records.values() for r in runs[0] if "val/reward_mean" in r})
-    for title, key in (("accuracy", "val/accuracy"), ("reward", "val/reward_mean")):
+    val_steps = sorted({r["step"] for runs in records.values() for r in runs[0] if "val/greedy/reward_mean" in r})
+    for title, key in (("accuracy", "val/greedy/mean@1"), ("reward", "val/greedy/reward_mean")):
         print(f"Greedy validation {title}, mean (min..max) over seeds {args.seeds}:\n")
         print("| step | " + " | ".join(chosen) + " |")
         print("| --- |" + " --- |" * len(chosen))

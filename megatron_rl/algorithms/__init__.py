@@ -1,6 +1,6 @@
 """Pure tensor math of the RL algorithms (GRPO, Dr.GRPO, DAPO, GSPO, TIS).
 
-This package imports torch only: no Megatron, Ray or transformers, so every
+This package imports torch at most: no Megatron, Ray or transformers, so every
 function here runs, and is tested, on any CPU. The semantics are those of
 DESIGN.md section 3.
 

@@ -378,7 +378,7 @@ def _check_sampling_temperature(cfg: RunConfig, arch: QwenArchitecture) -> Itera
             "rollout.temperature",
             f"{temperature}: training needs sampled rollouts and their log-probs, log_softmax(logits / temperature), "
             "so the temperature must be a finite number > 0 (0 is greedy decoding); set rollout.temperature to "
-            "e.g. 1.0 (greedy is for validation only: train.val_temperature=0)",
+            "e.g. 1.0 (greedy is for validation only: validation.sets.<name>.temperature=0)",
         )
 
 
@@ -564,12 +564,29 @@ def _check_precision(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding
 def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     if cfg.data.synthetic is None and cfg.model.tokenizer is None and cfg.model.path is None:
         yield _error("model.tokenizer", "no tokenizer: set model.tokenizer (or model.path, or data.synthetic)")
-    if cfg.train.val_interval > 0 and cfg.data.synthetic is None and not cfg.data.val_files:
-        yield _error("data.val_files", "train.val_interval > 0 needs validation files")
+    if cfg.data.synthetic is None and not cfg.data.val_files:
+        for name, validation_set in cfg.validation.sets.items():
+            if not validation_set.files and cfg.validation.interval_of(name) > 0:
+                yield _error(
+                    f"validation.sets.{name}.files",
+                    "empty, and so is data.val_files: give the set its files, or set data.val_files, or "
+                    f"validation.sets.{name}.interval=0",
+                )
+    if cfg.data.synthetic is not None:
+        for name, validation_set in cfg.validation.sets.items():
+            if validation_set.files:
+                yield _error(
+                    f"validation.sets.{name}.files",
+                    "data.synthetic generates its own validation split: leave the set's files empty",
+                )
     for key in ("train_files", "val_files"):
         for path in getattr(cfg.data, key):
             if not Path(path).is_file():
                 yield _needed(f"data.{key}", f"no such file: {path!r}")
+    for name, validation_set in cfg.validation.sets.items():
+        for path in validation_set.files:
+            if not Path(path).is_file():
+                yield _needed(f"validation.sets.{name}.files", f"no such file: {path!r}")
     model = cfg.model
     if model.path is not None:
         if not has_hf_config(model.path):

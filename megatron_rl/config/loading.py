@@ -112,12 +112,25 @@ def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+MOVED_FIELDS: Mapping[str, str] = {
+    "train.val_interval": "validation.interval",
+    "train.val_samples_per_prompt": "validation.sets.<name>.n",
+    "train.val_temperature": "validation.sets.<name>.temperature",
+}
+"""Fields of earlier recipes -> where they live now (every shipped recipe has moved)."""
+
+
 def _format_validation_error(exc: ValidationError) -> list[str]:
     problems = []
     for error in exc.errors():
         loc = tuple(error["loc"])
         field = ".".join(str(part) for part in loc) or "recipe"
-        if error["type"] == "extra_forbidden":
+        if error["type"] == "extra_forbidden" and field in MOVED_FIELDS:
+            problems.append(
+                f'{field}: moved to {MOVED_FIELDS[field]} (named validation sets, README "Validation and '
+                'evaluation"); e.g. validation: {interval: 10, sets: {greedy: {n: 1, temperature: 0.0}}}'
+            )
+        elif error["type"] == "extra_forbidden":
             allowed = _allowed_keys(loc)
             close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -12,6 +12,7 @@ whole recipe.
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -435,9 +436,75 @@ class TrainConfig(Section):
         "none", description="MoE load-balancing loss (off by default for RL)."
     )
     moe_aux_loss_coef: float = Field(0.0, ge=0.0, description="Coefficient of the MoE load-balancing loss.")
-    val_interval: int = Field(0, ge=0, description="Validate every N steps (0: never; also before step 1 when > 0).")
-    val_samples_per_prompt: PositiveInt = Field(1, description="Responses per validation prompt.")
-    val_temperature: float = Field(0.0, ge=0.0, description="Validation sampling temperature (0: greedy).")
+
+
+class ValidationSetConfig(Section):
+    """One validation set: its prompts, how they are sampled, and the k of its pass@k and maj@k."""
+
+    files: list[str] = Field(
+        default_factory=list,
+        description="Parquet files of the set's prompts; empty: data.val_files (or data.synthetic's validation split).",
+    )
+    n: PositiveInt = Field(1, description="Responses per prompt (DAPO reports AIME 2024 at n=32: avg@32).")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (DAPO's evaluation: 0.7).")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    max_response_length: PositiveInt | None = Field(
+        None, description="Maximum new tokens per response; None: rollout.max_response_length."
+    )
+    ks: list[PositiveInt] = Field(
+        default_factory=list,
+        description="The k of pass@k (unbiased estimator) and maj@k (majority vote over the reward's extracted "
+        "answers), each <= n; mean@n is always reported.",
+    )
+    interval: NonNegativeInt | None = Field(
+        None,
+        description="Validate this set every N steps; None: validation.interval; 0: never during training "
+        "(`megatron-rl eval` still runs it).",
+    )
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k 0 would sample nothing; use -1 to disable top-k or a positive k")
+        return value
+
+    @model_validator(mode="after")
+    def _ks_within_n(self) -> ValidationSetConfig:
+        if any(k > self.n for k in self.ks):
+            raise ValueError(f"ks {self.ks} has a k above n={self.n}: pass@k and maj@k draw k of the n responses")
+        return self
+
+
+class ValidationConfig(Section):
+    """Named validation sets, each sampled and scored on its own, reported as ``val/<set>/<metric>``."""
+
+    interval: NonNegativeInt = Field(
+        0,
+        description="Validate every N steps, before step 1 and after the last step too (0: never, whatever the "
+        "sets' own intervals).",
+    )
+    sets: dict[str, ValidationSetConfig] = Field(
+        default_factory=lambda: {"greedy": ValidationSetConfig()},
+        min_length=1,
+        description="Set name -> set. Names are letters, digits, `_` and `-` (they name metrics and files).",
+    )
+
+    @field_validator("sets")
+    @classmethod
+    def _names_are_simple(cls, sets: dict[str, ValidationSetConfig]) -> dict[str, ValidationSetConfig]:
+        for name in sets:
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+                raise ValueError(f"set name {name!r} must be letters, digits, '_' and '-' (it names metrics and files)")
+        return sets
+
+    def interval_of(self, name: str) -> int:
+        """How often set ``name`` runs during training, in steps (0: never)."""
+        if self.interval == 0:
+            return 0
+        own = self.sets[name].interval
+        return self.interval if own is None else own
 
 
 class CheckpointConfig(Section):
@@ -517,6 +584,7 @@ class RunConfig(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     data: DataConfig
     train: TrainConfig
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

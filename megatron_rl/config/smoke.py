@@ -221,8 +221,7 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
         Change("train.max_tokens_per_micro_batch", 64, "several micro-batches"),
         Change("train.warmup_steps", min(cfg.train.warmup_steps, 1), "within 2 steps"),
         Change("train.lr", 1.0e-3, "toy model"),
-        Change("train.val_interval", SMOKE_STEPS, "validate before and after"),
-        Change("train.val_samples_per_prompt", 1, "toy validation"),
+        Change("validation.interval", SMOKE_STEPS, "validate before and after"),
         Change("checkpoint.dir", None, f"under {run_dir}"),
         Change("checkpoint.interval", 1, "checkpoint every step; the second step resumes from the first"),
         Change("checkpoint.resume", "auto", "resume from the first step"),
@@ -250,6 +249,20 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
             Change("algorithm.dynamic_sampling.on_exhausted", "train_partial", "a random-init model"),
         ]
     generated = generated_data_paths(cfg)
+    for name, validation_set in cfg.validation.sets.items():
+        n = min(validation_set.n, 2)
+        changes += [
+            Change(f"validation.sets.{name}.n", n, "toy validation"),
+            Change(
+                f"validation.sets.{name}.ks",
+                sorted({1, n}) if validation_set.ks else [],
+                "pass@k and maj@k kept at toy n",
+            ),
+            Change(f"validation.sets.{name}.max_response_length", None, "toy lengths"),
+        ]
+        if validation_set.files:
+            files = [generated.val_file] if generated is not None else []
+            changes.append(Change(f"validation.sets.{name}.files", files, "the generated validation prompts"))
     if generated is None:
         changes.append(Change("model.tokenizer", None, "the recipe's own data brings its tokenizer"))
     else:

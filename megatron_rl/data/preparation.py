@@ -9,12 +9,12 @@ before any rank or engine starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from megatron_rl.config.schema import DataConfig
+from megatron_rl.config.schema import DataConfig, ValidationConfig
 from megatron_rl.data.parquet_dataset import PromptDataset, load_prompt_dataset
 from megatron_rl.data.rewards import RewardFn, check_reward_contract, get_reward
 from megatron_rl.data.synthetic_task import TOOL_TASKS, write_synthetic_dataset
@@ -23,13 +23,18 @@ from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
 
 @dataclass(frozen=True)
 class PreparedData:
-    """The tokenizer, the training and validation prompts and the reward of a run."""
+    """The tokenizer, the training and validation prompts and the reward of a run.
+
+    ``val`` holds ``data.val_files`` (or the synthetic validation split); ``val_sets`` maps each validation
+    set to its prompts (its own files, else ``val``; a set with neither is absent).
+    """
 
     tokenizer: PreTrainedTokenizerBase
     tokenizer_dir: Path
     train: PromptDataset
     val: PromptDataset | None
     reward_fn: RewardFn
+    val_sets: dict[str, PromptDataset] = field(default_factory=dict)
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of one token sequence, special tokens kept."""
@@ -67,8 +72,10 @@ def prepare_data(
     model_vocab_size: int,
     max_prompt_length: int,
     work_dir: str | Path,
+    validation: ValidationConfig | None = None,
 ) -> PreparedData:
-    """Load (or, for a synthetic task, first write into ``work_dir``) the run's data.
+    """Load (or, for a synthetic task, first write into ``work_dir``) the run's data, and each of
+    ``validation``'s sets (files shared by sets are loaded once).
 
     ``tokenizer_path`` is the model's tokenizer directory; it is ignored for synthetic
     tasks, which bring their own. Prompts longer than ``max_prompt_length`` tokens are
@@ -111,10 +118,22 @@ def prepare_data(
             raise ValueError(f"{field}: {exc}") from exc
 
     synthetic = data.synthetic is not None
+    train = load("data.synthetic" if synthetic else "data.train_files", train_files)
+    val = load("data.synthetic" if synthetic else "data.val_files", val_files) if val_files else None
+    loaded: dict[tuple[str, ...], PromptDataset] = {}
+    val_sets = {}
+    for name, validation_set in (validation.sets if validation is not None else {}).items():
+        set_files = tuple(validation_set.files)
+        if set_files and set_files not in loaded:
+            loaded[set_files] = load(f"validation.sets.{name}.files", list(set_files))
+        dataset = loaded[set_files] if set_files else val
+        if dataset is not None:
+            val_sets[name] = dataset
     return PreparedData(
         tokenizer=tokenizer,
         tokenizer_dir=tokenizer_dir,
-        train=load("data.synthetic" if synthetic else "data.train_files", train_files),
-        val=load("data.synthetic" if synthetic else "data.val_files", val_files) if val_files else None,
+        train=train,
+        val=val,
         reward_fn=reward_fn,
+        val_sets=val_sets,
     )

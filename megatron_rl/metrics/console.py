@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from rich.console import Console
 
@@ -11,8 +12,6 @@ from megatron_rl.metrics.sinks import Metrics
 HEADLINE_METRICS: tuple[tuple[str, str], ...] = (
     ("train/reward_mean", "reward"),
     ("train/accuracy", "acc"),
-    ("val/reward_mean", "val_reward"),
-    ("val/accuracy", "val_acc"),
     ("train/response_length_mean", "len"),
     ("actor/policy_loss", "pg_loss"),
     ("actor/approx_kl", "kl"),
@@ -24,15 +23,32 @@ HEADLINE_METRICS: tuple[tuple[str, str], ...] = (
 )
 """(metric name, short label) pairs shown on the console, in this order, when logged."""
 
+_SET_METRIC = re.compile(r"val/(?P<set>[^/]+)/(?P<kind>mean|pass|maj)@(?P<k>\d+)")
+
 
 def format_step_line(step: int, total_steps: int, metrics: Metrics) -> str:
-    """``step 3/60 | reward 0.125 | acc 0.44 | ...``: the headline metrics present, 4 significant digits."""
+    """``step 3/60 | reward 0.125 | acc 0.44 | ... | val greedy mean@1 0.9 | val sampled mean@8 0.8 pass@8 1
+    maj@8 0.9``: the headline metrics present, then each validation set's mean@n and its largest k's pass@k and
+    maj@k, 4 significant digits."""
     parts = [f"step {step}/{total_steps}"]
     for name, label in HEADLINE_METRICS:
         if name in metrics:
-            value = float(metrics[name])
-            parts.append(f"{label} {'n/a' if not math.isfinite(value) else f'{value:.4g}'}")
+            parts.append(f"{label} {_number(metrics[name])}")
+    sets: dict[str, dict[str, tuple[int, str]]] = {}
+    for name in metrics:
+        if (match := _SET_METRIC.fullmatch(name)) is not None:
+            shown = sets.setdefault(match["set"], {})
+            if int(match["k"]) >= shown.get(match["kind"], (0, ""))[0]:
+                shown[match["kind"]] = (int(match["k"]), name)
+    for set_name, shown in sets.items():
+        values = [f"{name.rsplit('/', 1)[1]} {_number(metrics[name])}" for _, name in shown.values()]
+        parts.append(f"val {set_name} " + " ".join(values))
     return " | ".join(parts)
+
+
+def _number(value: float) -> str:
+    value = float(value)
+    return "n/a" if not math.isfinite(value) else f"{value:.4g}"
 
 
 class ConsoleSink:

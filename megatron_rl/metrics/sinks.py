@@ -1,7 +1,7 @@
 """Where per-step metrics go: console, JSONL, TensorBoard, Weights & Biases.
 
 Every sink receives ``(step, metrics)`` with flat slash-separated names
-(``val/reward_mean``, ``train/response_length_mean``) and float values; NaN marks a
+(``val/greedy/mean@1``, ``train/response_length_mean``) and float values; NaN marks a
 statistic that is undefined this step (e.g. the mean length of correct responses when
 none was correct). Sinks that persist (JSONL, TensorBoard, W&B) are resume-aware: opened
 with ``resume_step=k`` they drop what a killed run wrote after step ``k``, so a resumed run's

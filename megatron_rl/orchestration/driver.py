@@ -68,11 +68,6 @@ from megatron_rl.orchestration.rollout_pipeline import (
 from megatron_rl.rollout.groups import RolloutGroup, weight_version_number
 
 
-def should_validate(train: TrainConfig, step: int) -> bool:
-    """Validate after ``step`` (0: before training) every ``val_interval`` steps and after the last one."""
-    return train.val_interval > 0 and (step % train.val_interval == 0 or step == train.steps)
-
-
 def should_checkpoint(checkpoint: CheckpointConfig, train: TrainConfig, step: int) -> bool:
     """Save after every ``checkpoint.interval`` steps and after the last one."""
     return step == train.steps or (checkpoint.interval > 0 and step % checkpoint.interval == 0)
@@ -139,8 +134,8 @@ def train(cfg: RunConfig) -> RunEnd:
                 last_step=cfg.train.steps,
                 carried=carried.rollouts,
             )
-            if state.step == 0 and should_validate(cfg.train, 0) and not preemption.requested:
-                run.logger.log(0, validate(run))
+            if state.step == 0 and not preemption.requested and (before := validate(run, 0)):
+                run.logger.log(0, before)
             checkpoint_seconds: dict[str, float] = {}
             bad_steps = 0
             for step in range(state.step + 1, cfg.train.steps + 1):
@@ -236,9 +231,9 @@ def train_one_step(run: RunResources, step: int, pipeline: RolloutPipeline) -> d
     run.hand_over.sync_weights(step, timer)
     run.hand_over.to_rollout(timer)
     generated_s = pipeline.generated_s
-    if should_validate(cfg.train, step):
+    if any(validation_set.due(step, cfg.train.steps) for validation_set in run.validation):
         with timer("validate"):
-            metrics |= validate(run)
+            metrics |= validate(run, step)
     step_seconds = time.perf_counter() - started
     idle = {
         "time/trainer_idle_s": timer.seconds["time/generate_s"] + timer.seconds["time/wait_generation_s"],
@@ -300,23 +295,17 @@ def _train_on(run: RunResources, groups: list[RolloutGroup], timer: PhaseTimer) 
     return metrics | delivery_metrics(step_data, receipts, data_parallel_size=len(shards)), float(step_data.num_tokens)
 
 
-def validate(run: RunResources) -> dict[str, float]:
-    """Rewards of the validation set under the current weights (``val/reward_mean``, ``val/accuracy``, ...).
+def validate(run: RunResources, step: int) -> dict[str, float]:
+    """The metrics of every validation set due after ``step`` (0: before training), under the current weights:
+    ``val/<set>/mean@<n>``, ``pass@<k>``, ``maj@<k>``, ... (:meth:`ValidationSet.run`).
 
-    Also ``val/reward_errors`` and ``val/reward_timeouts``, the responses whose reward failed, and
-    ``val/engine_restarts``, engines restarted after a crash while validating.
-    Empty when the recipe has no validation data. Engines are made ready to generate first.
+    Empty when no set is due. Engines are made ready to generate first.
     """
-    if run.validation is None:
+    due = [validation_set for validation_set in run.validation if validation_set.due(step, run.cfg.train.steps)]
+    if not due:
         return {}
     run.hand_over.to_rollout()
-    step = run.validation.generate_step()
-    failures = {
-        f"val/{key}": step.metrics[f"rollout/{key}"] for key in ("reward_errors", "reward_timeouts", "engine_restarts")
-    }
-    return (
-        rollout_metrics(step.groups, max_response_length=run.cfg.rollout.max_response_length, prefix="val") | failures
-    )
+    return {key: value for validation_set in due for key, value in validation_set.run().items()}
 
 
 def save_checkpoint(run: RunResources, step: int, carried: CarriedOver) -> Path:

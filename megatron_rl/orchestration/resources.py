@@ -41,7 +41,6 @@ import megatron_rl
 from megatron_rl.actor.step_data import expert_index_dtype
 from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
 from megatron_rl.config import RunConfig, read_architecture
-from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
@@ -53,6 +52,7 @@ from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slot
 from megatron_rl.orchestration.preemption import handlers_kept_through_ray_init
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import RankPaths, TrainerWorker
+from megatron_rl.orchestration.validation import ValidationSet, build_validation_sets
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
@@ -76,7 +76,8 @@ class RunResources:
     engine_hosts: EngineHosts | None = None
     engines: list[RolloutEngine] = field(default_factory=list)
     expert_dtype: torch.dtype = torch.uint8
-    validation: RolloutManager | None = None
+    validation: list[ValidationSet] = field(default_factory=list)
+    """The validation sets training validates (:mod:`megatron_rl.orchestration.validation`)."""
     episode: Episode | None = None
     """How responses unfold over turns (``rollout.episode``), shared by the training and validation rollouts."""
     deferred_recovery: DeferredEngineRecovery | None = None
@@ -133,7 +134,7 @@ class RunResources:
         closers = [self._logger.close] if self._logger is not None else []
         closers += [self._trainers.close] if self._trainers is not None else []
         closers += [self.engine_hosts.close] if self.engine_hosts is not None else []
-        closers += [part.close for part in (self._rollout, self.validation, self.episode) if part is not None]
+        closers += [part.close for part in (self._rollout, *self.validation, self.episode) if part is not None]
         if self.placement is not None:
             closers.append(lambda: ray.util.remove_placement_group(self.placement))
         closers.append(ray.shutdown)
@@ -160,6 +161,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         model_vocab_size=arch.vocab_size,
         max_prompt_length=cfg.rollout.max_prompt_length,
         work_dir=f"{cfg.run_dir}/data",
+        validation=cfg.validation,
     )
     expert_dtype = expert_index_dtype(max(1, arch.num_experts))  # what a step's routed experts travel in
     network = RunNetwork.of(cfg.cluster)
@@ -212,7 +214,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         # restarted engines wait for the next sync, the others take their requests.
         run.deferred_recovery = DeferredEngineRecovery(recovery) if cfg.train.max_staleness else None
         run._rollout = build_rollout_manager(cfg, data, run.engines, run.deferred_recovery or recovery, run.episode)
-        run.validation = build_validation_manager(cfg, data, run.engines, recovery, run.episode)
+        run.validation = build_validation_sets(cfg, data, run.engines, recover=recovery, episode=run.episode)
         run._logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step
         )
@@ -516,40 +518,3 @@ def max_token_lag(cfg: RunConfig) -> int:
     continued over that many more steps' generations)."""
     windows = cfg.rollout.partial_rollout_max_windows - 1 if cfg.rollout.partial_rollout_tokens else 0
     return cfg.train.max_staleness + windows
-
-
-def build_validation_manager(
-    cfg: RunConfig,
-    data: PreparedData,
-    engines: list[RolloutEngine],
-    recover: Recovery | None = None,
-    episode: Episode | None = None,
-) -> RolloutManager | None:
-    """The whole validation set per call, ``val_samples_per_prompt`` at ``val_temperature``, unshaped, unfiltered,
-    each response whole (no partial-rollout windows), in the training rollout's ``episode``; ``recover``
-    restarts crashed engines."""
-    if data.val is None or cfg.train.val_interval == 0:
-        return None
-    rollout = cfg.rollout.model_copy(
-        update={
-            "temperature": cfg.train.val_temperature,
-            "n_samples_per_prompt": cfg.train.val_samples_per_prompt,
-            "partial_rollout_tokens": None,
-        }
-    )
-    return RolloutManager(
-        engines,
-        data.val,
-        PromptSampler(len(data.val), len(data.val), shuffle=False),
-        rollout,
-        OverlongConfig(enable=False),
-        DynamicSamplingConfig(enable=False),
-        prompts_per_step=len(data.val),
-        reward=cfg.data.reward,
-        reward_num_workers=1,
-        reward_timeout_s=cfg.data.reward_timeout_s,
-        decode=data.decode,
-        uid_prefix="val",
-        recover=recover,
-        episode=episode,
-    )

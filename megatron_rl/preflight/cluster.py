@@ -247,7 +247,7 @@ class ClusterSteps:
             "algorithm.preset=custom",  # a preset fixes dynamic sampling and overlong shaping on
             "algorithm.dynamic_sampling.enable=false",
             "algorithm.overlong.enable=false",
-            "train.val_interval=0",
+            "validation.interval=0",
             # FP8 engines start from the trainer's export converted here, not from the recipe's FP8 checkpoint
             *(["rollout.fp8_checkpoint=null"] if cfg.rollout.quantization == "fp8" else []),
         ]

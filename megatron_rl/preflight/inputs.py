@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE, QwenArchitecture
 from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.model_source import ModelSourceError, read_architecture
-from megatron_rl.config.schema import DataConfig, RunConfig
+from megatron_rl.config.schema import DataConfig, RunConfig, ValidationConfig
 from megatron_rl.data.math_reward import math_01, math_dapo, math_equiv
 from megatron_rl.data.preparation import PreparedData, prepare_data
 from megatron_rl.data.rewards import RewardFn
@@ -164,13 +164,16 @@ def missing_column(schema: pa.Schema, key: str) -> str | None:
     return None
 
 
-def check_parquet_columns(data: DataConfig) -> dict[str, int]:
+def check_parquet_columns(data: DataConfig, validation: ValidationConfig) -> dict[str, int]:
     """Rows of each parquet file the recipe names, once each has the prompt and answer columns the recipe names.
 
     Reads the files' schemas and footers only. StepFailure naming the file and the column, with the fix the recipe
-    field (``data.answer_key``, ``data.prompt_key``, ``data.train_files`` or ``data.val_files``)."""
+    field (``data.answer_key``, ``data.prompt_key``, ``data.train_files``, ``data.val_files`` or
+    ``validation.sets.<name>.files``)."""
     rows = {}
-    for files_field, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+    named = [("data.train_files", data.train_files), ("data.val_files", data.val_files)]
+    named += [(f"validation.sets.{name}.files", each.files) for name, each in validation.sets.items()]
+    for files_field, files in named:
         for file in files:
             path = Path(file)
             try:
@@ -204,6 +207,7 @@ def prepare(cfg: RunConfig, arch: QwenArchitecture) -> PreparedData:
             model_vocab_size=arch.vocab_size,
             max_prompt_length=cfg.rollout.max_prompt_length,
             work_dir=preflight_dir(cfg) / "data",
+            validation=cfg.validation,
         )
     except (ValueError, OSError) as error:  # AutoTokenizer raises OSError for a directory without a tokenizer
         raise _failure(error, "model.tokenizer") from error
@@ -253,7 +257,7 @@ def check_inputs(cfg: RunConfig) -> StepOutcome:
     except ModelSourceError as error:
         raise _failure(error, "model.path") from error
     lines, figures = check_model_files(cfg, arch)
-    rows = check_parquet_columns(cfg.data)
+    rows = check_parquet_columns(cfg.data, cfg.validation)
     lines += [
         f"{file}: {count} rows, columns {cfg.data.prompt_key!r} and {cfg.data.answer_key!r}"
         for file, count in rows.items()
@@ -262,7 +266,10 @@ def check_inputs(cfg: RunConfig) -> StepOutcome:
     lines.append(
         f"tokenizer {prepared.tokenizer_dir}: {len(prepared.tokenizer)} tokens, within the model's {arch.vocab_size}"
     )
-    for split, dataset in (("train", prepared.train), ("val", prepared.val)):
+    for split, dataset in (
+        ("train", prepared.train),
+        *((f"val_{name}", data) for name, data in prepared.val_sets.items()),
+    ):
         if dataset is not None:
             figures[f"{split}_rows"] = len(dataset) + dataset.num_filtered
             lines.append(

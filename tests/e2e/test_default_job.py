@@ -17,7 +17,7 @@ def test_default_job_command_trains_and_says_what_it_ran(tmp_path: Path) -> None
         "train.steps=2",
         "train.prompts_per_step=4",
         "algorithm.dynamic_sampling.gen_batch_prompts=16",  # random init: over-sample to find groups with signal
-        "train.val_interval=0",
+        "validation.interval=0",
         f"checkpoint.dir={tmp_path / 'checkpoints'}",
         f"logging.dir={tmp_path / 'logs'}",
         "logging.sinks=[console,jsonl]",

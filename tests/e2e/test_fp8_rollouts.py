@@ -27,10 +27,10 @@ def test_fp8_rollouts_learn_with_their_mismatch_logged(tmp_path: Path) -> None:
     """80 steps (about 5 minutes on 2 cores); greedy validation before, at 40 and at 80. The fp32 trainer and an
     fp32 engine agree to fp32 rounding (mean mismatch at most 2e-7 on the default run), so what FP8 adds is
     the mismatch here, from 1e-3 up."""
-    stdout = run_train(tmp_path, [*FP8, "train.steps=80", "train.val_interval=40", "checkpoint.interval=0"])
+    stdout = run_train(tmp_path, [*FP8, "train.steps=80", "validation.interval=40", "checkpoint.interval=0"])
     assert "# FP8 rollouts: converting" in stdout and (tmp_path / RUN / "rollout_fp8" / "config.json").is_file()
     records = read_metrics(tmp_path / RUN)
-    accuracy = [r["val/accuracy"] for r in records if "val/accuracy" in r]
+    accuracy = [r["val/greedy/mean@1"] for r in records if "val/greedy/mean@1" in r]
     assert len(accuracy) == 3 and accuracy[-1] > accuracy[0], accuracy
     mismatch = _mismatch(records)
     assert len(mismatch) == 80 and all(0 < m < 0.1 and math.isfinite(m) for m in mismatch), mismatch

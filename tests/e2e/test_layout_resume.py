@@ -21,7 +21,7 @@ COMMON = [
     "train.steps=3",
     "train.prompts_per_step=4",
     "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "train.val_interval=0",
+    "validation.interval=0",
     "logging.sinks=[jsonl]",
 ]
 COMMON += ["checkpoint.interval=1", "checkpoint.keep_last=3"]

@@ -69,7 +69,7 @@ def _fault_cases(tmp_path: Path) -> dict[str, tuple[list[str], dict[str, str], s
     data = [
         f"data.train_files=[{parquet}]",
         "data.synthetic=null",
-        "train.val_interval=0",
+        "validation.interval=0",
         f"model.tokenizer={tokenizer}",
     ]
     return {

@@ -46,7 +46,7 @@ def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> 
         "train.steps=3",
         "train.prompts_per_step=4",
         "algorithm.dynamic_sampling.gen_batch_prompts=16",
-        "train.val_interval=3",
+        "validation.interval=3",
         "checkpoint.interval=2",
     ]
     command += ["data.synthetic.num_val=16", "logging.sinks=[jsonl]", "checkpoint.export_hf=true"]
@@ -57,7 +57,15 @@ def test_three_steps_log_every_metric_and_commit_checkpoints(tmp_path: Path) -> 
     run_dir = tmp_path / "runs" / "tiny-moe-cpu-dapo"
     records = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert {"val/reward_mean", "val/accuracy"} <= set(records[0]) and "val/reward_mean" in records[3]
+    # Both of the default recipe's sets run before step 1 and after the last: greedy, and sampled with its ks.
+    sampled = {
+        f"val/sampled/{metric}" for metric in ("mean@8", "pass@1", "pass@4", "pass@8", "maj@1", "maj@4", "maj@8")
+    }
+    for record in (records[0], records[3]):
+        assert {"val/greedy/mean@1", "val/greedy/reward_mean", "val/greedy/truncated_fraction", *sampled} <= set(record)
+        assert record["val/sampled/pass@1"] == record["val/sampled/mean@8"]  # the unbiased estimator at k=1
+        assert record["val/sampled/mean@8"] <= record["val/sampled/pass@4"] <= record["val/sampled/pass@8"]
+    assert not any(key.startswith("val/") for record in records[1:3] for key in record)
     for record in records[1:]:
         # At random init few groups have 0 < #correct < G; over-sampling 16 prompts finds them, so every step trains.
         assert record["train/update_skipped"] == 0.0, record

@@ -22,7 +22,7 @@ TWO_STEPS = [
     "train.steps=2",
     "train.prompts_per_step=4",
     "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "train.val_interval=2",
+    "validation.interval=2",
     "data.synthetic.num_val=16",
     "checkpoint.interval=0",
 ]
@@ -31,7 +31,7 @@ FOUR_STEPS = [
     "train.steps=4",
     "train.prompts_per_step=4",
     "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "train.val_interval=2",
+    "validation.interval=2",
     "checkpoint.interval=2",
     "data.synthetic.num_val=16",
     "logging.sinks=[jsonl]",

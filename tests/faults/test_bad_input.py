@@ -169,7 +169,7 @@ def data_error(train_file: Path, tokenizer_dir: Path, tmp_path: Path, *overrides
         [
             "data.synthetic=null",
             f"data.train_files=[{train_file}]",
-            "train.val_interval=0",
+            "validation.interval=0",
             f"model.tokenizer={tokenizer_dir}",
             *overrides,
         ],
@@ -264,7 +264,7 @@ def test_data_file_that_does_not_exist_is_refused_by_validate(tokenizer_dir: Pat
     message = recipe_problems(
         "data.synthetic=null",
         f"data.train_files=[{absent}]",
-        "train.val_interval=0",
+        "validation.interval=0",
         f"model.tokenizer={tokenizer_dir}",
     )
     assert message == f"data.train_files: no such file: '{absent}': needed before training"

@@ -33,7 +33,7 @@ def _command(run_dir: Path) -> list[str]:
         "train.prompts_per_step=4",
         "rollout.n_samples_per_prompt=8",
         "algorithm.dynamic_sampling.gen_batch_prompts=16",
-        "train.val_interval=0",
+        "validation.interval=0",
         "checkpoint.interval=2",
         "checkpoint.export_hf=true",
         f"checkpoint.dir={run_dir / 'checkpoints'}",

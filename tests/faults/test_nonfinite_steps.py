@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 def _train(tmp_path: Path, poisoned: str, *overrides: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     command = [sys.executable, "-m", "megatron_rl.cli", "train", str(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")]
-    command += ["train.prompts_per_step=4", "algorithm.dynamic_sampling.gen_batch_prompts=16", "train.val_interval=0"]
+    command += ["train.prompts_per_step=4", "algorithm.dynamic_sampling.gen_batch_prompts=16", "validation.interval=0"]
     command += ["logging.sinks=[jsonl]", *overrides]
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

@@ -160,7 +160,7 @@ def test_the_tiny_run_survives_a_reward_that_raises_and_hangs(tmp_path) -> None:
         "train.steps=2",
         "train.prompts_per_step=4",
         "algorithm.dynamic_sampling.gen_batch_prompts=16",
-        "train.val_interval=2",
+        "validation.interval=2",
         "data.synthetic.num_val=8",
         "logging.sinks=[jsonl]",
     ]

@@ -46,7 +46,7 @@ OVERRIDES = [
     "train.prompts_per_step=4",
     "rollout.n_samples_per_prompt=8",
     "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "train.val_interval=0",
+    "validation.interval=0",
     "checkpoint.interval=0",
     "logging.sinks=[jsonl]",
 ]

@@ -41,7 +41,7 @@ def _overrides(directory: Path) -> list[str]:
         f"train.steps={STEPS}",
         "train.prompts_per_step=4",
         "rollout.n_samples_per_prompt=8",
-        "train.val_interval=0",
+        "validation.interval=0",
         "checkpoint.interval=0",
         "checkpoint.export_hf=true",
         f"checkpoint.dir={directory / 'checkpoints'}",

@@ -57,7 +57,7 @@ def test_train_sbatch_runs_the_rl_job_on_the_allocation(slurm_env: dict[str, str
     overrides = [
         "train.steps=1",
         "train.prompts_per_step=4",
-        "train.val_interval=0",
+        "validation.interval=0",
         f"checkpoint.dir={tmp_path / 'checkpoints'}",
         f"logging.dir={tmp_path / 'logs'}",
     ]

@@ -68,8 +68,8 @@ def test_base_recipe_values_are_inherited_and_overridden() -> None:
 
 
 def test_override_parses_scientific_notation_as_float() -> None:
-    cfg, _ = load_recipe(TINY, ["train.lr=1e-6", "train.val_interval=5"])
-    assert cfg.train.lr == pytest.approx(1e-6) and cfg.train.val_interval == 5
+    cfg, _ = load_recipe(TINY, ["train.lr=1e-6", "validation.interval=5"])
+    assert cfg.train.lr == pytest.approx(1e-6) and cfg.validation.interval == 5
 
 
 def test_override_sets_list_and_creates_missing_section() -> None:
@@ -310,9 +310,62 @@ def test_training_temperature_not_positive_is_rejected_with_the_fix(value: str, 
     assert "must be a finite number > 0" in problem and "set rollout.temperature to e.g. 1.0" in problem
 
 
-def test_greedy_validation_temperature_is_allowed() -> None:
-    cfg, _ = load_recipe(TINY, ["train.val_temperature=0"])
-    assert cfg.train.val_temperature == 0.0
+def test_validation_sets_may_sample_greedily_or_truncated() -> None:
+    cfg, _ = load_recipe(TINY, ["validation.sets.aime.top_p=0.7", "validation.sets.aime.temperature=1.0"])
+    assert cfg.validation.sets["greedy"].temperature == 0.0 and cfg.validation.sets["aime"].top_p == 0.7
+    assert list(cfg.validation.sets) == ["greedy", "sampled", "aime"]  # recipe order, what the console and eval keep
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("train.val_interval=5", "validation.interval"),
+        ("train.val_samples_per_prompt=8", "validation.sets.<name>.n"),
+        ("train.val_temperature=1.0", "validation.sets.<name>.temperature"),
+    ],
+)
+def test_the_old_validation_fields_name_where_they_moved(old: str, new: str) -> None:
+    (problem,) = _problems(TINY, old)
+    assert problem.startswith(f"{old.split('=')[0]}: moved to {new} (named validation sets")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("validation.sets.sampled.ks=[1,16]", "ks [1, 16] has a k above n=8"),
+        ("validation.sets.bad.name.n=1", "unknown key"),
+        ("validation.sets={}", "at least 1 item"),
+        ("validation.sets.greedy.top_k=0", "top_k 0 would sample nothing"),
+        ("validation.sets.greedy.files=[v.parquet]", "data.synthetic generates its own validation split"),
+    ],
+)
+def test_bad_validation_sets_are_refused_naming_the_field(override: str, message: str) -> None:
+    problems = _problems(TINY, override)
+    assert any(message in problem and problem.startswith("validation.sets") for problem in problems), problems
+
+
+def test_a_set_with_a_bad_name_is_refused() -> None:
+    (problem,) = _problems(TINY, "validation.sets={'a b': {n: 1}}")
+    assert "set name 'a b' must be letters, digits" in problem
+
+
+@pytest.mark.parametrize(
+    ("off", "without_files"),
+    [
+        ([], {"greedy", "sampled"}),
+        (["validation.interval=0"], set()),
+        (["validation.sets.greedy.interval=0"], {"sampled"}),
+        (["validation.sets.sampled.interval=0"], {"greedy"}),
+    ],
+)
+def test_a_file_recipe_without_validation_files_needs_them_only_for_the_sets_training_runs(
+    off: list[str], without_files: set[str]
+) -> None:
+    problems = _problems(TINY, "data.synthetic=null", "data.train_files=[t.parquet]", "model.tokenizer=tok", *off)
+    flagged = {
+        p.split(".")[2] for p in problems if p.startswith("validation.sets.") and "and so is data.val_files" in p
+    }
+    assert flagged == without_files
 
 
 QWEN3_30B = RECIPES / "qwen3_30b_a3b_dapo.yaml"

@@ -75,8 +75,21 @@ def test_tensorboard_records_scalars_and_purges_after_resume(tmp_path: Path) -> 
 
 
 def test_console_line_shows_present_headline_metrics_in_order() -> None:
-    line = format_step_line(3, 60, {"actor/grad_norm": 0.12345, "train/reward_mean": -0.5, "val/accuracy": math.nan})
-    assert line == "step 3/60 | reward -0.5 | val_acc n/a | grad_norm 0.1235"
+    line = format_step_line(3, 60, {"actor/grad_norm": 0.12345, "train/reward_mean": -0.5, "train/accuracy": math.nan})
+    assert line == "step 3/60 | reward -0.5 | acc n/a | grad_norm 0.1235"
+
+
+def test_console_line_shows_each_validation_sets_mean_and_its_largest_ks_pass_and_maj() -> None:
+    metrics = {
+        "train/accuracy": 0.5,
+        "val/greedy/mean@1": 0.875,
+        "val/greedy/reward_mean": 0.75,
+        "val/sampled/mean@8": 0.8125,
+        **{f"val/sampled/{kind}@{k}": k / 10 for kind in ("pass", "maj") for k in (1, 4, 8)},
+    }
+    assert format_step_line(50, 150, metrics) == (
+        "step 50/150 | acc 0.5 | val greedy mean@1 0.875 | val sampled mean@8 0.8125 pass@8 0.8 maj@8 0.8"
+    )
 
 
 def test_console_sink_prints_one_line_per_step() -> None:

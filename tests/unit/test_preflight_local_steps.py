@@ -123,7 +123,7 @@ def test_inputs_pass_on_the_tiny_recipe_writing_only_under_preflight(in_tmp: Pat
     cfg = _tiny(in_tmp)
     outcome = check_inputs(cfg)
     assert outcome.lines[0].startswith("model.random_init: the weights are initialised at random")
-    assert outcome.figures["train_rows"] == 2048 and outcome.figures["val_rows"] == 64
+    assert outcome.figures["train_rows"] == 2048 and outcome.figures["val_greedy_rows"] == 64
     assert outcome.figures["tokenizer_tokens"] == 18
     assert outcome.figures["sample_rewards"] == [1.0, 1.0, 1.0]  # each ground truth then <eos>: correct
     assert [path.name for path in (in_tmp / "runs" / cfg.name).iterdir()] == ["preflight"]
@@ -201,7 +201,12 @@ def _parquet_recipe(tmp_path: Path, rows: dict[str, list[Any]], *overrides: str)
     path = tmp_path / "train.parquet"
     pq.write_table(pa.table(rows), path)
     tokenizer = save_synthetic_tokenizer(tmp_path / "tokenizer")
-    data = ("data.synthetic=null", f"data.train_files=[{path}]", "train.val_interval=0", f"model.tokenizer={tokenizer}")
+    data = (
+        "data.synthetic=null",
+        f"data.train_files=[{path}]",
+        "validation.interval=0",
+        f"model.tokenizer={tokenizer}",
+    )
     return _tiny(tmp_path, *data, *overrides), path
 
 

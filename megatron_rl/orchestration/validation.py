@@ -1,0 +1,136 @@
+"""Validation sets: one rollout manager per named set, which sets a step validates, and each set's metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_rl.algorithms import metrics_at_k
+from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RunConfig, ValidationSetConfig
+from megatron_rl.data import PromptSampler
+from megatron_rl.data.preparation import PreparedData
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine_pool import Recovery
+from megatron_rl.rollout.episodes import Episode
+from megatron_rl.rollout.groups import RolloutGroup
+from megatron_rl.rollout.manager import RolloutManager
+
+FAILURE_COUNTS = ("reward_errors", "reward_timeouts", "engine_restarts")
+"""Rollout counters each set reports as its own: responses whose reward failed, engines restarted meanwhile."""
+
+
+@dataclass
+class ValidationSet:
+    """A named set, its recipe section, how often training validates it (0: never) and its manager."""
+
+    name: str
+    config: ValidationSetConfig
+    interval: int
+    manager: RolloutManager
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether the run validates this set after ``step`` (0: before training): every ``interval`` steps and
+        after the last one."""
+        return self.interval > 0 and (step % self.interval == 0 or step == total_steps)
+
+    def run(self) -> dict[str, float]:
+        """Generate and score the whole set under the engines' current weights: ``val/<name>/<metric>``."""
+        step = self.manager.generate_step()
+        failures = {key: step.metrics[f"rollout/{key}"] for key in FAILURE_COUNTS}
+        return {
+            f"val/{self.name}/{key}": value
+            for key, value in (set_metrics(step.groups, self.config.ks) | failures).items()
+        }
+
+    def close(self) -> None:
+        """Stop the set's reward workers."""
+        self.manager.close()
+
+
+def set_metrics(groups: Sequence[RolloutGroup], ks: Sequence[int]) -> dict[str, float]:
+    """mean@n, pass@k and maj@k for each of ``ks`` (:func:`~megatron_rl.algorithms.metrics_at_k`), the reward's
+    mean, response lengths (mean and max, in tokens, environment replies included) and the fraction of responses
+    cut at the length limit, over every response of ``groups`` (one group per prompt, each of the same n)."""
+    samples = [sample for group in groups for sample in group.samples]
+    lengths = [len(sample.response_ids) for sample in samples]
+    at_k = metrics_at_k([[(sample.answer, sample.correct) for sample in group.samples] for group in groups], ks)
+    return at_k | {
+        "reward_mean": sum(sample.score for sample in samples) / len(samples),
+        "response_length_mean": sum(lengths) / len(lengths),
+        "response_length_max": float(max(lengths)),
+        "truncated_fraction": sum(sample.truncated for sample in samples) / len(samples),
+    }
+
+
+def build_validation_sets(
+    cfg: RunConfig,
+    data: PreparedData,
+    engines: Sequence[RolloutEngine],
+    *,
+    names: Sequence[str] | None = None,
+    recover: Recovery | None = None,
+    episode: Episode | None = None,
+) -> list[ValidationSet]:
+    """A manager per set: ``names`` (None: the sets training validates, those of interval > 0), in recipe order.
+
+    Each call of a set's manager generates its whole set, ``n`` responses per prompt sampled as the set says,
+    unshaped, unfiltered, each response whole (no partial-rollout windows), in the training rollout's
+    ``episode``; ``recover`` restarts crashed engines. Raises ValueError for a name the recipe does not define or
+    a set without prompts (no files of its own and no ``data.val_files``).
+    """
+    sets = cfg.validation.sets
+    chosen = [name for name in sets if cfg.validation.interval_of(name) > 0] if names is None else list(names)
+    for name in chosen:
+        if name not in sets:
+            raise ValueError(f"validation set {name!r} is not in the recipe; its sets are {sorted(sets)}")
+        if name not in data.val_sets:
+            raise ValueError(
+                f"validation.sets.{name}: no prompts (no files of its own and no data.val_files); give it files"
+            )
+    return [
+        ValidationSet(
+            name,
+            sets[name],
+            cfg.validation.interval_of(name),
+            _set_manager(cfg, data, name, engines, recover=recover, episode=episode),
+        )
+        for name in chosen
+    ]
+
+
+def _set_manager(
+    cfg: RunConfig,
+    data: PreparedData,
+    name: str,
+    engines: Sequence[RolloutEngine],
+    *,
+    recover: Recovery | None,
+    episode: Episode | None,
+) -> RolloutManager:
+    validation_set, dataset = cfg.validation.sets[name], data.val_sets[name]
+    rollout = cfg.rollout.model_copy(
+        update={
+            "temperature": validation_set.temperature,
+            "top_p": validation_set.top_p,
+            "top_k": validation_set.top_k,
+            "n_samples_per_prompt": validation_set.n,
+            "max_response_length": validation_set.max_response_length or cfg.rollout.max_response_length,
+            "partial_rollout_tokens": None,
+        }
+    )
+    return RolloutManager(
+        engines,
+        dataset,
+        PromptSampler(len(dataset), len(dataset), shuffle=False),
+        rollout,
+        OverlongConfig(enable=False),
+        DynamicSamplingConfig(enable=False),
+        prompts_per_step=len(dataset),
+        reward=cfg.data.reward,
+        reward_num_workers=1,
+        reward_timeout_s=cfg.data.reward_timeout_s,
+        decode=data.decode,
+        uid_prefix=f"val-{name}-",
+        recover=recover,
+        episode=episode,
+    )
