@@ -224,6 +224,40 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """Exit 0 when every set ran (or was done before); the table goes to stdout and the output folder."""
+    from megatron_rl.orchestration.evaluation import evaluate, format_table, hf_weights_of
+
+    try:
+        cfg, warnings = load_recipe(args.recipe, args.overrides)
+        names = args.sets or list(cfg.validation.sets)
+        unknown = [name for name in names if name not in cfg.validation.sets]
+        if unknown:
+            raise ValueError(f"--sets: {unknown} not in the recipe's validation.sets {list(cfg.validation.sets)}")
+    except (RecipeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    source = Path(args.checkpoint or args.hf)
+    if not source.exists():
+        print(f"error: {'--checkpoint' if args.checkpoint else '--hf'}: no such directory {source}", file=sys.stderr)
+        return 1
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    _silence_library_warnings()
+    out_dir = Path(args.out) if args.out else Path(cfg.run_dir) / "eval" / source.resolve().name
+    if cfg.rollout.quantization == "fp8":  # the engines serve these weights, not the run's initial FP8 conversion
+        cfg = cfg.model_copy(
+            update={"rollout": cfg.rollout.model_copy(update={"fp8_checkpoint": str(out_dir / "fp8")})}
+        )
+    results = evaluate(cfg, hf_weights_of(source, out_dir), out_dir, names)
+    print(format_table(results, cfg), end="")
+    done_before = [result.name for result in results if not result.ran]
+    if done_before:
+        print(f"# eval: {', '.join(done_before)} done before, read back from {out_dir}")
+    print(f"# eval: {out_dir}/results.md, results.json; responses in {out_dir}/<set>.jsonl")
+    return 0
+
+
 def _cmd_preflight(args: argparse.Namespace) -> int:
     """Exit 0 when every step passed, 1 when one failed (the report names it and the steps not reached)."""
     try:
@@ -430,6 +464,23 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("recipe", help="recipe YAML file")
     smoke.add_argument("overrides", nargs="*", help="dotted overrides applied before shrinking")
     smoke.set_defaults(handler=_cmd_smoke)
+
+    evaluation = commands.add_parser(
+        "eval",
+        help="run a checkpoint's validation sets (mean@n, pass@k, maj@k per set) on the recipe's engines only, "
+        "no trainer ranks; a set already done in the output folder is skipped",
+    )
+    evaluation.add_argument("recipe", help="recipe YAML file (its validation sets, engines and reward)")
+    evaluation.add_argument("overrides", nargs="*", help="dotted overrides, e.g. validation.sets.aime24.n=32")
+    weights = evaluation.add_mutually_exclusive_group(required=True)
+    weights.add_argument(
+        "--checkpoint",
+        help="a run checkpoint (step_*, or a checkpoint folder: its latest); converted when it has no hf/",
+    )
+    weights.add_argument("--hf", help="a Hugging Face model directory")
+    evaluation.add_argument("--sets", nargs="+", help="the sets to run (default: every set of the recipe)")
+    evaluation.add_argument("--out", help="output folder (default: runs/<name>/eval/<checkpoint folder name>)")
+    evaluation.set_defaults(handler=_cmd_eval)
 
     preflight = commands.add_parser(
         "preflight",

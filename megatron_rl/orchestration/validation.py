@@ -12,7 +12,7 @@ from megatron_rl.data.preparation import PreparedData
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engine_pool import Recovery
 from megatron_rl.rollout.episodes import Episode
-from megatron_rl.rollout.groups import RolloutGroup
+from megatron_rl.rollout.groups import RolloutGroup, RolloutStep
 from megatron_rl.rollout.manager import RolloutManager
 
 FAILURE_COUNTS = ("reward_errors", "reward_timeouts", "engine_restarts")
@@ -35,12 +35,14 @@ class ValidationSet:
 
     def run(self) -> dict[str, float]:
         """Generate and score the whole set under the engines' current weights: ``val/<name>/<metric>``."""
-        step = self.manager.generate_step()
+        return self.metrics_of(self.manager.generate_step())
+
+    def metrics_of(self, step: RolloutStep) -> dict[str, float]:
+        """The ``val/<name>/<metric>`` metrics of the set's generated ``step``: :func:`set_metrics` and the
+        failure counts."""
         failures = {key: step.metrics[f"rollout/{key}"] for key in FAILURE_COUNTS}
-        return {
-            f"val/{self.name}/{key}": value
-            for key, value in (set_metrics(step.groups, self.config.ks) | failures).items()
-        }
+        metrics = set_metrics(step.groups, self.config.ks) | failures
+        return {f"val/{self.name}/{key}": value for key, value in metrics.items()}
 
     def close(self) -> None:
         """Stop the set's reward workers."""
