@@ -65,6 +65,10 @@ PROVEN_ELSEWHERE = {
     ".venv/bin/megatron-rl plan recipes/qwen3_30b_a3b_dapo.yaml --rates runs/qwen3-30b-a3b-dapo/preflight/report.json": (
         "tests/sglang/test_preflight.py::test_preflight_of_the_sglang_recipe_passes_every_step_and_plan_takes_its_rates"
     ),
+    # Needs a trained checkpoint: the eval test trains the default recipe and evaluates its last checkpoint.
+    ".venv/bin/megatron-rl eval recipes/qwen3_30b_a3b_dapo.yaml --checkpoint runs/qwen3-30b-a3b-dapo/checkpoints": (
+        "tests/e2e/test_eval.py::test_eval_of_the_last_checkpoint_reproduces_the_runs_last_validation"
+    ),
     # Nine runs of 150 steps (about 20 minutes): its flags are checked here with --help.
     ".venv/bin/python scripts/compare_algorithms.py --seeds 1234 1 2": "--help",
 }

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from megatron_rl.cli import main
 from megatron_rl.config import RecipeError, load_recipe, recipe_to_yaml
@@ -544,3 +545,14 @@ def test_fp8_rollouts_are_refused_on_blackwell_where_sglang_rereads_the_scales_a
     problems = _problems(RECIPES / "qwen3_30b_a3b_dapo_fp8.yaml", *qwen3_30b_overrides, "cluster.gpu_arch=blackwell")
     (problem,) = [p for p in problems if p.startswith("rollout.quantization:")]
     assert "re-quantises them to UE8M0" in problem and "cluster.gpu_arch=hopper" in problem
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b_dapo", "qwen3_235b_a22b_dapo"])
+def test_the_large_recipes_validate_aime_as_readme_shows_and_the_dapo_paper_reports(recipe: str) -> None:
+    readme = (RECIPES.parent / "README.md").read_text()
+    fragment = readme[readme.index("```yaml\nvalidation:") + len("```yaml\n") :]
+    shown = yaml.safe_load(fragment[: fragment.index("```")])["validation"]
+    cfg, _ = load_recipe(RECIPES / f"{recipe}.yaml", require_files=False)
+    assert cfg.validation.model_dump(exclude_defaults=True, mode="json") == shown
+    aime = cfg.validation.sets["aime24"]
+    assert (aime.n, aime.temperature, aime.top_p) == (32, 1.0, 0.7)  # avg@32 at T 1.0, top_p 0.7
