@@ -54,16 +54,23 @@ def _layout_summary(cfg: RunConfig) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    from megatron_rl.config.schema import REMOTE_REWARD
     from megatron_rl.data.preparation import resolve_reward
     from megatron_rl.rollout.episodes import check_episode
 
     try:
         cfg, warnings = load_recipe(args.recipe, args.overrides, require_files=args.strict)
-        resolve_reward(cfg.data)
         machine_problems = check_episode(cfg.rollout)
+        if cfg.data.reward != REMOTE_REWARD:
+            resolve_reward(cfg.data)
     except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if cfg.data.reward == REMOTE_REWARD:
+        try:  # a reward server this machine cannot reach (a login node) may still serve the job: needed before training
+            resolve_reward(cfg.data)
+        except ValueError as exc:
+            machine_problems.append(f"{exc}: needed before training")
     if args.strict and machine_problems:
         for problem in machine_problems:
             print(f"error: {problem}", file=sys.stderr)

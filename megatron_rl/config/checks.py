@@ -28,7 +28,7 @@ from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.pipeline_split import pipeline_split
-from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.schema import REMOTE_REWARD, RunConfig
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
 
 
@@ -603,6 +603,30 @@ def _check_sources(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
         yield _error("checkpoint.resume", f"{resume!r} is neither 'auto', 'none' nor an existing checkpoint directory")
 
 
+def _check_remote_reward(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    data, remote = cfg.data, cfg.data.remote_reward
+    if data.reward == REMOTE_REWARD and remote is None:
+        yield _error(
+            "data.remote_reward.url",
+            f"required when data.reward is {REMOTE_REWARD!r} (not set): give the reward server's URL, e.g. "
+            "data.remote_reward.url=http://rm-host:8000/score",
+        )
+    elif data.reward != REMOTE_REWARD and remote is not None:
+        yield _error(
+            "data.remote_reward.url",
+            f"{remote.url!r} is set but data.reward is {data.reward!r}, which does not use it: set "
+            f"data.reward={REMOTE_REWARD} to score through that server, or remove data.remote_reward",
+        )
+    elif remote is not None and remote.worst_case_s > data.reward_timeout_s:
+        yield _error(
+            "data.remote_reward.retries",
+            f"{remote.retries} retries do not fit in data.reward_timeout_s={data.reward_timeout_s:g} s, after which "
+            f"the reward worker is killed: {remote.retries + 1} tries of up to timeout_s={remote.timeout_s:g} s "
+            f"and the waits between them take up to {remote.worst_case_s:g} s; lower data.remote_reward.retries "
+            f"or data.remote_reward.timeout_s, or raise data.reward_timeout_s to {math.ceil(remote.worst_case_s)}",
+        )
+
+
 def _check_deterministic_inference(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     if cfg.rollout.deterministic_inference and cfg.rollout.engine == "reference":
         yield _warning(
@@ -698,6 +722,7 @@ CHECKS: tuple[Check, ...] = (
     _check_episode,
     _check_precision,
     _check_sources,
+    _check_remote_reward,
     _check_deterministic_inference,
     _check_fp8_rollout,
     _check_network,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -348,6 +349,70 @@ class SyntheticDataConfig(Section):
     seed: int = Field(0, description="Seed of the generator.")
 
 
+REMOTE_REWARD = "remote"
+"""The ``data.reward`` value that scores through the server at ``data.remote_reward.url`` (a reserved name)."""
+
+
+class RemoteRewardConfig(Section):
+    """A reward server scoring each response over HTTP (``data.reward: remote``), in slime's ``--rm-url`` shapes.
+
+    Each reward worker (``data.reward_num_workers``) POSTs one response at a time over one kept-alive connection
+    of its own, so at most that many requests are in flight. Request: ``{"prompt", "response", "label"
+    (the ground truth), "metadata" (the row's extra_info)}``. Answer: a JSON number (the score), or an object
+    holding the score under ``score_key`` and optionally ``"correct"`` (bool) and ``"answer"`` (str or null).
+    """
+
+    url: str = Field(description="URL the requests are POSTed to, e.g. http://rm-host:8000/score (slime's --rm-url).")
+    timeout_s: PositiveFloat = Field(
+        8.0, description="Seconds one request may wait to connect and for each read of the answer."
+    )
+    retries: NonNegativeInt = Field(
+        2,
+        description="Retries of a request after a connection error, a timeout or a 5xx/429 answer; a request that "
+        "still fails scores the response as failed (rollout/reward_errors). All tries and the waits between them "
+        "must fit in data.reward_timeout_s (validate refuses a recipe where they cannot).",
+    )
+    backoff_s: float = Field(
+        0.5,
+        ge=0.0,
+        description="Wait before the first retry; each later one waits twice as long, at most max_backoff_s, "
+        "times a random factor in [0.5, 1] (jitter, so workers do not retry in lockstep).",
+    )
+    max_backoff_s: float = Field(4.0, ge=0.0, description="The most one wait between retries may be (before jitter).")
+    score_key: str = Field(
+        "score", min_length=1, description="Key of the score in an object answer (slime's --reward-key)."
+    )
+    correct_threshold: float = Field(
+        0.5,
+        description="A response is correct when its score is >= this, unless the answer object says 'correct'. "
+        "0.5 splits both 0/1 and +1/-1 rewards.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        try:
+            parts = urlsplit(url)
+            valid = (
+                parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
+            )
+        except ValueError:  # .port of a port that is no number, or out of range
+            valid = False
+        if not valid:
+            raise ValueError(f"{url!r} is not an http:// or https:// URL with a host; e.g. http://rm-host:8000/score")
+        return url
+
+    def backoff_ceiling_s(self, retry: int) -> float:
+        """The longest wait before retry ``retry`` (0 for the first): ``backoff_s`` doubled per retry, capped."""
+        return min(self.backoff_s * 2.0**retry, self.max_backoff_s)
+
+    @property
+    def worst_case_s(self) -> float:
+        """The longest a response's requests can take: every try timing out, every wait at its ceiling."""
+        waits = sum(self.backoff_ceiling_s(retry) for retry in range(self.retries))
+        return (self.retries + 1) * self.timeout_s + waits
+
+
 class DataConfig(Section):
     """Prompt datasets and the reward."""
 
@@ -361,8 +426,19 @@ class DataConfig(Section):
         description="Wrap plain-string prompts as a user message of the tokenizer's chat template "
         "(chat-message prompts always go through it).",
     )
-    reward: str = Field("math_dapo", description="Registered reward name, or an import path `pkg.module:function`.")
-    reward_num_workers: PositiveInt = Field(4, description="Processes that score responses.")
+    reward: str = Field(
+        "math_dapo",
+        description="Registered reward name, an import path `pkg.module:function`, or `remote`: a reward server "
+        "(data.remote_reward).",
+    )
+    remote_reward: RemoteRewardConfig | None = Field(
+        None, description="The reward server, required with data.reward: remote (and only then)."
+    )
+    reward_num_workers: PositiveInt = Field(
+        4,
+        description="Processes that score responses; with data.reward: remote also the requests in flight to the "
+        "server (one kept-alive connection per process).",
+    )
     reward_timeout_s: PositiveFloat = Field(
         30.0,
         description="Seconds the reward may take on one response. A response whose reward runs longer, or "

@@ -279,6 +279,8 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
             Change("model.tokenizer", generated.tokenizer_dir, "the generated task's tokenizer"),
             Change("data.reward", f"synthetic_{generated.task}", "the generated task's reward"),
         ]
+        if cfg.data.remote_reward is not None:
+            changes.append(Change("data.remote_reward", None, "the generated task's reward is local"))
         if generated.task == SMOKE_TOOL_TASK:
             changes += [
                 Change(

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from megatron_rl.config.schema import DataConfig, ValidationConfig
+from megatron_rl.config.schema import REMOTE_REWARD, DataConfig, ValidationConfig
 from megatron_rl.data.parquet_dataset import PromptDataset, load_prompt_dataset
+from megatron_rl.data.remote_reward import RemoteReward
 from megatron_rl.data.rewards import RewardFn, check_reward_contract, get_reward
 from megatron_rl.data.synthetic_task import TOOL_TASKS, write_synthetic_dataset
 from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
@@ -47,14 +48,26 @@ def resolve_reward(data: DataConfig) -> RewardFn:
     """The reward function ``data.reward`` names, checked against the reward contract.
 
     Raises ValueError naming ``data.reward`` when it is unknown, cannot be imported, or
-    violates the contract.
+    violates the contract. With ``data.reward: remote`` it is the :class:`RemoteReward` of
+    ``data.remote_reward``, and the contract's probe is a request to the server: a server that is down
+    or answers no score fails here, the message naming ``data.remote_reward.url``. The probe's
+    connection is closed before this returns.
     """
     try:
-        reward_fn = get_reward(data.reward)
-        check_reward_contract(reward_fn)
+        if data.reward != REMOTE_REWARD:
+            reward_fn = get_reward(data.reward)
+            check_reward_contract(reward_fn)
+            return reward_fn
+        if data.remote_reward is None:
+            raise ValueError(f"{REMOTE_REWARD!r} needs data.remote_reward.url, the reward server's URL")
+        remote = RemoteReward(data.remote_reward)
+        try:
+            check_reward_contract(remote)
+        finally:
+            remote.close()
+        return remote
     except (ValueError, TypeError, ImportError) as exc:
         raise ValueError(f"data.reward: {exc}") from exc
-    return reward_fn
 
 
 def _check_vocab_fits(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from megatron_rl.config.schema import REMOTE_REWARD
 from megatron_rl.named_functions import find_function, qualified_name, register_function
 
 
@@ -72,8 +73,10 @@ def register_reward(name: str) -> Callable[[_F], _F]:
     """Decorator registering a top-level reward function under ``name``; returns it unchanged.
 
     Re-registering the same function (e.g. when a worker re-imports its module) is a no-op;
-    registering a different function under a taken name raises ValueError naming both.
+    registering a different function under a taken name, or under the reserved ``"remote"``, raises ValueError.
     """
+    if name == REMOTE_REWARD:
+        raise ValueError(f"reward name {name!r} is reserved for data.reward: {name} (data.remote_reward's server)")
     return register_function(_REGISTRY, "reward", name, RewardContractError)
 
 
@@ -87,7 +90,14 @@ def get_reward(name: str) -> RewardFn:
 
     Raises ValueError for an unknown name (listing the registered ones), an import path whose
     module cannot be imported, or whose attribute is missing; TypeError if it is not callable.
+    ``"remote"`` is no function of the registry: ValueError pointing to
+    :class:`~megatron_rl.data.remote_reward.RemoteReward`, which scores through ``data.remote_reward``.
     """
+    if name == REMOTE_REWARD:
+        raise ValueError(
+            f"reward {name!r} scores through the server of data.remote_reward: build "
+            "megatron_rl.data.remote_reward.RemoteReward(data.remote_reward), as prepare_data does"
+        )
     return find_function(_REGISTRY, "reward", name)
 
 

@@ -504,6 +504,7 @@ def build_rollout_manager(
         reward_num_workers=cfg.data.reward_num_workers,
         reward_timeout_s=cfg.data.reward_timeout_s,
         decode=data.decode,
+        remote_reward=cfg.data.remote_reward,
         routing_replay=cfg.algorithm.routing_replay,
         seed=cfg.train.seed,
         recover=recover,

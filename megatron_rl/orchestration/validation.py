@@ -132,6 +132,7 @@ def _set_manager(
         reward_num_workers=1,
         reward_timeout_s=cfg.data.reward_timeout_s,
         decode=data.decode,
+        remote_reward=cfg.data.remote_reward,
         uid_prefix=f"val-{name}-",
         recover=recover,
         episode=episode,

@@ -67,7 +67,7 @@ from megatron_rl.rollout.step_selection import StepSelection
 from megatron_rl.rollout.submissions import Request, Submission, SubmissionPlanner, WindowProgress
 
 if TYPE_CHECKING:
-    from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
+    from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RemoteRewardConfig, RolloutConfig
     from megatron_rl.data import PromptDataset, PromptSampler
 
 _Crashes = dict[int, tuple[RolloutEngine, EngineUnavailableError]]
@@ -122,6 +122,7 @@ class RolloutManager:
     ``early_batches`` (without partial rollouts only) sends a generation batch as soon as it is certain
     to be needed; False sends it after the one before has ended (the same groups, later). ``episode``: how a
     response unfolds over turns (:mod:`episodes`; None: one turn); the manager does not close it.
+    ``remote_reward``: the reward server (``data.remote_reward``) when ``reward`` is ``remote``.
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class RolloutManager:
         reward_num_workers: int,
         reward_timeout_s: float,
         decode: Callable[[list[int]], str],
+        remote_reward: RemoteRewardConfig | None = None,
         routing_replay: bool = False,
         uid_prefix: str = "g",
         seed: int | None = None,
@@ -172,6 +174,7 @@ class RolloutManager:
             reward_num_workers=reward_num_workers,
             reward_timeout_s=reward_timeout_s,
             decode=decode,
+            remote_reward=remote_reward,
         )
         self.max_token_lag = max_token_lag
         self.early_batches = early_batches and self.planner.windows.tokens is None

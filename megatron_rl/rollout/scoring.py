@@ -9,8 +9,11 @@ answer as soon as it has it, so the parent applies the timeout to every response
 one round trip instead of one per response (the tiny run scores 512 responses per step).
 Workers are started and checked at construction, so the first step does not pay their start-up.
 The reward is looked up by name inside the worker (:func:`megatron_rl.data.get_reward`: a
-registered name or ``pkg.module:fn``). Workers are daemonic: a reward may run subprocesses, but
-not start ``multiprocessing`` children.
+registered name or ``pkg.module:fn``). With ``data.reward: remote`` each worker instead sends its
+responses, with their prompt, to the reward server (:class:`megatron_rl.data.remote_reward.RemoteReward`,
+one kept-alive connection per worker), so every failure below is the same for a local and a remote reward:
+a request still failing after its retries raises in the worker. Workers are daemonic: a reward may run
+subprocesses, but not start ``multiprocessing`` children.
 
 Failures are per response. A reward that raises, returns something other than a ``RewardOutput``,
 or kills its worker process scores the response as failed (``failure="error"``); one still running
@@ -30,14 +33,27 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from megatron_rl.rollout.worker_processes import STARTUP_TIMEOUT_S, WorkerExit, WorkerProcess, WorkerSlot, stop_threads
+
+if TYPE_CHECKING:
+    from megatron_rl.config.schema import RemoteRewardConfig
 
 logger = logging.getLogger(__name__)
 
 Failure = Literal["error", "timeout"]
-Job = tuple[str, str, Mapping[str, Any]]
+
+
+class Job(NamedTuple):
+    """One response to score: a local reward reads the first three fields, a remote one also the prompt."""
+
+    response: str
+    ground_truth: str
+    extra_info: Mapping[str, Any]
+    prompt: str = ""
+
+
 Answer = tuple[float, bool, str | None, str | None]
 """A worker's answer: score, correct, the response's answer (see ``RewardOutput.answer``), and the traceback
 when the reward failed (else None)."""
@@ -54,15 +70,27 @@ class ScoredResponse:
     answer: str | None = None
 
 
-def _load_reward(reward: str) -> Callable[[Job], Answer]:
-    """In a worker: look the reward up by name and return the function that scores one job."""
+def _load_reward(reward: str, remote: RemoteRewardConfig | None) -> Callable[[Job], Answer]:
+    """In a worker: look the reward up by name (or connect to ``remote``'s server) and return the function that
+    scores one job."""
     from megatron_rl.data import RewardOutput, get_reward
+    from megatron_rl.data.remote_reward import RemoteReward
 
-    fn = get_reward(reward)
+    if remote is not None:
+        server = RemoteReward(remote)
+
+        def call(job: Job) -> RewardOutput:
+            return server(job.response, job.ground_truth, job.extra_info, job.prompt)
+
+    else:
+        fn = get_reward(reward)
+
+        def call(job: Job) -> RewardOutput:
+            return fn(job.response, job.ground_truth, job.extra_info)
 
     def score(job: Job) -> Answer:
         try:
-            output = fn(*job)
+            output = call(job)
             if not isinstance(output, RewardOutput):
                 raise TypeError(f"the reward returned {type(output).__name__}, not a RewardOutput")
             return (output.score, output.correct, output.answer, None)
@@ -72,9 +100,9 @@ def _load_reward(reward: str) -> Callable[[Job], Answer]:
     return score
 
 
-def _start_worker(reward: str) -> WorkerProcess:
+def _start_worker(reward: str, remote: RemoteRewardConfig | None) -> WorkerProcess:
     """A new worker process for ``reward`` (not yet ready)."""
-    return WorkerProcess(f"reward-{reward}", _load_reward, reward)
+    return WorkerProcess(f"reward-{reward}", _load_reward, reward, remote)
 
 
 def _wait_ready(worker: WorkerProcess, reward: str) -> None:
@@ -133,21 +161,24 @@ class _GroupScores:
 class RewardPool:
     """``num_workers`` processes scoring responses with the reward named ``reward`` (see the module docstring).
 
-    Raises ValueError for ``num_workers`` < 1, RuntimeError when a worker does not start or the
-    reward fails on the empty-response probe that sets the failed score.
+    ``remote``: the reward server's settings (``data.remote_reward``), given with ``reward="remote"``; the
+    probe then goes to the server. Raises ValueError for ``num_workers`` < 1, RuntimeError when a worker
+    does not start or the reward fails on the empty-response probe that sets the failed score.
     """
 
-    def __init__(self, reward: str, num_workers: int, *, timeout_s: float) -> None:
+    def __init__(
+        self, reward: str, num_workers: int, *, timeout_s: float, remote: RemoteRewardConfig | None = None
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {num_workers}")
         from megatron_rl.data.rewards import EMPTY_RESPONSE_PROBE
 
-        self.reward, self.timeout_s = reward, timeout_s
-        workers = [_start_worker(reward) for _ in range(num_workers)]
+        self.reward, self.timeout_s, self.remote = reward, timeout_s, remote
+        workers = [_start_worker(reward, remote) for _ in range(num_workers)]
         try:
             for worker in workers:
                 _wait_ready(worker, reward)
-            (probe,) = workers[0].run([EMPTY_RESPONSE_PROBE], timeout_s)
+            (probe,) = workers[0].run([Job(*EMPTY_RESPONSE_PROBE)], timeout_s)
         except BaseException:
             for worker in workers:
                 worker.kill()
@@ -169,14 +200,21 @@ class RewardPool:
             thread.start()
 
     def submit(
-        self, responses: Sequence[str], ground_truth: str, extra_info: Mapping[str, Any], *, label: str = ""
+        self,
+        responses: Sequence[str],
+        ground_truth: str,
+        extra_info: Mapping[str, Any],
+        *,
+        label: str = "",
+        prompt: str = "",
     ) -> Future[list[ScoredResponse]]:
-        """Future of one group's scores, in the order of ``responses``; ``label`` names the group in failure logs.
+        """Future of one group's scores, in the order of ``responses``; ``label`` names the group in failure logs;
+        ``prompt`` (the group's prompt text) reaches a remote reward only.
 
         The responses are queued in at most ``num_workers`` contiguous chunks of near-equal size.
         """
         group = _GroupScores(len(responses))
-        jobs: list[Job] = [(response, ground_truth, dict(extra_info)) for response in responses]
+        jobs = [Job(response, ground_truth, dict(extra_info), prompt) for response in responses]
         chunks = min(self.num_workers, len(jobs))
         for chunk in range(chunks):
             start, end = chunk * len(jobs) // chunks, (chunk + 1) * len(jobs) // chunks
@@ -208,12 +246,12 @@ class RewardPool:
         return ScoredResponse(answer[0], answer[1], answer=answer[2])
 
     def _new_worker(self) -> WorkerProcess:
-        worker = _start_worker(self.reward)
+        worker = _start_worker(self.reward, self.remote)
         _wait_ready(worker, self.reward)
         return worker
 
     def _failed(self, failure: Failure, detail: str, label: str, index: int, job: Job) -> ScoredResponse:
-        response, ground_truth, _ = job
+        response, ground_truth = job.response, job.ground_truth
         logger.warning(
             "reward %r %s on response %d of group %s; it scores %s (the empty response's score, counted in "
             "rollout/reward_%ss): ground truth %r, response %r\n%s",

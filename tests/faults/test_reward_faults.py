@@ -170,4 +170,4 @@ def test_the_tiny_run_survives_a_reward_that_raises_and_hangs(tmp_path) -> None:
     assert all(r["train/update_skipped"] == 0.0 and r["actor/update_skipped"] == 0.0 for r in steps)
     assert sum(r["rollout/reward_errors"] for r in steps) > 0
     assert sum(r["rollout/reward_timeouts"] for r in steps) > 0
-    assert {"val/reward_errors", "val/reward_timeouts"} <= set(validation) & set(steps[-1])
+    assert {"val/greedy/reward_errors", "val/greedy/reward_timeouts"} <= set(validation) & set(steps[-1])

@@ -556,3 +556,74 @@ def test_the_large_recipes_validate_aime_as_readme_shows_and_the_dapo_paper_repo
     assert cfg.validation.model_dump(exclude_defaults=True, mode="json") == shown
     aime = cfg.validation.sets["aime24"]
     assert (aime.n, aime.temperature, aime.top_p) == (32, 1.0, 0.7)  # avg@32 at T 1.0, top_p 0.7
+
+
+REMOTE = ["data.reward=remote", "data.remote_reward.url=http://rm-host:8000/score"]
+
+
+def test_a_remote_reward_validates_with_a_url_and_default_settings_that_fit_the_reward_timeout() -> None:
+    cfg, warnings = load_recipe(TINY, REMOTE)
+    remote = cfg.data.remote_reward
+    assert remote is not None and remote.url == "http://rm-host:8000/score" and warnings == []
+    assert (remote.score_key, remote.correct_threshold, remote.retries) == ("score", 0.5, 2)
+
+
+def test_a_remote_reward_without_a_url_is_refused_with_the_fix() -> None:
+    assert _problems(TINY, "data.reward=remote") == [
+        "data.remote_reward.url: required when data.reward is 'remote' (not set): give the reward server's URL, "
+        "e.g. data.remote_reward.url=http://rm-host:8000/score"
+    ]
+    assert _problems(TINY, "data.reward=remote", "data.remote_reward.retries=1") == [
+        "data.remote_reward.url: required, not set"
+    ]
+
+
+def test_a_reward_server_url_with_another_reward_is_refused_naming_both() -> None:
+    assert _problems(TINY, "data.remote_reward.url=http://rm-host:8000/score") == [
+        "data.remote_reward.url: 'http://rm-host:8000/score' is set but data.reward is 'synthetic_successor', which "
+        "does not use it: set data.reward=remote to score through that server, or remove data.remote_reward"
+    ]
+
+
+@pytest.mark.parametrize("url", ["rm-host:8000/score", "ftp://rm-host/score", "http:///score", "http://rm:port/x"])
+def test_a_reward_server_url_must_be_http_with_a_host(url: str) -> None:
+    (problem,) = _problems(TINY, "data.reward=remote", f"data.remote_reward.url={url}")
+    assert problem.startswith("data.remote_reward.url: ") and "is not an http:// or https:// URL with a host" in problem
+
+
+def test_retries_that_cannot_fit_in_the_reward_timeout_are_refused_with_the_arithmetic() -> None:
+    # 4 tries x 10 s + waits 0.5 + 1 + 2 = 43.5 s > 30 s: the worker would be killed before the last tries.
+    overrides = [*REMOTE, "data.remote_reward.retries=3", "data.remote_reward.timeout_s=10.0"]
+    assert _problems(TINY, *overrides) == [
+        "data.remote_reward.retries: 3 retries do not fit in data.reward_timeout_s=30 s, after which the reward "
+        "worker is killed: 4 tries of up to timeout_s=10 s and the waits between them take up to 43.5 s; lower "
+        "data.remote_reward.retries or data.remote_reward.timeout_s, or raise data.reward_timeout_s to 44"
+    ]
+    cfg, _ = load_recipe(TINY, [*overrides, "data.reward_timeout_s=44.0"])
+    assert cfg.data.remote_reward is not None and cfg.data.remote_reward.worst_case_s == 43.5
+
+
+def test_validate_asks_the_reward_server_to_score_the_empty_response(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.remote_reward_server import RewardServer
+
+    with RewardServer() as server:
+        assert main(["validate", str(TINY), "data.reward=remote", f"data.remote_reward.url={server.url()}"]) == 0
+    assert [r.body["response"] for r in server.received] == [""]
+    capsys.readouterr()
+    # Down, or unreachable from this machine: a warning (the job's nodes may reach it); --strict and train refuse.
+    assert main(["validate", str(TINY), "data.reward=remote", f"data.remote_reward.url={server.url()}"]) == 0
+    warned = capsys.readouterr().err
+    assert (
+        warned.startswith("warning: data.reward: ")
+        and "connection refused" in warned.lower()
+        and server.url() in warned
+    )
+    assert warned.rstrip().endswith("needed before training")
+    strict = ["validate", str(TINY), "data.reward=remote", f"data.remote_reward.url={server.url()}", "--strict"]
+    assert main(strict) == 1
+    refused = capsys.readouterr().err
+    assert (
+        refused.startswith("error: data.reward: ")
+        and "connection refused" in refused.lower()
+        and server.url() in refused
+    )

@@ -52,6 +52,16 @@ def test_pipeline_and_virtual_stages_are_kept() -> None:
     assert (smoke.parallel.pp, smoke.parallel.vpp, smoke.model.random_init["num_hidden_layers"]) == (2, 2, 4)
 
 
+def test_a_remote_reward_gives_way_to_the_generated_tasks_own_where_the_data_is_generated(
+    qwen3_30b_overrides: list[str],
+) -> None:
+    remote = ["data.reward=remote", "data.remote_reward.url=http://rm-host:8000/score"]
+    _, smoke, _ = _smoke("qwen3_30b_a3b_dapo.yaml", [*qwen3_30b_overrides, *remote])
+    assert (smoke.data.reward, smoke.data.remote_reward) == ("synthetic_successor", None)
+    _, kept, _ = _smoke("tiny_moe_cpu_dapo.yaml", remote)  # its own data: the server scores the smoke run too
+    assert kept.data.reward == "remote" and kept.data.remote_reward is not None
+
+
 def test_a_recipe_with_its_data_here_keeps_it() -> None:
     cfg, smoke, changed = _smoke("tiny_moe_cpu_dapo.yaml", [])
     assert smoke.data.synthetic == cfg.data.synthetic and "data.synthetic" not in changed
