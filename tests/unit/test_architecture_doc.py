@@ -1,4 +1,4 @@
-"""Every name docs/architecture.md cites exists in the code.
+"""Every name docs/architecture.md cites exists in the code, and the facts it states that a cheap test can check hold.
 
 Each backticked span of the doc (fenced blocks left out, whitespace runs read as one space) is
 classified and resolved with ``ast``, importing no module it names (the recipe schema is
@@ -28,22 +28,39 @@ Everything else (values, command lines, flags, endpoints, snippets, metric names
 ``rollout/groups_kept``, other projects' paths and dotted names such as ``torch.where``) is left
 alone: ``python tests/unit/test_architecture_doc.py`` prints every span with its class, and the
 test prints what it left alone.
+
+Facts held to the code (the last section): the layout table is ``test_import_rules.ALLOWED`` and ``NEVER``
+row by row, the command-line table has a row per command of ``cli.build_parser``, the refusal scan's
+packages are ``test_start_refusals.SCANNED``, and the rollout's concurrency is as the doc states (one thread
+pool over all engines; the per-engine bound in ``HttpEngine``).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import builtins
 import re
+import threading
+import time
 import typing
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import BaseModel
+from pytest import MonkeyPatch
 
+from megatron_rl.cli import build_parser
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.rollout.engine_pool import EnginePool
+from megatron_rl.rollout.http_engine import HttpEngine
+from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+from tests.unit.test_import_rules import ALLOWED, COMPAT_MODULES, NEVER
+from tests.unit.test_start_refusals import SCANNED
 
 THIS = Path(__file__).resolve()
 REPO = THIS.parents[2]
@@ -329,6 +346,175 @@ def test_every_name_the_architecture_doc_cites_exists() -> None:
     assert all(counts.values()), f"a class of names found none: the classifier no longer reads the doc ({counts})"
     missing = [f"{kind}: `{span}`" for span, kind, resolved in classified if resolved is False]
     assert not missing, "docs/architecture.md cites names the code lacks:\n" + "\n".join(missing)
+
+
+# --- claims the doc states as facts, held to the code -----------------------------------------
+
+
+def section(heading: str) -> str:
+    """The doc's text from the level-2 heading starting with ``heading`` to the next one."""
+    text = DOC.read_text()
+    start = text.index(f"\n## {heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of every table row in ``text`` whose first cell is backticked (headers and rules left out)."""
+    lines = [line.strip() for line in text.splitlines() if line.startswith("| `")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def layout_table() -> dict[str, tuple[set[str] | None, set[str]]]:
+    """Per row of the layout table (``config`` for `config/`, ``cli`` for `cli.py`): the megatron_rl names of its
+    "may import" cell (None for "everything") and the lower-cased libraries of its "never" cell."""
+    table = {}
+    for name, _, may, never in table_rows(section("Layout")):
+        key = name.strip("`").removesuffix("/").removesuffix(".py")
+        names = None if may == "everything" else set(re.findall(r"`([\w.]+)`", may))
+        table[key] = (names, {word.strip().lower() for word in never.split(",") if word.strip()})
+    return table
+
+
+def _reachable(package: str) -> set[str]:
+    """The packages ``package`` may reach through ALLOWED (a rule ``weight_sync.fp8_blocks`` counts as its package)."""
+    seen, stack = set(), [package]
+    while stack:
+        if (current := stack.pop()) not in seen:
+            seen.add(current)
+            stack += [rule.split(".")[0] for rule in ALLOWED.get(current, ())]
+    return seen
+
+
+def test_the_layout_table_states_the_import_rules() -> None:
+    """One row per package: the imports of ALLOWED exactly; "everything" for the packages ALLOWED leaves free;
+    "never" names NEVER's libraries, plus Ray where the package cannot reach orchestration (the one Ray importer)."""
+    table = layout_table()
+    packages = {p.stem for p in PACKAGE.iterdir() if (p / "__init__.py").is_file() or p.suffix == ".py"} - {"__init__"}
+    wrong = [f"`{name}`: a row for no package of megatron_rl" for name in sorted(set(table) - packages)]
+    wrong += [f"`{name}`: no row in the table" for name in sorted(packages - set(table))]
+    for name in sorted(packages & set(table)):
+        may, never = table[name]
+        if name not in ALLOWED:
+            if may is not None:
+                wrong.append(
+                    f"`{name}`: not in ALLOWED (it may import every package), but the table says {sorted(may)}"
+                )
+        elif may is None:
+            wrong.append(f"`{name}`: the table says everything, ALLOWED says {sorted(ALLOWED[name])}")
+        else:
+            if ALLOWED[name] - may:
+                wrong.append(f"`{name}`: the table omits allowed imports {sorted(ALLOWED[name] - may)}")
+            if may - ALLOWED[name]:
+                wrong.append(f"`{name}`: the table allows imports ALLOWED lacks {sorted(may - ALLOWED[name])}")
+        reaches_ray = name not in ALLOWED or "orchestration" in _reachable(name)
+        expected = NEVER.get(name, set()) | (set() if reaches_ray else {"ray"})
+        if never != expected:
+            wrong.append(f"`{name}`: its never cell says {sorted(never)}, the rules give {sorted(expected)}")
+    patched = re.search(r"Megatron patched only in (.*?);", " ".join(section("Layout").split()))
+    cited = {path.removesuffix(".py").replace("/", ".") for path in SPAN.findall(patched[1])} if patched else set()
+    if cited != {module.removeprefix("megatron_rl.") for module in COMPAT_MODULES}:
+        wrong.append(
+            f"the modules that may patch Megatron: the doc says {sorted(cited)}, COMPAT_MODULES {COMPAT_MODULES}"
+        )
+    differences = "\n".join(wrong)
+    assert not wrong, f"docs/architecture.md's layout table and tests/unit/test_import_rules.py differ:\n{differences}"
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    return {name: sub for action in actions for name, sub in action.choices.items()}
+
+
+def _cli_commands() -> set[str]:
+    """Every ``megatron-rl`` command the parser takes: ``train``, ``convert hf-to-mcore``, ..."""
+    commands = _subcommands(build_parser())
+    return {f"{name} {sub}" for name, parser in commands.items() for sub in _subcommands(parser)} | {
+        name for name, parser in commands.items() if not _subcommands(parser)
+    }
+
+
+def test_the_command_line_table_has_a_row_per_command() -> None:
+    """The command-line table: one row per command of ``cli.build_parser`` (``convert`` per direction); the layout
+    table's `cli.py` row lists every command."""
+    commands = _cli_commands()
+    cells = [row[0].strip("`").split() for row in table_rows(section("The command line"))]
+    rows = {" ".join(words[1:3] if words[1] == "convert" else words[1:2]) for words in cells}
+    assert rows == commands, f"commands without a row: {commands - rows}; rows for no command: {rows - commands}"
+    cli_row = " ".join(row[1] for row in table_rows(section("Layout")) if row[0] == "`cli.py`")
+    listed = re.search(r"`megatron-rl ([^`]+)`", cli_row)
+    assert listed, "the layout table's `cli.py` row no longer lists the commands as `megatron-rl a / b / ...`"
+    top_level = {command.split()[0] for command in commands}
+    assert set(listed[1].split(" / ")) == top_level, f"the cli.py row lists {listed[1]!r}; the commands: {top_level}"
+
+
+def test_the_refusal_scan_is_stated_with_the_packages_it_scans() -> None:
+    """Configuration: the packages whose every ``raise`` test_start_refusals.py classifies are its SCANNED."""
+    claim = re.search(
+        r"finds every `raise` in the packages its `SCANNED` lists \(([^)]*)\)", " ".join(DOC.read_text().split())
+    )
+    assert claim, "the sentence on tests/unit/test_start_refusals.py's SCANNED changed: update this test"
+    stated = SPAN.findall(claim[1])
+    assert stated == list(SCANNED), f"the doc lists {stated}, test_start_refusals.SCANNED is {list(SCANNED)}"
+
+
+class _Gate:
+    """Counts the calls inside :meth:`enter` and holds them there until :meth:`release`."""
+
+    def __init__(self) -> None:
+        self.inside, self._lock, self._open = 0, threading.Lock(), threading.Event()
+
+    def enter(self, *args: object, **kwargs: object) -> list[object]:
+        with self._lock:
+            self.inside += 1
+        self._open.wait(30)
+        return []
+
+    def settled(self, expected: int) -> int:
+        """How many calls are inside once ``expected`` are (or 10 s passed), and 0.3 s more for any extra."""
+        deadline = time.monotonic() + 10
+        while self.inside < expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        return self.inside
+
+    def release(self) -> None:
+        self._open.set()
+
+
+REQUEST = GenerateRequest(input_ids=[1], sampling_params=SamplingParams(), rid="r")
+
+
+def test_the_engine_pool_sends_on_one_thread_pool_shared_by_its_engines() -> None:
+    """Rollout engines: `rollout.max_concurrent_requests` x engines threads over all engines, not a pool per engine,
+    so 3 engines at 2 each put 6 requests in flight on one engine."""
+    gate = _Gate()
+    engines = [SimpleNamespace(generate=gate.enter) for _ in range(3)]
+    pool = EnginePool(engines, max_concurrent_requests=2)  # type: ignore[arg-type]
+    try:
+        futures = [pool.generate(engines[0], REQUEST) for _ in range(7)]  # type: ignore[arg-type]
+        in_flight = gate.settled(6)
+        gate.release()
+        assert [future.result(timeout=30) for future in futures] == [[]] * 7
+    finally:
+        gate.release()
+        pool.close()
+    assert in_flight == 6
+
+
+def test_an_http_engine_has_at_most_max_concurrent_requests_generates_in_flight(monkeypatch: MonkeyPatch) -> None:
+    """Rollout engines: the per-engine bound is `HttpEngine`'s semaphore; a third request waits for a slot."""
+    gate = _Gate()
+    engine = HttpEngine("e", "127.0.0.1", 9, max_concurrent_requests=2)
+    monkeypatch.setattr(engine, "request", gate.enter)
+    with ThreadPoolExecutor(3) as threads:
+        futures = [threads.submit(engine.generate, REQUEST) for _ in range(3)]
+        try:
+            in_flight = gate.settled(2)
+        finally:
+            gate.release()
+    assert in_flight == 2
+    assert [future.result() for future in futures] == [[]] * 3
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from megatron_rl imports Megatron either.
 from __future__ import annotations
 
 import ast
-import re
 import subprocess
 import sys
 from functools import cache
@@ -211,23 +210,3 @@ def test_the_driver_starts_without_megatron_core() -> None:
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]"
-
-
-def _doc_table() -> dict[str, tuple[set[str], set[str]]]:
-    """docs/architecture.md's layout table: per folder (or module), the megatron_rl names of its "may import" cell
-    and the libraries of its "never" cell."""
-    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
-    rows = {}
-    for line in doc.splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        name = re.fullmatch(r"`(\w+)(?:/|\.py)`", cells[0]) if len(cells) == 4 else None
-        if name is not None:
-            never = {word.strip().lower() for word in cells[3].split(",") if word.strip()}
-            rows[name[1]] = (set(re.findall(r"`([\w.]+)`", cells[2])), never)
-    return rows
-
-
-def test_the_architecture_docs_table_states_these_rules() -> None:
-    table = _doc_table()
-    assert {package: table[package][0] for package in ALLOWED} == ALLOWED
-    assert {package: table[package][1] for package in NEVER} == NEVER
