@@ -77,8 +77,9 @@ def _instrument(run: RunResources, forward: dict[str, float]) -> None:
     """Count the engines' forward seconds of every generation (training) and validation call."""
     engines = list(run.engines)
     run.rollout.generate_step = _counted(run.rollout.generate_step, engines, forward, "generate")
-    if run.validation is not None:
-        run.validation.generate_step = _counted(run.validation.generate_step, engines, forward, "validate")
+    for validation_set in run.validation:
+        manager = validation_set.manager
+        manager.generate_step = _counted(manager.generate_step, engines, forward, "validate")
 
 
 def _phases(metrics: dict[str, float], forward: dict[str, float]) -> dict[str, tuple[float, float]]:

@@ -32,6 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 ONE_STEP = ["train.steps=1", "validation.interval=0", "checkpoint.interval=0", "logging.sinks=[jsonl]"]
 
 
+def one_step(code: Path) -> list[str]:
+    """:data:`ONE_STEP` as ``code``'s recipes spell it: trees before named validation sets had ``train.val_interval``."""
+    old = "val_interval" in (code / "recipes" / "base" / "tiny_moe_cpu.yaml").read_text()
+    return [o.replace("validation.interval", "train.val_interval") if old else o for o in ONE_STEP]
+
+
 def extract(commit: str, into: Path) -> Path:
     """``commit``'s files, extracted from this repository with ``git archive`` into ``into``."""
     git = shutil.which("git")
@@ -78,7 +84,7 @@ def main() -> None:
                     timed([sys.executable, "-c", "import megatron_rl.orchestration.driver"], code, cwd)
                 )
                 recipe = code / "recipes" / "tiny_moe_cpu_dapo.yaml"
-                command = [sys.executable, "-m", "megatron_rl.cli", "train", str(recipe), *ONE_STEP]
+                command = [sys.executable, "-m", "megatron_rl.cli", "train", str(recipe), *one_step(code)]
                 runs[name].append(timed(command, code, cwd))
 
     base_run = statistics.median(runs["baseline"])

@@ -233,7 +233,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     """Exit 0 when every set ran (or was done before); the table goes to stdout and the output folder."""
-    from megatron_rl.orchestration.evaluation import evaluate, format_table, hf_weights_of
+    from megatron_rl.orchestration.evaluation import checkpoint_step, evaluate, format_table, hf_weights_of
 
     try:
         cfg, warnings = load_recipe(args.recipe, args.overrides)
@@ -256,7 +256,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(
             update={"rollout": cfg.rollout.model_copy(update={"fp8_checkpoint": str(out_dir / "fp8")})}
         )
-    results = evaluate(cfg, hf_weights_of(source, out_dir), out_dir, names)
+    step = checkpoint_step(source) if args.checkpoint else 0
+    results = evaluate(cfg, hf_weights_of(source, out_dir), out_dir, names, step=step)
     print(format_table(results, cfg), end="")
     done_before = [result.name for result in results if not result.ran]
     if done_before:

@@ -305,7 +305,7 @@ def validate(run: RunResources, step: int) -> dict[str, float]:
     if not due:
         return {}
     run.hand_over.to_rollout()
-    return {key: value for validation_set in due for key, value in validation_set.run().items()}
+    return {key: value for validation_set in due for key, value in validation_set.run(step).items()}
 
 
 def save_checkpoint(run: RunResources, step: int, carried: CarriedOver) -> Path:

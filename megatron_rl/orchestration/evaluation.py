@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.checkpoint.layout import HF_EXPORT_DIR, model_weight_dirs
+from megatron_rl.checkpoint.commit import latest_checkpoint
+from megatron_rl.checkpoint.layout import HF_EXPORT_DIR, TRAINER_STATE_FILE, model_weight_dirs
+from megatron_rl.checkpoint.trainer_state import load_trainer_state
 from megatron_rl.config import RunConfig, read_architecture
 from megatron_rl.config.model_source import has_hf_config
 from megatron_rl.data.preparation import PreparedData, prepare_data
@@ -54,9 +56,24 @@ def hf_weights_of(checkpoint: Path, out_dir: Path) -> Path:
     return target
 
 
-def evaluate(cfg: RunConfig, weights: Path, out_dir: Path, names: Sequence[str]) -> list[EvalSetResult]:
+def checkpoint_step(checkpoint: Path) -> int:
+    """The training step a run checkpoint (or a run's checkpoint folder: its latest) was saved after; 0 for a
+    Hugging Face directory that is no run checkpoint."""
+    if (latest := latest_checkpoint(checkpoint)) is not None:
+        checkpoint = latest
+    if not (checkpoint / TRAINER_STATE_FILE).is_file() and has_hf_config(str(checkpoint)):
+        return 0
+    return load_trainer_state(checkpoint).step
+
+
+def evaluate(
+    cfg: RunConfig, weights: Path, out_dir: Path, names: Sequence[str], *, step: int = 0
+) -> list[EvalSetResult]:
     """Run the validation sets ``names`` of ``cfg`` on engines serving the Hugging Face model in ``weights``; write
     each set's responses and metrics under ``out_dir`` (see the module docstring) and return them in order.
+
+    Each set is sampled as a run validates it after ``step`` (:meth:`ValidationSet.generate`), so ``eval`` of a
+    run's checkpoint draws the samples that run drew at that step.
 
     Sets already done there are read back, not run. Raises ValueError for a set the recipe does not define or one
     without prompts, before any engine starts.
@@ -75,7 +92,7 @@ def evaluate(cfg: RunConfig, weights: Path, out_dir: Path, names: Sequence[str])
         if name not in cfg.validation.sets or name not in data.val_sets:
             build_validation_sets(cfg, data, [], names=[name])  # raises, naming the set and the fix
     todo = [name for name in names if not (out_dir / f"{name}.json").is_file()]
-    ran = _run_sets(cfg, data, weights, out_dir, todo) if todo else {}
+    ran = _run_sets(cfg, data, weights, out_dir, todo, step) if todo else {}
     results = [
         EvalSetResult(
             name, ran[name] if name in ran else json.loads((out_dir / f"{name}.json").read_text()), name in ran
@@ -87,7 +104,7 @@ def evaluate(cfg: RunConfig, weights: Path, out_dir: Path, names: Sequence[str])
 
 
 def _run_sets(
-    cfg: RunConfig, data: PreparedData, weights: Path, out_dir: Path, names: Sequence[str]
+    cfg: RunConfig, data: PreparedData, weights: Path, out_dir: Path, names: Sequence[str], step: int
 ) -> dict[str, dict[str, float]]:
     network = RunNetwork.of(cfg.cluster)
     run = RunResources(cfg, data, weights, network=network)
@@ -111,19 +128,19 @@ def _run_sets(
         done = {}
         for validation_set in run.validation:  # the manager shows a progress bar of prompts on a terminal
             print(f"# eval: set {validation_set.name} ({len(data.val_sets[validation_set.name])} prompts)", flush=True)
-            done[validation_set.name] = _run_set(validation_set, data, out_dir)
+            done[validation_set.name] = _run_set(validation_set, data, out_dir, step)
         return done
     finally:
         run.close()
 
 
-def _run_set(validation_set: ValidationSet, data: PreparedData, out_dir: Path) -> dict[str, float]:
-    """Generate and score one set; its JSONL, then its metrics file (the mark that it is done)."""
+def _run_set(validation_set: ValidationSet, data: PreparedData, out_dir: Path, step: int) -> dict[str, float]:
+    """Generate and score one set as after ``step``; its JSONL, then its metrics file (the mark that it is done)."""
     name = validation_set.name
-    step = validation_set.manager.generate_step()
+    generated = validation_set.generate(step)
     prefix = f"val/{name}/"
-    metrics = {key.removeprefix(prefix): value for key, value in validation_set.metrics_of(step).items()}
-    _write_atomically(out_dir / f"{name}.jsonl", "".join(_rows(name, step.groups, data)))
+    metrics = {key.removeprefix(prefix): value for key, value in validation_set.metrics_of(generated).items()}
+    _write_atomically(out_dir / f"{name}.jsonl", "".join(_rows(name, generated.groups, data)))
     _write_atomically(out_dir / f"{name}.json", json.dumps(metrics, indent=1) + "\n")
     return metrics
 

@@ -33,9 +33,19 @@ class ValidationSet:
         after the last one."""
         return self.interval > 0 and (step % self.interval == 0 or step == total_steps)
 
-    def run(self) -> dict[str, float]:
-        """Generate and score the whole set under the engines' current weights: ``val/<name>/<metric>``."""
-        return self.metrics_of(self.manager.generate_step())
+    def generate(self, step: int) -> RolloutStep:
+        """The whole set generated and scored under the engines' current weights, after training step ``step``.
+
+        Request ids and seeds follow from ``step`` alone (the sampler is set to epoch ``step``), so the
+        validation of a step draws the same samples in a straight run, a resumed one and ``eval`` of that step's
+        checkpoint, and no two validations of a run share a request id.
+        """
+        self.manager.sampler.load_state_dict({"epoch": step, "position": 0, "seed": 0})
+        return self.manager.generate_step()
+
+    def run(self, step: int) -> dict[str, float]:
+        """:meth:`generate` after ``step``, as ``val/<name>/<metric>``."""
+        return self.metrics_of(self.generate(step))
 
     def metrics_of(self, step: RolloutStep) -> dict[str, float]:
         """The ``val/<name>/<metric>`` metrics of the set's generated ``step``: :func:`set_metrics` and the
@@ -100,6 +110,12 @@ def build_validation_sets(
     ]
 
 
+def validation_seed(cfg: RunConfig, name: str) -> int:
+    """The sampling seed of set ``name``: ``train.seed`` + 1 + the set's place in the recipe, so no set draws with the
+    training rollout's seeds or another set's."""
+    return cfg.train.seed + 1 + list(cfg.validation.sets).index(name)
+
+
 def _set_manager(
     cfg: RunConfig,
     data: PreparedData,
@@ -134,6 +150,7 @@ def _set_manager(
         decode=data.decode,
         remote_reward=cfg.data.remote_reward,
         uid_prefix=f"val-{name}-",
+        seed=validation_seed(cfg, name),
         recover=recover,
         episode=episode,
     )

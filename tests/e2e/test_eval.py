@@ -1,17 +1,15 @@
 """``megatron-rl eval`` on a run's last checkpoint: the run's own validation, reproduced by engines alone.
 
 A short run of the default recipe (4 steps, both of its validation sets at steps 0 and 4), then ``eval`` on its
-checkpoint folder. The greedy set's metrics equal the run's last validation exactly: the engine serves the
-checkpoint's weights (converted from torch_dist, as ``eval`` does without an ``hf/`` export), the same weights
-the run had synced, and greedy decoding is deterministic. The sampled set is an independent draw of the same
-expectation: the two mean@8 differ by less than 4 standard deviations of a difference of two means over P
-prompts x 8 responses, each responses' variance at most 1/4, so sqrt(2 / (4 * 8 * P)) per sigma.
+checkpoint folder. Every metric of both sets equals the run's step-4 validation exactly: the engine serves the
+checkpoint's weights (converted from torch_dist, as ``eval`` does without an ``hf/`` export), the weights the run
+had synced, greedy decoding is deterministic, and the sampled set draws with the seeds of step 4, which the
+checkpoint names (``ValidationSet.generate``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -48,10 +46,11 @@ def test_eval_of_the_last_checkpoint_reproduces_the_runs_last_validation(tmp_pat
     out = tmp_path / RUN / "eval" / "checkpoints"
     greedy = json.loads((out / "greedy.json").read_text())
     sampled = json.loads((out / "sampled.json").read_text())
-    for metric in ("mean@1", "reward_mean", "response_length_mean", "truncated_fraction"):
-        assert greedy[metric] == last[f"val/greedy/{metric}"], metric
-    sigma = math.sqrt(2 / (4 * SAMPLED_N * PROMPTS))
-    assert abs(sampled["mean@8"] - last["val/sampled/mean@8"]) < 4 * sigma
+    for name, metrics in (("greedy", greedy), ("sampled", sampled)):
+        logged = {
+            key.removeprefix(f"val/{name}/"): value for key, value in last.items() if key.startswith(f"val/{name}/")
+        }
+        assert metrics == logged, name
     assert sampled["pass@1"] == sampled["mean@8"] and sampled["maj@8"] <= sampled["pass@8"]
 
     rows = [json.loads(line) for line in (out / "sampled.jsonl").read_text().splitlines()]
