@@ -46,7 +46,7 @@ def test_a_run_survives_its_reward_server_dying_after_the_first_step(tmp_path: P
                 "train.steps=4",
                 f"train.prompts_per_step={PROMPTS}",
                 f"rollout.n_samples_per_prompt={SAMPLES}",
-                "train.val_interval=0",
+                "validation.interval=0",
                 "checkpoint.interval=0",
                 "logging.sinks=[jsonl]",
             ],
