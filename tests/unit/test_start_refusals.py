@@ -313,6 +313,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("weight_sync/weight_group.py", ""): "internal: rank and backend come from the transport",
     ("weight_sync/tensor_serialization.py", ""): "payload contents at run time",
     ("orchestration/batch_assembly.py", ""): "internal contract between rollout manager and driver",
+    ("orchestration/validation.py", ""): "checked first: eval's --sets against the recipe's sets (cli), and a set "
+    "training runs without prompts by validate (validation.sets.<name>.files)",
     ("orchestration/memory_handover.py", ""): "call order of the colocated hand-over",
     ("orchestration/placement_group.py", "PlacementError"): "the Ray cluster's free resources, not the recipe",
     ("orchestration/worker_group.py", ""): "internal call contract",
