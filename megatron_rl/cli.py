@@ -83,21 +83,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from megatron_rl.data.preparation import prepare_data
+    from megatron_rl.data.preparation import prepare_recipe_data
     from megatron_rl.data.rewards import qualified_name
     from megatron_rl.data.sampler import PromptSampler
 
     try:
         cfg, _ = load_recipe(args.recipe, args.overrides)
         arch = read_architecture(cfg.model.path, cfg.model.random_init)
-        prepared = prepare_data(
-            cfg.data,
-            tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-            model_vocab_size=arch.vocab_size,
-            max_prompt_length=cfg.rollout.max_prompt_length,
-            work_dir=f"{cfg.run_dir}/data",
-            validation=cfg.validation,
-        )
+        prepared = prepare_recipe_data(cfg, model_vocab_size=arch.vocab_size, work_dir=f"{cfg.run_dir}/data")
     except (RecipeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -29,6 +30,16 @@ from pydantic import (
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
+
+
+def _top_k_not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("top_k 0 would sample nothing; use -1 to disable top-k or a positive k")
+    return value
+
+
+TopK = Annotated[int, AfterValidator(_top_k_not_zero)]
+"""Top-k sampling: -1 disables it, 0 is refused (it would sample nothing)."""
 
 
 class Section(BaseModel):
@@ -215,14 +226,7 @@ class RolloutConfig(Section):
         description="Nucleus sampling mass. Training rollouts need 1.0 (a recipe check): the trainer's log-probs "
         "are of the untruncated softmax.",
     )
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it (required for training rollouts).")
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_not_zero(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("top_k 0 would sample nothing; use -1 to disable top-k or a positive k")
-        return value
+    top_k: TopK = Field(-1, ge=-1, description="Top-k sampling; -1 disables it (required for training rollouts).")
 
     max_prompt_length: PositiveInt = Field(1024, description="Longer prompts are filtered out of the dataset.")
     max_response_length: PositiveInt = Field(1024, description="Maximum new tokens per response.")
@@ -524,7 +528,7 @@ class ValidationSetConfig(Section):
     n: PositiveInt = Field(1, description="Responses per prompt (DAPO reports AIME 2024 at n=32: avg@32).")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (DAPO's evaluation: 0.7).")
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    top_k: TopK = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
     max_response_length: PositiveInt | None = Field(
         None, description="Maximum new tokens per response; None: rollout.max_response_length."
     )
@@ -538,13 +542,6 @@ class ValidationSetConfig(Section):
         description="Validate this set every N steps; None: validation.interval; 0: never during training "
         "(`megatron-rl eval` still runs it).",
     )
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_not_zero(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("top_k 0 would sample nothing; use -1 to disable top-k or a positive k")
-        return value
 
     @model_validator(mode="after")
     def _ks_within_n(self) -> ValidationSetConfig:

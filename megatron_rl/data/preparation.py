@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from megatron_rl.config.schema import REMOTE_REWARD, DataConfig, ValidationConfig
+from megatron_rl.config.schema import REMOTE_REWARD, DataConfig, RunConfig, ValidationConfig
 from megatron_rl.data.parquet_dataset import PromptDataset, load_prompt_dataset
 from megatron_rl.data.remote_reward import RemoteReward
 from megatron_rl.data.rewards import RewardFn, check_reward_contract, get_reward
@@ -149,4 +149,17 @@ def prepare_data(
         val=val,
         reward_fn=reward_fn,
         val_sets=val_sets,
+    )
+
+
+def prepare_recipe_data(cfg: RunConfig, *, model_vocab_size: int, work_dir: str | Path) -> PreparedData:
+    """:func:`prepare_data` as the recipe ``cfg`` sets it: its data and validation sections, the model's tokenizer
+    (``model.tokenizer``, else ``model.path``) and ``rollout.max_prompt_length``."""
+    return prepare_data(
+        cfg.data,
+        tokenizer_path=cfg.model.tokenizer or cfg.model.path,
+        model_vocab_size=model_vocab_size,
+        max_prompt_length=cfg.rollout.max_prompt_length,
+        work_dir=work_dir,
+        validation=cfg.validation,
     )

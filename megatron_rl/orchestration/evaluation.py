@@ -18,7 +18,7 @@ from megatron_rl.checkpoint.layout import HF_EXPORT_DIR, TRAINER_STATE_FILE, mod
 from megatron_rl.checkpoint.trainer_state import load_trainer_state
 from megatron_rl.config import RunConfig, read_architecture
 from megatron_rl.config.model_source import has_hf_config
-from megatron_rl.data.preparation import PreparedData, prepare_data
+from megatron_rl.data.preparation import PreparedData, prepare_recipe_data
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.placement_group import create_rank_slots
 from megatron_rl.orchestration.resources import RunResources, prepare_rollout_weights, start_engines, start_ray
@@ -80,14 +80,7 @@ def evaluate(
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     arch = read_architecture(cfg.model.path, cfg.model.random_init)
-    data = prepare_data(
-        cfg.data,
-        tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-        model_vocab_size=arch.vocab_size,
-        max_prompt_length=cfg.rollout.max_prompt_length,
-        work_dir=f"{cfg.run_dir}/data",
-        validation=cfg.validation,
-    )
+    data = prepare_recipe_data(cfg, model_vocab_size=arch.vocab_size, work_dir=f"{cfg.run_dir}/data")
     for name in names:
         if name not in cfg.validation.sets or name not in data.val_sets:
             build_validation_sets(cfg, data, [], names=[name])  # raises, naming the set and the fix

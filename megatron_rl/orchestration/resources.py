@@ -42,7 +42,7 @@ from megatron_rl.actor.step_data import expert_index_dtype
 from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
 from megatron_rl.config import RunConfig, read_architecture
 from megatron_rl.data import PromptSampler
-from megatron_rl.data.preparation import PreparedData, prepare_data
+from megatron_rl.data.preparation import PreparedData, prepare_recipe_data
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
 from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.engine_recovery import DeferredEngineRecovery, EngineRecovery
@@ -155,14 +155,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
     logged after it are dropped. The caller must :meth:`~RunResources.close` the result.
     """
     arch = read_architecture(cfg.model.path, cfg.model.random_init)
-    data = prepare_data(
-        cfg.data,
-        tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-        model_vocab_size=arch.vocab_size,
-        max_prompt_length=cfg.rollout.max_prompt_length,
-        work_dir=f"{cfg.run_dir}/data",
-        validation=cfg.validation,
-    )
+    data = prepare_recipe_data(cfg, model_vocab_size=arch.vocab_size, work_dir=f"{cfg.run_dir}/data")
     expert_dtype = expert_index_dtype(max(1, arch.num_experts))  # what a step's routed experts travel in
     network = RunNetwork.of(cfg.cluster)
     network.address()  # a node without the recipe's interface fails here, before Ray starts

@@ -24,7 +24,7 @@ from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.model_source import ModelSourceError, read_architecture
 from megatron_rl.config.schema import DataConfig, RunConfig, ValidationConfig
 from megatron_rl.data.math_reward import math_01, math_dapo, math_equiv
-from megatron_rl.data.preparation import PreparedData, prepare_data
+from megatron_rl.data.preparation import PreparedData, prepare_recipe_data
 from megatron_rl.data.rewards import RewardFn
 from megatron_rl.data.synthetic_task import synthetic_exact, synthetic_lookup_answer
 from megatron_rl.data.synthetic_tokenizer import ASSISTANT_TOKEN, CALL_TOKEN, EOS_TOKEN, TOOL_TOKEN
@@ -201,14 +201,7 @@ def prepare(cfg: RunConfig, arch: QwenArchitecture) -> PreparedData:
     """The run's data preparation, a synthetic task's files written under :func:`preflight_dir`; StepFailure
     with the recipe field the problem names (the tokenizer's when none)."""
     try:
-        return prepare_data(
-            cfg.data,
-            tokenizer_path=cfg.model.tokenizer or cfg.model.path,
-            model_vocab_size=arch.vocab_size,
-            max_prompt_length=cfg.rollout.max_prompt_length,
-            work_dir=preflight_dir(cfg) / "data",
-            validation=cfg.validation,
-        )
+        return prepare_recipe_data(cfg, model_vocab_size=arch.vocab_size, work_dir=preflight_dir(cfg) / "data")
     except (ValueError, OSError) as error:  # AutoTokenizer raises OSError for a directory without a tokenizer
         raise _failure(error, "model.tokenizer") from error
 
