@@ -34,6 +34,14 @@ from megatron_rl.config import (
 )
 
 
+def _judge_summary(cfg: RunConfig) -> list[str]:
+    if cfg.judge is None:
+        return []
+    engine = cfg.judge.engine or cfg.rollout.engine
+    where = f", {cfg.judge_nodes} node(s) of its own (job: {cfg.job_nodes} nodes)" if cfg.judge_nodes else ""
+    return [f"# judge: {cfg.judge.num_engines} {engine} engine(s) (tp {cfg.judge.tp}) of {cfg.judge.model}{where}"]
+
+
 def _layout_summary(cfg: RunConfig) -> str:
     par, rollout, train = cfg.parallel, cfg.rollout, cfg.train
     layout = trainer_layout(par, cfg.cluster, rollout)
@@ -49,6 +57,7 @@ def _layout_summary(cfg: RunConfig) -> str:
             f", {per_rank} responses per rank per mini-batch",
             f"# rollout: {engine_layout(cfg.cluster, rollout).num_engines} {rollout.engine} engine(s) "
             f"(tp {rollout.tp}, ep {rollout.ep}, dp {rollout.dp}), {rollout.placement}",
+            *_judge_summary(cfg),
         ]
     )
 
@@ -108,7 +117,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
                 f"mean {sum(lengths) / len(lengths):.1f} max {max(lengths)}"
             )
     reward = prepared.reward_fn
-    print(f"# reward: {cfg.data.reward} -> {qualified_name(reward)}")
+    scorer = qualified_name(reward) if reward is not None else f"the judge model {cfg.judge and cfg.judge.model}"
+    print(f"# reward: {cfg.data.reward} -> {scorer}")
     sampler = PromptSampler(
         len(prepared.train), cfg.train.prompts_per_step, seed=cfg.train.seed, shuffle=cfg.data.shuffle
     )

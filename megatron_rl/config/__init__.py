@@ -7,9 +7,11 @@ anything expensive starts.
 from megatron_rl.config.checks import Finding, check_recipe
 from megatron_rl.config.layout import (
     EngineLayout,
+    JudgeLayout,
     TrainerLayout,
     describe_layout,
     engine_layout,
+    judge_layout,
     layout_record,
     trainer_layout,
 )
@@ -35,6 +37,7 @@ __all__ = [
     "ClusterConfig",
     "DataConfig",
     "EngineLayout",
+    "JudgeLayout",
     "Finding",
     "LoggingConfig",
     "ModelConfig",
@@ -49,6 +52,7 @@ __all__ = [
     "check_recipe",
     "describe_layout",
     "engine_layout",
+    "judge_layout",
     "layout_record",
     "load_recipe",
     "read_architecture",

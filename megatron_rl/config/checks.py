@@ -28,7 +28,7 @@ from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.layout import trainer_layout
 from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.pipeline_split import pipeline_split
-from megatron_rl.config.schema import REMOTE_REWARD, RunConfig
+from megatron_rl.config.schema import JUDGE_REWARD, REMOTE_REWARD, RunConfig
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
 
 
@@ -627,6 +627,48 @@ def _check_remote_reward(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
         )
 
 
+def _check_judge(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
+    judge, reward, per_node = cfg.judge, cfg.data.reward, cfg.cluster.gpus_per_node
+    if reward == JUDGE_REWARD and judge is None:
+        yield _error(
+            "judge.model",
+            f"required when data.reward is {JUDGE_REWARD!r} (no judge section): give the judge model's Hugging Face "
+            "directory, e.g. judge.model=/models/Qwen3-8B",
+        )
+        return
+    if judge is None:
+        return
+    if reward != JUDGE_REWARD:
+        yield _error(
+            "judge",
+            f"a judge ({judge.model!r}) is set but data.reward is {reward!r}, which does not use it: set "
+            f"data.reward={JUDGE_REWARD} to score with the judge, or remove the judge section",
+        )
+    if not Path(judge.model).is_dir():
+        yield _needed("judge.model", f"no such directory: {judge.model!r} (the judge's Hugging Face model)")
+    engine = judge.engine or cfg.rollout.engine
+    if per_node and judge.tp > per_node:
+        yield _error(
+            "judge.tp",
+            f"{judge.tp} GPUs per judge engine exceed a node's {per_node} (cluster.gpus_per_node); judge engines "
+            f"do not span nodes: use judge.tp <= {per_node}",
+        )
+    elif per_node and (judge.num_engines * judge.tp) % per_node:
+        gpus = judge.num_engines * judge.tp
+        fill = -(-gpus // per_node) * per_node // judge.tp
+        yield _error(
+            "judge.num_engines",
+            f"{judge.num_engines} judge engines x judge.tp {judge.tp} = {gpus} GPUs leave part of a node idle "
+            f"(the judge takes whole nodes of {per_node} GPUs beside cluster.nodes): use judge.num_engines={fill}",
+        )
+    if engine == "sglang" and per_node == 0 and (judge.max_total_tokens or cfg.rollout.max_total_tokens) is None:
+        yield _error(
+            "judge.max_total_tokens",
+            "a CPU SGLang judge engine needs a KV cache size (SGLang sizes it from host RAM): set "
+            "judge.max_total_tokens or rollout.max_total_tokens",
+        )
+
+
 def _check_deterministic_inference(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     if cfg.rollout.deterministic_inference and cfg.rollout.engine == "reference":
         yield _warning(
@@ -678,12 +720,13 @@ def _check_fp8_rollout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
 
 def _check_network(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     cluster = cfg.cluster
-    if cluster.nodes == 1:
+    if cfg.job_nodes == 1:
         return  # a one-node run listens on 127.0.0.1 only, whatever network_interface says
     if cluster.network_interface is None:
+        judge = f" plus the judge's {cfg.judge_nodes}" if cfg.judge_nodes else ""
         yield _error(
             "cluster.network_interface",
-            f"required when cluster.nodes > 1 (got {cluster.nodes}): name the interface the nodes reach each other "
+            f"required on more than one node (cluster.nodes {cluster.nodes}{judge}): name the interface the nodes reach each other "
             "on (e.g. ib0 or eth0; `ip -brief addr` on a node lists them); engines, the weight transport and Ray "
             "listen only on its address, never on every interface (0.0.0.0)",
         )
@@ -723,6 +766,7 @@ CHECKS: tuple[Check, ...] = (
     _check_precision,
     _check_sources,
     _check_remote_reward,
+    _check_judge,
     _check_deterministic_inference,
     _check_fp8_rollout,
     _check_network,

@@ -1,10 +1,10 @@
-"""Layouts derived from a recipe: the trainer's ranks and data-parallel sizes, the rollout engines' count and size."""
+"""Layouts derived from a recipe: trainer ranks and data-parallel sizes, rollout and judge engines' count and size."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config.schema import ClusterConfig, ParallelConfig, RolloutConfig
+from megatron_rl.config.schema import ClusterConfig, JudgeConfig, ParallelConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -93,3 +93,28 @@ def describe_layout(record: dict[str, int]) -> str:
     """``tp2 pp1 vpp1 cp1 ep1 etp2 (2 ranks)`` for a :func:`layout_record`."""
     sizes = " ".join(f"{key}{record[key]}" for key in ("tp", "pp", "vpp", "cp", "ep", "etp"))
     return f"{sizes} ({record['world_size']} ranks)"
+
+
+@dataclass(frozen=True)
+class JudgeLayout:
+    """Where a recipe's judge engines run: ``num_engines`` of ``gpus_per_engine`` GPUs (0 on CPU recipes) on
+    ``nodes`` nodes of their own (0 on CPU recipes, where they share the job's node)."""
+
+    num_engines: int
+    gpus_per_engine: int
+    nodes: int
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the judge engines take in all."""
+        return self.num_engines * self.gpus_per_engine
+
+
+def judge_layout(cluster: ClusterConfig, judge: JudgeConfig | None) -> JudgeLayout:
+    """The :class:`JudgeLayout` of a recipe's ``judge`` section (no engines without one). On GPU recipes the judge's
+    GPUs round up to whole nodes; validation refuses a judge that does not fill them."""
+    if judge is None:
+        return JudgeLayout(num_engines=0, gpus_per_engine=0, nodes=0)
+    if cluster.gpus_per_node == 0:
+        return JudgeLayout(num_engines=judge.num_engines, gpus_per_engine=0, nodes=0)
+    return JudgeLayout(judge.num_engines, judge.tp, nodes=-(-judge.num_engines * judge.tp // cluster.gpus_per_node))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import string
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -417,6 +418,80 @@ class RemoteRewardConfig(Section):
         return (self.retries + 1) * self.timeout_s + waits
 
 
+JUDGE_REWARD = "judge"
+"""The ``data.reward`` value that scores with the judge model of the ``judge:`` section (a reserved name)."""
+JUDGE_FIELDS = ("prompt", "response", "ground_truth")
+"""The placeholders a judge prompt template may use."""
+
+
+class JudgeConfig(Section):
+    """A judge model scoring each response (``data.reward: judge``), served by engines of the job's own.
+
+    The judge's engines sit on their own placement (extra nodes on GPU recipes) and keep their weights: training
+    never syncs them. Each response is asked about in ``prompt_template`` (``{prompt}``, ``{response}``,
+    ``{ground_truth}``), rendered as a user message of the judge tokenizer's chat template when it has one, and
+    answered greedily; the verdict is the last match of ``correct_pattern`` or ``wrong_pattern`` in the answer.
+    An answer matching neither is a reward error (scored as the empty response, counted in
+    rollout/reward_errors); the empty response is wrong without asking.
+    """
+
+    model: str = Field(description="Hugging Face directory of the judge model (weights, config, tokenizer).")
+    engine: Literal["sglang", "reference"] | None = Field(
+        None, description="Engine serving the judge; defaults to rollout.engine."
+    )
+    tp: PositiveInt = Field(1, description="Tensor-parallel size of each judge engine (GPUs per engine).")
+    num_engines: PositiveInt = Field(
+        1,
+        description="Judge engines. On GPU recipes num_engines x tp GPUs fill whole extra nodes beside "
+        "cluster.nodes (an allocation of cluster.nodes + judge nodes); responses go to them in turn.",
+    )
+    prompt_template: str = Field(
+        "Question: {prompt}\nReference answer: {ground_truth}\nResponse: {response}\n"
+        "Is the response's final answer equivalent to the reference answer? End with 'Verdict: correct' or "
+        "'Verdict: wrong'.",
+        description="What the judge is asked; {prompt}, {response} and {ground_truth} are filled in "
+        "({response} is required).",
+    )
+    correct_pattern: str = Field(
+        r"(?i)verdict:\s*correct", description="Regular expression of a 'correct' verdict in the judge's answer."
+    )
+    wrong_pattern: str = Field(
+        r"(?i)verdict:\s*wrong", description="Regular expression of a 'wrong' verdict in the judge's answer."
+    )
+    max_new_tokens: PositiveInt = Field(512, description="Most tokens the judge may write per verdict.")
+    correct_score: float = Field(1.0, description="Reward of a response judged correct.")
+    wrong_score: float = Field(0.0, description="Reward of a response judged wrong (and of the empty response).")
+    request_timeout_s: PositiveFloat = Field(
+        60.0, description="Seconds one judge request may take before the next engine is tried."
+    )
+    max_total_tokens: PositiveInt | None = Field(
+        None, description="KV cache tokens per judge engine; defaults to rollout.max_total_tokens."
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _known_fields(cls, template: str) -> str:
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        except ValueError as exc:
+            raise ValueError(f"{template!r} is not a format string ({exc}); write literal braces as {{{{ }}}}") from exc
+        unknown = sorted(fields - set(JUDGE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown placeholders {unknown}: use only {{prompt}}, {{response}}, {{ground_truth}}")
+        if "response" not in fields:
+            raise ValueError("the template must contain {response}, the response the judge judges")
+        return template
+
+    @field_validator("correct_pattern", "wrong_pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{pattern!r} is not a regular expression: {exc}") from exc
+        return pattern
+
+
 class DataConfig(Section):
     """Prompt datasets and the reward."""
 
@@ -432,8 +507,8 @@ class DataConfig(Section):
     )
     reward: str = Field(
         "math_dapo",
-        description="Registered reward name, an import path `pkg.module:function`, or `remote`: a reward server "
-        "(data.remote_reward).",
+        description="Registered reward name, an import path `pkg.module:function`, `remote`: a reward server "
+        "(data.remote_reward), or `judge`: the judge model of the judge section.",
     )
     remote_reward: RemoteRewardConfig | None = Field(
         None, description="The reward server, required with data.reward: remote (and only then)."
@@ -661,6 +736,7 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    judge: JudgeConfig | None = Field(None, description="The judge model, required with data.reward: judge.")
 
     @property
     def run_dir(self) -> str:
@@ -684,6 +760,19 @@ class RunConfig(Section):
         if self.rollout.quantization != "fp8":
             return None
         return self.rollout.fp8_checkpoint or f"{self.run_dir}/rollout_fp8"
+
+    @property
+    def judge_nodes(self) -> int:
+        """Nodes of the judge's own beside ``cluster.nodes``: its engines' GPUs in whole nodes (0 on CPU recipes,
+        where the judge shares the job's node, and without a judge)."""
+        if self.judge is None or self.cluster.gpus_per_node == 0:
+            return 0
+        return -(-self.judge.num_engines * self.judge.tp // self.cluster.gpus_per_node)
+
+    @property
+    def job_nodes(self) -> int:
+        """The job's nodes: ``cluster.nodes`` plus :attr:`judge_nodes` (what an allocation must hold)."""
+        return self.cluster.nodes + self.judge_nodes
 
     @property
     def loss_norm_constant(self) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from megatron_rl.config.schema import REMOTE_REWARD, DataConfig, RunConfig, ValidationConfig
+from megatron_rl.config.schema import JUDGE_REWARD, REMOTE_REWARD, DataConfig, RunConfig, ValidationConfig
 from megatron_rl.data.parquet_dataset import PromptDataset, load_prompt_dataset
 from megatron_rl.data.remote_reward import RemoteReward
 from megatron_rl.data.rewards import RewardFn, check_reward_contract, get_reward
@@ -27,14 +27,15 @@ class PreparedData:
     """The tokenizer, the training and validation prompts and the reward of a run.
 
     ``val`` holds ``data.val_files`` (or the synthetic validation split); ``val_sets`` maps each validation
-    set to its prompts (its own files, else ``val``; a set with neither is absent).
+    set to its prompts (its own files, else ``val``; a set with neither is absent). ``reward_fn`` is None with
+    ``data.reward: judge``, whose engines start with the run.
     """
 
     tokenizer: PreTrainedTokenizerBase
     tokenizer_dir: Path
     train: PromptDataset
     val: PromptDataset | None
-    reward_fn: RewardFn
+    reward_fn: RewardFn | None
     val_sets: dict[str, PromptDataset] = field(default_factory=dict)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -44,15 +45,18 @@ class PreparedData:
         return text
 
 
-def resolve_reward(data: DataConfig) -> RewardFn:
+def resolve_reward(data: DataConfig) -> RewardFn | None:
     """The reward function ``data.reward`` names, checked against the reward contract.
 
     Raises ValueError naming ``data.reward`` when it is unknown, cannot be imported, or
     violates the contract. With ``data.reward: remote`` it is the :class:`RemoteReward` of
     ``data.remote_reward``, and the contract's probe is a request to the server: a server that is down
     or answers no score fails here, the message naming ``data.remote_reward.url``. The probe's
-    connection is closed before this returns.
+    connection is closed before this returns. With ``data.reward: judge`` it is None: the judge's engines,
+    which the run starts, score (:class:`~megatron_rl.rollout.judge_reward.JudgeReward`).
     """
+    if data.reward == JUDGE_REWARD:
+        return None
     try:
         if data.reward != REMOTE_REWARD:
             reward_fn = get_reward(data.reward)

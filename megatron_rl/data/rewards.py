@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from megatron_rl.config.schema import REMOTE_REWARD
+from megatron_rl.config.schema import JUDGE_REWARD, REMOTE_REWARD
 from megatron_rl.named_functions import find_function, qualified_name, register_function
 
 
@@ -58,6 +58,18 @@ class RewardFn(Protocol):
     def __call__(self, response: str, ground_truth: str, extra_info: Mapping[str, Any]) -> RewardOutput: ...
 
 
+class ServedReward(Protocol):
+    """A reward served from outside the workers (a reward server, the judge's engines): picklable, so each reward
+    worker gets its own copy; it also reads the prompt the response answers. It raises when it gives no score."""
+
+    def __call__(
+        self, response: str, ground_truth: str, extra_info: Mapping[str, Any], prompt: str = ""
+    ) -> RewardOutput: ...
+
+    def close(self) -> None:
+        """Release connections; the next call opens new ones."""
+
+
 class RewardContractError(TypeError):
     """A reward function violates the contract; the message says which part and how to fix it."""
 
@@ -73,10 +85,11 @@ def register_reward(name: str) -> Callable[[_F], _F]:
     """Decorator registering a top-level reward function under ``name``; returns it unchanged.
 
     Re-registering the same function (e.g. when a worker re-imports its module) is a no-op;
-    registering a different function under a taken name, or under the reserved ``"remote"``, raises ValueError.
+    registering a different function under a taken name, or under the reserved ``"remote"`` or ``"judge"``, raises
+    ValueError.
     """
-    if name == REMOTE_REWARD:
-        raise ValueError(f"reward name {name!r} is reserved for data.reward: {name} (data.remote_reward's server)")
+    if name in (REMOTE_REWARD, JUDGE_REWARD):
+        raise ValueError(f"reward name {name!r} is reserved for data.reward: {name} (a reward served to the workers)")
     return register_function(_REGISTRY, "reward", name, RewardContractError)
 
 
@@ -91,12 +104,18 @@ def get_reward(name: str) -> RewardFn:
     Raises ValueError for an unknown name (listing the registered ones), an import path whose
     module cannot be imported, or whose attribute is missing; TypeError if it is not callable.
     ``"remote"`` is no function of the registry: ValueError pointing to
-    :class:`~megatron_rl.data.remote_reward.RemoteReward`, which scores through ``data.remote_reward``.
+    :class:`~megatron_rl.data.remote_reward.RemoteReward`, which scores through ``data.remote_reward``, and so is
+    ``"judge"``: the judge engines' :class:`~megatron_rl.rollout.judge_reward.JudgeReward`.
     """
     if name == REMOTE_REWARD:
         raise ValueError(
             f"reward {name!r} scores through the server of data.remote_reward: build "
             "megatron_rl.data.remote_reward.RemoteReward(data.remote_reward), as prepare_data does"
+        )
+    if name == JUDGE_REWARD:
+        raise ValueError(
+            f"reward {name!r} scores with the judge section's engines, which the run starts: "
+            "megatron_rl.rollout.judge_reward.JudgeReward scores through them"
         )
     return find_function(_REGISTRY, "reward", name)
 

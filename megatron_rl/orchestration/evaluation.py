@@ -19,9 +19,16 @@ from megatron_rl.checkpoint.trainer_state import load_trainer_state
 from megatron_rl.config import RunConfig, read_architecture
 from megatron_rl.config.model_source import has_hf_config
 from megatron_rl.data.preparation import PreparedData, prepare_recipe_data
+from megatron_rl.orchestration.judge_engines import start_judge_engines
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.placement_group import create_rank_slots
-from megatron_rl.orchestration.resources import RunResources, prepare_rollout_weights, start_engines, start_ray
+from megatron_rl.orchestration.resources import (
+    RunResources,
+    prepare_rollout_weights,
+    served_reward,
+    start_engines,
+    start_ray,
+)
 from megatron_rl.orchestration.validation import ValidationSet, build_validation_sets
 from megatron_rl.plan.placement import plan_run_placement
 from megatron_rl.rollout.episodes import build_episode
@@ -99,10 +106,11 @@ def evaluate(
 def _run_sets(
     cfg: RunConfig, data: PreparedData, weights: Path, out_dir: Path, names: Sequence[str], step: int
 ) -> dict[str, dict[str, float]]:
-    network = RunNetwork.of(cfg.cluster)
+    network = RunNetwork.of(cfg.cluster, cfg.job_nodes)
     run = RunResources(cfg, data, weights, network=network)
     try:
         start_ray(cfg, network)
+        run.judge = start_judge_engines(cfg, network, run.api_key)
         plan = plan_run_placement(cfg)
         run.placement, slots = create_rank_slots(
             plan.num_bundles,
@@ -117,7 +125,9 @@ def _run_sets(
         run.engine_hosts.wait_healthy()
         run.engines = list(run.engine_hosts.clients)
         run.episode = build_episode(cfg.rollout, data.tokenizer)
-        run.validation = build_validation_sets(cfg, data, run.engines, names=names, episode=run.episode)
+        run.validation = build_validation_sets(
+            cfg, data, run.engines, names=names, episode=run.episode, served_reward=served_reward(cfg, run.judge)
+        )
         done = {}
         for validation_set in run.validation:  # the manager shows a progress bar of prompts on a terminal
             print(f"# eval: set {validation_set.name} ({len(data.val_sets[validation_set.name])} prompts)", flush=True)

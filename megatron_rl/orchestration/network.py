@@ -78,12 +78,16 @@ class RunNetwork:
     interface: str | None = None
 
     @classmethod
-    def of(cls, cluster: ClusterConfig) -> RunNetwork:
-        """Loopback for a one-node run, else ``cluster.network_interface`` (the recipe check requires it)."""
-        if cluster.nodes == 1:
+    def of(cls, cluster: ClusterConfig, nodes: int | None = None) -> RunNetwork:
+        """Loopback for a one-node run, else ``cluster.network_interface`` (the recipe check requires it).
+
+        ``nodes``: the job's nodes (``RunConfig.job_nodes``: a judge may add its own); default ``cluster.nodes``.
+        """
+        nodes = cluster.nodes if nodes is None else nodes
+        if nodes == 1:
             return cls(None)
         if cluster.network_interface is None:
-            raise NetworkError(f"cluster.network_interface: required on {cluster.nodes} nodes")
+            raise NetworkError(f"cluster.network_interface: required on {nodes} nodes")
         return cls(cluster.network_interface)
 
     @property

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -40,12 +41,16 @@ from ray.util.placement_group import PlacementGroup
 import megatron_rl
 from megatron_rl.actor.step_data import expert_index_dtype
 from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
-from megatron_rl.config import RunConfig, read_architecture
+from megatron_rl.config import RunConfig, judge_layout, read_architecture
+from megatron_rl.config.schema import JUDGE_REWARD, REMOTE_REWARD
 from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_recipe_data
+from megatron_rl.data.remote_reward import RemoteReward
+from megatron_rl.data.rewards import ServedReward
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
 from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.engine_recovery import DeferredEngineRecovery, EngineRecovery
+from megatron_rl.orchestration.judge_engines import JudgeEngines, start_judge_engines
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
 from megatron_rl.orchestration.network import LOOPBACK_ADDRESS, RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots, engine_gpu_ids, engine_node_slots
@@ -54,7 +59,7 @@ from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import RankPaths, TrainerWorker
 from megatron_rl.orchestration.validation import ValidationSet, build_validation_sets
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
-from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_run_placement
+from megatron_rl.plan.placement import CPU_BUNDLE_CPUS, PlacementError, RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
 from megatron_rl.rollout.engine_pool import Recovery
@@ -75,6 +80,8 @@ class RunResources:
     placement: PlacementGroup | None = None
     engine_hosts: EngineHosts | None = None
     engines: list[RolloutEngine] = field(default_factory=list)
+    judge: JudgeEngines | None = None
+    """The judge's engines (``data.reward: judge``), never synced."""
     expert_dtype: torch.dtype = torch.uint8
     validation: list[ValidationSet] = field(default_factory=list)
     """The validation sets training validates (:mod:`megatron_rl.orchestration.validation`)."""
@@ -134,6 +141,7 @@ class RunResources:
         closers = [self._logger.close] if self._logger is not None else []
         closers += [self._trainers.close] if self._trainers is not None else []
         closers += [self.engine_hosts.close] if self.engine_hosts is not None else []
+        closers += [self.judge.close] if self.judge is not None else []
         closers += [part.close for part in (self._rollout, *self.validation, self.episode) if part is not None]
         if self.placement is not None:
             closers.append(lambda: ray.util.remove_placement_group(self.placement))
@@ -157,7 +165,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
     arch = read_architecture(cfg.model.path, cfg.model.random_init)
     data = prepare_recipe_data(cfg, model_vocab_size=arch.vocab_size, work_dir=f"{cfg.run_dir}/data")
     expert_dtype = expert_index_dtype(max(1, arch.num_experts))  # what a step's routed experts travel in
-    network = RunNetwork.of(cfg.cluster)
+    network = RunNetwork.of(cfg.cluster, cfg.job_nodes)
     network.address()  # a node without the recipe's interface fails here, before Ray starts
     run = RunResources(
         cfg,
@@ -170,6 +178,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
     try:
         run.episode = build_episode(cfg.rollout, data.tokenizer)  # tool workers: a missing sandbox stops here
         start_ray(cfg, network)
+        run.judge = start_judge_engines(cfg, network, run.api_key)  # they start while the rest of the run does
         plan = plan_run_placement(cfg)
         bundle = plan.bundle
         run.placement, slots = create_rank_slots(
@@ -206,8 +215,13 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         # With max_staleness > 0 the training rollout runs beside training, which a re-sync cannot join:
         # restarted engines wait for the next sync, the others take their requests.
         run.deferred_recovery = DeferredEngineRecovery(recovery) if cfg.train.max_staleness else None
-        run._rollout = build_rollout_manager(cfg, data, run.engines, run.deferred_recovery or recovery, run.episode)
-        run.validation = build_validation_sets(cfg, data, run.engines, recover=recovery, episode=run.episode)
+        served = served_reward(cfg, run.judge)
+        run._rollout = build_rollout_manager(
+            cfg, data, run.engines, run.deferred_recovery or recovery, run.episode, served
+        )
+        run.validation = build_validation_sets(
+            cfg, data, run.engines, recover=recovery, episode=run.episode, served_reward=served
+        )
         run._logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step
         )
@@ -215,6 +229,18 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         run.close()
         raise
     return run
+
+
+def served_reward(cfg: RunConfig, judge: JudgeEngines | None) -> ServedReward | None:
+    """The reward the workers get served: the reward server's (``data.reward: remote``), the judge engines'
+    (``judge``, waiting until they are healthy), else None (a reward function the workers look up)."""
+    if cfg.data.reward == REMOTE_REWARD:
+        assert cfg.data.remote_reward is not None, "validation requires data.remote_reward with data.reward: remote"
+        return RemoteReward(cfg.data.remote_reward)
+    if cfg.data.reward == JUDGE_REWARD:
+        assert judge is not None, "start_judge_engines starts the judge of data.reward: judge"
+        return judge.reward()
+    return None
 
 
 def engines_hand_over_memory(cfg: RunConfig) -> bool:
@@ -301,7 +327,7 @@ def start_ray(cfg: RunConfig, network: RunNetwork | None = None) -> None:
     (``ray.init`` would take SIGTERM, :func:`handlers_kept_through_ray_init`).
     """
     with handlers_kept_through_ray_init():
-        _init_ray(cfg, network or RunNetwork.of(cfg.cluster))
+        _init_ray(cfg, network or RunNetwork.of(cfg.cluster, cfg.job_nodes))
 
 
 @contextlib.contextmanager
@@ -324,11 +350,13 @@ def _init_ray(cfg: RunConfig, network: RunNetwork) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env={"env_vars": {"PYTHONPATH": python_path}}, log_to_driver=False)
         return
+    judge = judge_layout(cfg.cluster, cfg.judge)
+    judge_cpus = math.ceil(judge.num_engines * CPU_BUNDLE_CPUS) if cfg.cluster.gpus_per_node == 0 else 0
     start = functools.partial(
         ray.init,
         address="local",  # a Ray of its own, never the last `ray start` cluster of the machine (/tmp/ray)
-        num_cpus=os.cpu_count(),
-        num_gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
+        num_cpus=(os.cpu_count() or 1) + judge_cpus,  # CPU bundles are scheduling tokens: the judge's come on top
+        num_gpus=cfg.job_nodes * cfg.cluster.gpus_per_node,
         include_dashboard=False,
         log_to_driver=False,
     )
@@ -441,7 +469,9 @@ def start_engines(
 
     Each listens on its node's address in ``network`` and requires ``api_key``.
     """
-    specs, host_bundles = engine_specs(cfg, hf_dir, slots, plan, network or RunNetwork.of(cfg.cluster), api_key)
+    specs, host_bundles = engine_specs(
+        cfg, hf_dir, slots, plan, network or RunNetwork.of(cfg.cluster, cfg.job_nodes), api_key
+    )
     return EngineHosts(specs, placement, host_bundles, plan.engine_host)
 
 
@@ -468,7 +498,7 @@ def start_trainers(
         num_cpus=plan.trainer.num_cpus,
         args=(cfg, RankPaths.of(cfg, hf_dir), api_key),
         env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
-        network=network or RunNetwork.of(cfg.cluster),
+        network=network or RunNetwork.of(cfg.cluster, cfg.job_nodes),
     )
     return TrainerGroup(ranks)
 
@@ -479,10 +509,12 @@ def build_rollout_manager(
     engines: list[RolloutEngine],
     recover: Recovery | None = None,
     episode: Episode | None = None,
+    served: ServedReward | None = None,
 ) -> RolloutManager:
     """The training rollout: ``dynamic_sampling.gen_batch_prompts`` (default ``prompts_per_step``) prompts per
     generation batch, sampler seeded by ``train.seed``; ``recover`` restarts crashed engines; ``episode`` (from
-    :func:`~megatron_rl.rollout.episodes.build_episode`; None: single-turn) is not closed by the manager."""
+    :func:`~megatron_rl.rollout.episodes.build_episode`; None: single-turn) is not closed by the manager;
+    ``served``: the served reward (:func:`served_reward`)."""
     batch = cfg.algorithm.dynamic_sampling.gen_batch_prompts or cfg.train.prompts_per_step
     sampler = PromptSampler(len(data.train), batch, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     return RolloutManager(
@@ -497,7 +529,7 @@ def build_rollout_manager(
         reward_num_workers=cfg.data.reward_num_workers,
         reward_timeout_s=cfg.data.reward_timeout_s,
         decode=data.decode,
-        remote_reward=cfg.data.remote_reward,
+        served_reward=served,
         routing_replay=cfg.algorithm.routing_replay,
         seed=cfg.train.seed,
         recover=recover,

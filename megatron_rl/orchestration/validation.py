@@ -9,6 +9,7 @@ from megatron_rl.algorithms import metrics_at_k
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RunConfig, ValidationSetConfig
 from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData
+from megatron_rl.data.rewards import ServedReward
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.engine_pool import Recovery
 from megatron_rl.rollout.episodes import Episode
@@ -82,12 +83,14 @@ def build_validation_sets(
     names: Sequence[str] | None = None,
     recover: Recovery | None = None,
     episode: Episode | None = None,
+    served_reward: ServedReward | None = None,
 ) -> list[ValidationSet]:
     """A manager per set: ``names`` (None: the sets training validates, those of interval > 0), in recipe order.
 
     Each call of a set's manager generates its whole set, ``n`` responses per prompt sampled as the set says,
     unshaped, unfiltered, each response whole (no partial-rollout windows), in the training rollout's
-    ``episode``; ``recover`` restarts crashed engines. Raises ValueError for a name the recipe does not define or
+    ``episode``; ``recover`` restarts crashed engines; ``served_reward`` scores as in training (a reward server's
+    or the judge's scorer). Raises ValueError for a name the recipe does not define or
     a set without prompts (no files of its own and no ``data.val_files``).
     """
     sets = cfg.validation.sets
@@ -104,7 +107,7 @@ def build_validation_sets(
             name,
             sets[name],
             cfg.validation.interval_of(name),
-            _set_manager(cfg, data, name, engines, recover=recover, episode=episode),
+            _set_manager(cfg, data, name, engines, recover=recover, episode=episode, served_reward=served_reward),
         )
         for name in chosen
     ]
@@ -124,6 +127,7 @@ def _set_manager(
     *,
     recover: Recovery | None,
     episode: Episode | None,
+    served_reward: ServedReward | None,
 ) -> RolloutManager:
     validation_set, dataset = cfg.validation.sets[name], data.val_sets[name]
     rollout = cfg.rollout.model_copy(
@@ -148,7 +152,7 @@ def _set_manager(
         reward_num_workers=1,
         reward_timeout_s=cfg.data.reward_timeout_s,
         decode=data.decode,
-        remote_reward=cfg.data.remote_reward,
+        served_reward=served_reward,
         uid_prefix=f"val-{name}-",
         seed=validation_seed(cfg, name),
         recover=recover,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import RunConfig, engine_layout, trainer_layout
+from megatron_rl.config import RunConfig, engine_layout, judge_layout, trainer_layout
 
 CPU_BUNDLE_CPUS = 0.4
 """Ray CPUs per bundle on CPU recipes (a scheduling token: the processes share the machine's cores); 4 trainer
@@ -110,4 +110,32 @@ def plan_run_placement(cfg: RunConfig) -> RunPlacementPlan:
         trainer=ActorResources(num_gpus=share, num_cpus=share),
         engine_host=ActorResources(num_gpus=ENGINE_HOST_SHARE, num_cpus=ENGINE_HOST_SHARE),
         engine_nodes=max(1, size // cfg.cluster.gpus_per_node),
+    )
+
+
+def plan_judge_placement(cfg: RunConfig) -> RunPlacementPlan | None:
+    """The judge engines' own placement group (None without ``judge``): on GPU recipes one ``{GPU: 1, CPU: 1}``
+    bundle per judge GPU, engine ``e`` on bundles ``e*tp .. e*tp+tp-1`` (its nodes: :attr:`RunConfig.judge_nodes`
+    beside the run's); on CPU recipes one ``{CPU: 0.4}`` bundle per engine. No trainer ranks."""
+    layout = judge_layout(cfg.cluster, cfg.judge)
+    if layout.num_engines == 0:
+        return None
+    if cfg.cluster.gpus_per_node == 0:
+        cpu = ActorResources(num_gpus=0.0, num_cpus=CPU_BUNDLE_CPUS)
+        return RunPlacementPlan(
+            num_bundles=layout.num_engines,
+            bundle=cpu,
+            trainer_positions=(),
+            engine_positions=tuple((e,) for e in range(layout.num_engines)),
+            trainer=ActorResources(num_gpus=0.0, num_cpus=0.0),
+            engine_host=cpu,
+        )
+    size = layout.gpus_per_engine
+    return RunPlacementPlan(
+        num_bundles=layout.gpus,
+        bundle=ActorResources(num_gpus=1.0, num_cpus=1.0),
+        trainer_positions=(),
+        engine_positions=tuple(tuple(range(e * size, (e + 1) * size)) for e in range(layout.num_engines)),
+        trainer=ActorResources(num_gpus=0.0, num_cpus=0.0),
+        engine_host=ActorResources(num_gpus=ENGINE_HOST_SHARE, num_cpus=ENGINE_HOST_SHARE),
     )

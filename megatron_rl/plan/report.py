@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
-from megatron_rl.config.layout import trainer_layout
+from megatron_rl.config.layout import judge_layout, trainer_layout
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.plan.estimates import (
     ASSUMED,
@@ -188,6 +188,33 @@ def placement_section(
     return lines
 
 
+def judge_section(cfg: RunConfig) -> list[str]:
+    """The judge's engines (``data.reward: judge``) and, on GPU recipes, the nodes of its own they fill: one line
+    per node, numbered after the run's; nothing without a judge."""
+    layout = judge_layout(cfg.cluster, cfg.judge)
+    if cfg.judge is None or layout.num_engines == 0:
+        return []
+    engine = cfg.judge.engine or cfg.rollout.engine
+    what = f"{layout.num_engines} {engine} engine(s) of {cfg.judge.model}"
+    if layout.nodes == 0:
+        return ["", f"judge (data.reward: judge): {what}, beside the run on its node"]
+    per_node = cfg.cluster.gpus_per_node
+    lines = [
+        "",
+        f"judge (data.reward: judge): {what}, tp {layout.gpus_per_engine}, {layout.gpus} GPUs on {layout.nodes} "
+        f"node(s) of its own; the allocation holds {cfg.job_nodes} nodes (cluster.nodes {cfg.cluster.nodes} + "
+        f"{layout.nodes}): sbatch --nodes={cfg.job_nodes}",
+    ]
+    for node in range(layout.nodes):
+        engines = [
+            f"{e} (GPUs {_spans([g % per_node for g in gpus])})"
+            for e in range(layout.num_engines)
+            if (gpus := range(e * layout.gpus_per_engine, (e + 1) * layout.gpus_per_engine))[0] // per_node == node
+        ]
+        lines.append(f"  node {cfg.cluster.nodes + node}: judge engines {', '.join(engines)}")
+    return lines
+
+
 def _range(values: tuple[float, float], digits: int) -> str:
     return f"{values[0]:,.{digits}f}-{values[1]:,.{digits}f}"
 
@@ -281,8 +308,9 @@ def render_plan(
     lines = [*model_section(cfg, arch), *parameter_section(cfg, arch, plan.stages)]
     if plan.engine is None:
         state = ", ".join(f"{a.label} {a.nbytes / 2**20:.2f}" for a in max(plan.stages, key=lambda s: s.total).state)
-        return "\n".join([*lines, "", f"CPU recipe, no GPU memory to check; trainer state per rank (MiB): {state}"])
+        cpu = f"CPU recipe, no GPU memory to check; trainer state per rank (MiB): {state}"
+        return "\n".join([*lines, "", cpu, *judge_section(cfg)])
     lines += trainer_memory_section(plan) + engine_section(cfg, arch, plan.engine, plan.gpu_bytes)
     lines += colocated_section(plan) + estimates_section(cfg, arch, assumptions=assumptions)
-    lines += placement_section(cfg, trainer_positions, engine_positions) + verdict_section(plan)
+    lines += placement_section(cfg, trainer_positions, engine_positions) + judge_section(cfg) + verdict_section(plan)
     return "\n".join(lines)

@@ -222,15 +222,19 @@ def correct_response(reward_fn: RewardFn, ground_truth: str) -> str:
 
 def score_sample(prepared: PreparedData, reward: str, rows: int = SAMPLE_ROWS) -> list[tuple[str, float, bool]]:
     """(response, score, correct) of the first ``rows`` training rows, each row's ground truth written as a correct
-    response (:func:`correct_response`) and scored by the reward; StepFailure naming ``data.reward`` when it raises."""
+    response (:func:`correct_response`) and scored by the reward; StepFailure naming ``data.reward`` when it raises.
+    Empty for a judge (``prepared.reward_fn`` None): its engines start with a run."""
+    if prepared.reward_fn is None:
+        return []
+    reward_fn = prepared.reward_fn
     scored = []
     for item in (prepared.train[index] for index in range(min(rows, len(prepared.train)))):
-        response = correct_response(prepared.reward_fn, item.ground_truth)
+        response = correct_response(reward_fn, item.ground_truth)
         try:
-            output = prepared.reward_fn(response, item.ground_truth, item.extra_info)
+            output = reward_fn(response, item.ground_truth, item.extra_info)
         except Exception as error:  # any error of user code is the finding
             raise StepFailure(
-                f"data.reward {reward} ({qualified_name(prepared.reward_fn)}) raised {type(error).__name__}: {error} "
+                f"data.reward {reward} ({qualified_name(reward_fn)}) raised {type(error).__name__}: {error} "
                 f"on training row {item.index}, response {response!r}, ground truth {item.ground_truth!r}",
                 "data.reward: fix the reward function (a response's reward must not raise), or name another",
             ) from error

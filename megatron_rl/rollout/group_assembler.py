@@ -22,7 +22,8 @@ from megatron_rl.rollout.partial import PartialGroup
 from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
 
 if TYPE_CHECKING:
-    from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RemoteRewardConfig
+    from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig
+    from megatron_rl.data.rewards import ServedReward
 
 
 def group_has_signal(group: RolloutGroup, metric: str) -> bool:
@@ -38,8 +39,8 @@ def group_has_signal(group: RolloutGroup, metric: str) -> bool:
 class GroupAssembler:
     """Scores finished :class:`PartialGroup` s and turns them into shaped, masked :class:`RolloutGroup` s.
 
-    ``decode`` turns response ids into the text the reward reads (and, for a remote reward, the prompt's ids
-    into the prompt it is sent with); ``remote_reward``: the reward server of ``reward="remote"``.
+    ``decode`` turns response ids into the text the reward reads (and, for a served reward, the prompt's ids
+    into the prompt it is sent with); ``served_reward``: the served reward of ``reward="remote"`` or ``"judge"``.
     :meth:`close` stops the reward workers.
     """
 
@@ -53,19 +54,19 @@ class GroupAssembler:
         reward_num_workers: int,
         reward_timeout_s: float,
         decode: Callable[[list[int]], str],
-        remote_reward: RemoteRewardConfig | None = None,
+        served_reward: ServedReward | None = None,
     ) -> None:
         self.overlong, self.dynamic_sampling = overlong, dynamic_sampling
         self.max_response_length = max_response_length
         self.decode = decode
-        self.rewards = RewardPool(reward, reward_num_workers, timeout_s=reward_timeout_s, remote=remote_reward)
+        self.rewards = RewardPool(reward, reward_num_workers, timeout_s=reward_timeout_s, served=served_reward)
 
     def score(self, group: PartialGroup) -> Future[list[ScoredResponse]]:
         """Future of the finished ``group``'s scores, one per response, in order."""
         texts = [self.decode(sample.output_ids) for sample in group.samples]
         item = group.item
         # Local rewards never see the prompt: decoding it for them would be wasted work.
-        prompt = self.decode(list(item.prompt_ids)) if self.rewards.remote is not None else ""
+        prompt = self.decode(list(item.prompt_ids)) if self.rewards.served is not None else ""
         return self.rewards.submit(texts, item.ground_truth, item.extra_info, label=group.uid, prompt=prompt)
 
     def assemble(self, group: PartialGroup, scored: list[ScoredResponse]) -> RolloutGroup:

@@ -67,8 +67,9 @@ from megatron_rl.rollout.step_selection import StepSelection
 from megatron_rl.rollout.submissions import Request, Submission, SubmissionPlanner, WindowProgress
 
 if TYPE_CHECKING:
-    from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RemoteRewardConfig, RolloutConfig
+    from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
     from megatron_rl.data import PromptDataset, PromptSampler
+    from megatron_rl.data.rewards import ServedReward
 
 _Crashes = dict[int, tuple[RolloutEngine, EngineUnavailableError]]
 """Positions whose window had a request fail because its engine was gone, with that engine and error."""
@@ -122,7 +123,7 @@ class RolloutManager:
     ``early_batches`` (without partial rollouts only) sends a generation batch as soon as it is certain
     to be needed; False sends it after the one before has ended (the same groups, later). ``episode``: how a
     response unfolds over turns (:mod:`episodes`; None: one turn); the manager does not close it.
-    ``remote_reward``: the reward server (``data.remote_reward``) when ``reward`` is ``remote``.
+    ``served_reward``: the reward server's or the judge's scorer when ``reward`` is ``remote`` or ``judge``.
     """
 
     def __init__(
@@ -139,7 +140,7 @@ class RolloutManager:
         reward_num_workers: int,
         reward_timeout_s: float,
         decode: Callable[[list[int]], str],
-        remote_reward: RemoteRewardConfig | None = None,
+        served_reward: ServedReward | None = None,
         routing_replay: bool = False,
         uid_prefix: str = "g",
         seed: int | None = None,
@@ -174,7 +175,7 @@ class RolloutManager:
             reward_num_workers=reward_num_workers,
             reward_timeout_s=reward_timeout_s,
             decode=decode,
-            remote_reward=remote_reward,
+            served_reward=served_reward,
         )
         self.max_token_lag = max_token_lag
         self.early_batches = early_batches and self.planner.windows.tokens is None

@@ -9,10 +9,11 @@ answer as soon as it has it, so the parent applies the timeout to every response
 one round trip instead of one per response (the tiny run scores 512 responses per step).
 Workers are started and checked at construction, so the first step does not pay their start-up.
 The reward is looked up by name inside the worker (:func:`megatron_rl.data.get_reward`: a
-registered name or ``pkg.module:fn``). With ``data.reward: remote`` each worker instead sends its
-responses, with their prompt, to the reward server (:class:`megatron_rl.data.remote_reward.RemoteReward`,
-one kept-alive connection per worker), so every failure below is the same for a local and a remote reward:
-a request still failing after its retries raises in the worker. Workers are daemonic: a reward may run
+registered name or ``pkg.module:fn``). A served reward (``data.reward: remote`` or ``judge``) instead comes
+pickled to each worker, which calls it with the response and its prompt: the reward server's
+(:class:`megatron_rl.data.remote_reward.RemoteReward`, one kept-alive connection per worker) or the judge's
+engines' (:class:`megatron_rl.rollout.judge_reward.JudgeReward`); so every failure below is the same for a
+local and a served reward: a request still failing after its retries raises in the worker. Workers are daemonic: a reward may run
 subprocesses, but not start ``multiprocessing`` children.
 
 Failures are per response. A reward that raises, returns something other than a ``RewardOutput``,
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from megatron_rl.rollout.worker_processes import STARTUP_TIMEOUT_S, WorkerExit, WorkerProcess, WorkerSlot, stop_threads
 
 if TYPE_CHECKING:
-    from megatron_rl.config.schema import RemoteRewardConfig
+    from megatron_rl.data.rewards import ServedReward
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ Failure = Literal["error", "timeout"]
 
 
 class Job(NamedTuple):
-    """One response to score: a local reward reads the first three fields, a remote one also the prompt."""
+    """One response to score: a local reward reads the first three fields, a served one also the prompt."""
 
     response: str
     ground_truth: str
@@ -70,17 +71,16 @@ class ScoredResponse:
     answer: str | None = None
 
 
-def _load_reward(reward: str, remote: RemoteRewardConfig | None) -> Callable[[Job], Answer]:
-    """In a worker: look the reward up by name (or connect to ``remote``'s server) and return the function that
-    scores one job."""
+def _load_reward(reward: str, served: ServedReward | None) -> Callable[[Job], Answer]:
+    """In a worker: the function that scores one job, with ``served`` when given, else the reward looked up by
+    name."""
     from megatron_rl.data import RewardOutput, get_reward
-    from megatron_rl.data.remote_reward import RemoteReward
 
-    if remote is not None:
-        server = RemoteReward(remote)
+    if served is not None:
+        scorer = served
 
         def call(job: Job) -> RewardOutput:
-            return server(job.response, job.ground_truth, job.extra_info, job.prompt)
+            return scorer(job.response, job.ground_truth, job.extra_info, job.prompt)
 
     else:
         fn = get_reward(reward)
@@ -100,9 +100,9 @@ def _load_reward(reward: str, remote: RemoteRewardConfig | None) -> Callable[[Jo
     return score
 
 
-def _start_worker(reward: str, remote: RemoteRewardConfig | None) -> WorkerProcess:
+def _start_worker(reward: str, served: ServedReward | None) -> WorkerProcess:
     """A new worker process for ``reward`` (not yet ready)."""
-    return WorkerProcess(f"reward-{reward}", _load_reward, reward, remote)
+    return WorkerProcess(f"reward-{reward}", _load_reward, reward, served)
 
 
 def _wait_ready(worker: WorkerProcess, reward: str) -> None:
@@ -161,20 +161,18 @@ class _GroupScores:
 class RewardPool:
     """``num_workers`` processes scoring responses with the reward named ``reward`` (see the module docstring).
 
-    ``remote``: the reward server's settings (``data.remote_reward``), given with ``reward="remote"``; the
-    probe then goes to the server. Raises ValueError for ``num_workers`` < 1, RuntimeError when a worker
+    ``served``: the served reward of ``reward="remote"`` or ``"judge"`` (each worker gets a copy); the probe then
+    goes to it. Raises ValueError for ``num_workers`` < 1, RuntimeError when a worker
     does not start or the reward fails on the empty-response probe that sets the failed score.
     """
 
-    def __init__(
-        self, reward: str, num_workers: int, *, timeout_s: float, remote: RemoteRewardConfig | None = None
-    ) -> None:
+    def __init__(self, reward: str, num_workers: int, *, timeout_s: float, served: ServedReward | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"reward num_workers must be >= 1, got {num_workers}")
         from megatron_rl.data.rewards import EMPTY_RESPONSE_PROBE
 
-        self.reward, self.timeout_s, self.remote = reward, timeout_s, remote
-        workers = [_start_worker(reward, remote) for _ in range(num_workers)]
+        self.reward, self.timeout_s, self.served = reward, timeout_s, served
+        workers = [_start_worker(reward, served) for _ in range(num_workers)]
         try:
             for worker in workers:
                 _wait_ready(worker, reward)
@@ -209,7 +207,7 @@ class RewardPool:
         prompt: str = "",
     ) -> Future[list[ScoredResponse]]:
         """Future of one group's scores, in the order of ``responses``; ``label`` names the group in failure logs;
-        ``prompt`` (the group's prompt text) reaches a remote reward only.
+        ``prompt`` (the group's prompt text) reaches a served reward only.
 
         The responses are queued in at most ``num_workers`` contiguous chunks of near-equal size.
         """
@@ -246,7 +244,7 @@ class RewardPool:
         return ScoredResponse(answer[0], answer[1], answer=answer[2])
 
     def _new_worker(self) -> WorkerProcess:
-        worker = _start_worker(self.reward, self.remote)
+        worker = _start_worker(self.reward, self.served)
         _wait_ready(worker, self.reward)
         return worker
 

@@ -181,7 +181,7 @@ def served_pool() -> Any:
     """A reward pool of 2 workers scoring through a server (synthetic_successor), whose port stays the same."""
     server = RewardServer().__enter__()
     config = RemoteRewardConfig(url=server.url(), retries=1, backoff_s=0.01, max_backoff_s=0.01, timeout_s=2.0)
-    pool = RewardPool("remote", 2, timeout_s=10.0, remote=config)
+    pool = RewardPool("remote", 2, timeout_s=10.0, served=RemoteReward(config))
     yield server, pool
     pool.close()
     server.kill()

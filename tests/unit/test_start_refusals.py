@@ -266,6 +266,10 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "checkpoint and the trainer's FP8 syncs (rollout.quantization, rollout.fp8_block_size)",
     ("weight_sync/fp8_blocks.py", ""): "internal: only the 2-D projection weights are quantised",
     ("rollout/protocol.py", ""): "wire-format checks of engine requests and responses",
+    ("rollout/judge_reward.py", "JudgeRewardError"): "the judge's answer at run time, caught: the response scores "
+    "as failed",
+    ("rollout/judge_reward.py", "at least one judge engine"): "internal: the run starts judge.num_engines >= 1 "
+    "engines (PositiveInt) before it makes the judge's reward",
     ("rollout/scoring.py", "did not start within"): "the machine: a reward worker process that cannot start",
     ("rollout/scoring.py", "on the empty response"): "the reward's behaviour at run time; `validate` and "
     "prepare_data's contract check (data.reward) run the same probe first",
