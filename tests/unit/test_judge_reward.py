@@ -13,6 +13,7 @@ from megatron_rl.config import judge_layout, load_recipe
 from megatron_rl.config.loading import RecipeError
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.plan.placement import plan_judge_placement
+from megatron_rl.plan.report import judge_section
 from megatron_rl.rollout.judge_reward import (
     JudgeReward,
     JudgeRewardError,
@@ -161,3 +162,19 @@ def test_judge_reward_scores_the_engines_greedy_verdict_and_fails_over(
     with pytest.raises(JudgeRewardError, match=r"no judge engine answered \(judge\d: .*; judge\d: "):
         reward("1 2", "3", {}, "")
     assert "api" not in repr(reward).lower()
+
+
+def test_readme_s_judge_fragment_validates_and_plan_counts_its_node(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    (fragment,) = [block for block in readme.split("```yaml\n")[1:] if block.startswith("data:\n  reward: judge")]
+    fragment = fragment.split("```")[0].replace("/models/Qwen3-8B", str(tmp_path))
+    recipe = tmp_path / "judged.yaml"
+    recipe.write_text(f"base: {BIG}\n{fragment}")
+    cfg = _recipe(recipe=recipe)
+    judge = cfg.judge  # type: ignore[attr-defined]
+    assert judge.prompt_template.startswith("Question: {prompt}\nReference answer: {ground_truth}\n")
+    assert parse_verdict("so... Verdict: Correct", judge.correct_pattern, judge.wrong_pattern) is True
+    assert cfg.job_nodes == cfg.cluster.nodes + 1  # type: ignore[attr-defined]
+    report = "\n".join(judge_section(cfg))  # type: ignore[arg-type]
+    assert f"sbatch --nodes={cfg.job_nodes}" in report  # type: ignore[attr-defined]
+    assert f"node {cfg.cluster.nodes}: judge engines 0 (GPUs 0), 1 (GPUs 1)," in report  # type: ignore[attr-defined]
