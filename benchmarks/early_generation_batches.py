@@ -4,7 +4,7 @@ DAPO's dynamic sampling takes generation batches until ``prompts_per_step`` grou
 kept. Sent one after the other, each batch waits for the one before to end, and the engine spends
 the end of every batch decoding the few longest responses of its last groups. The rollout manager
 now sends the next batch as soon as the groups kept plus those not yet known to be dropped cannot
-fill the step (``RolloutManager(early_batches=True)``, its default without partial rollouts): the
+fill the step (``StepPolicy(early_batches=True)``, its default without partial rollouts): the
 same batches, seeds and kept groups, without the engine idling or running near-empty at each
 batch's end.
 
@@ -44,6 +44,7 @@ from megatron_rl.rollout import ReferenceEngine
 from megatron_rl.rollout.groups import RolloutStep
 from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.protocol import FORWARD_SECONDS_METRIC, IDLE_SECONDS_METRIC, metric_total
+from tests.rollout_managers import build_manager
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = "tests.rollout_rewards:first_token_parity"
@@ -73,7 +74,7 @@ def _dataset(constant_share: float, vocab: int) -> PromptDataset:
 
 def _manager(engine: ReferenceEngine, dataset: PromptDataset, max_new: int, early: bool) -> RolloutManager:
     rollout = RolloutConfig(engine="reference", n_samples_per_prompt=16, max_response_length=max_new)
-    return RolloutManager(
+    return build_manager(
         [engine],
         dataset,
         PromptSampler(len(dataset), PROMPTS_PER_STEP, seed=0),

@@ -17,8 +17,8 @@ from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, Rol
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
 from megatron_rl.rollout.engine import EngineUnavailableError
 from megatron_rl.rollout.episodes import EnvironmentReply, Episode
-from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult
+from tests.rollout_managers import build_manager
 
 REWARD = "tests.rollout_rewards:first_token_parity"
 STOPS = tuple(range(10, 40))
@@ -105,7 +105,7 @@ def run_episodes(engine, *, routing_replay: bool, partial_tokens: int | None = N
         recoveries.append(len(failures))
         return [engine]
 
-    manager = RolloutManager(
+    manager = build_manager(
         [engine],
         dataset,
         PromptSampler(3, 3, seed=0, shuffle=False),

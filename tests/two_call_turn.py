@@ -25,9 +25,9 @@ from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, Rol
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
 from megatron_rl.rollout.episodes import build_episode
 from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.manager import RolloutManager
 from tests.multi_turn_cases import RecordingEngine
 from tests.qwen3_chat import build_qwen3_like_tokenizer
+from tests.rollout_managers import build_manager
 from tests.tiny_checkpoints import chain_model, save_tiny_moe
 
 EXPRESSIONS = ("1 + 2", "3 * 4")
@@ -71,7 +71,7 @@ def run_two_call_episodes(
     episode = build_episode(rollout, tokenizer)
     engine = RecordingEngine(http)
     try:
-        manager = RolloutManager(
+        manager = build_manager(
             [engine],
             PromptDataset([PromptItem(0, case.prompt, "constant", "test")], 0),
             PromptSampler(1, 1, seed=0, shuffle=False),

@@ -62,9 +62,11 @@ from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.placement import CPU_BUNDLE_CPUS, PlacementError, RunPlacementPlan, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
-from megatron_rl.rollout.engine_pool import Recovery
+from megatron_rl.rollout.engine_pool import EnginePool, Recovery
 from megatron_rl.rollout.episodes import Episode, build_episode
-from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.group_assembler import GroupAssembler
+from megatron_rl.rollout.manager import RolloutManager, StepPolicy
+from megatron_rl.rollout.submissions import SubmissionPlanner
 from megatron_rl.weight_sync.engine_feeds import engine_feeders
 
 
@@ -517,25 +519,29 @@ def build_rollout_manager(
     ``served``: the served reward (:func:`served_reward`)."""
     batch = cfg.algorithm.dynamic_sampling.gen_batch_prompts or cfg.train.prompts_per_step
     sampler = PromptSampler(len(data.train), batch, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    return RolloutManager(
-        engines,
+    pool = EnginePool(engines, cfg.rollout.max_concurrent_requests, recover)
+    planner = SubmissionPlanner(
         data.train,
         sampler,
         cfg.rollout,
+        pool.next_engine,
+        uid_prefix="g",
+        seed=cfg.train.seed,
+        routing_replay=cfg.algorithm.routing_replay,
+        stop_token_ids=episode.stop_token_ids if episode is not None else (),
+    )
+    assembler = GroupAssembler(
         cfg.algorithm.overlong,
         cfg.algorithm.dynamic_sampling,
-        prompts_per_step=cfg.train.prompts_per_step,
+        cfg.rollout.max_response_length,
         reward=cfg.data.reward,
         reward_num_workers=cfg.data.reward_num_workers,
         reward_timeout_s=cfg.data.reward_timeout_s,
         decode=data.decode,
         served_reward=served,
-        routing_replay=cfg.algorithm.routing_replay,
-        seed=cfg.train.seed,
-        recover=recover,
-        max_token_lag=max_token_lag(cfg),
-        episode=episode,
     )
+    policy = StepPolicy(cfg.train.prompts_per_step, cfg.algorithm.dynamic_sampling, max_token_lag(cfg))
+    return RolloutManager(pool, planner, assembler, policy, episode)
 
 
 def max_token_lag(cfg: RunConfig) -> int:

@@ -11,10 +11,12 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData
 from megatron_rl.data.rewards import ServedReward
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.engine_pool import Recovery
+from megatron_rl.rollout.engine_pool import EnginePool, Recovery
 from megatron_rl.rollout.episodes import Episode
+from megatron_rl.rollout.group_assembler import GroupAssembler
 from megatron_rl.rollout.groups import RolloutGroup, RolloutStep
-from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.manager import RolloutManager, StepPolicy
+from megatron_rl.rollout.submissions import SubmissionPlanner
 
 FAILURE_COUNTS = ("reward_errors", "reward_timeouts", "engine_restarts")
 """Rollout counters each set reports as its own: responses whose reward failed, engines restarted meanwhile."""
@@ -140,21 +142,28 @@ def _set_manager(
             "partial_rollout_tokens": None,
         }
     )
-    return RolloutManager(
-        engines,
+    sampler = PromptSampler(len(dataset), len(dataset), shuffle=False)
+    pool = EnginePool(engines, rollout.max_concurrent_requests, recover)
+    planner = SubmissionPlanner(
         dataset,
-        PromptSampler(len(dataset), len(dataset), shuffle=False),
+        sampler,
         rollout,
+        pool.next_engine,
+        uid_prefix=f"val-{name}-",
+        seed=validation_seed(cfg, name),
+        routing_replay=False,
+        stop_token_ids=episode.stop_token_ids if episode is not None else (),
+    )
+    assembler = GroupAssembler(
         OverlongConfig(enable=False),
         DynamicSamplingConfig(enable=False),
-        prompts_per_step=len(dataset),
+        rollout.max_response_length,
         reward=cfg.data.reward,
         reward_num_workers=1,
         reward_timeout_s=cfg.data.reward_timeout_s,
         decode=data.decode,
         served_reward=served_reward,
-        uid_prefix=f"val-{name}-",
-        seed=validation_seed(cfg, name),
-        recover=recover,
-        episode=episode,
+    )
+    return RolloutManager(
+        pool, planner, assembler, StepPolicy(len(dataset), DynamicSamplingConfig(enable=False)), episode
     )

@@ -53,10 +53,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
-from megatron_rl.rollout.engine_pool import EnginePool, Recovery
+from megatron_rl.rollout.engine_pool import EnginePool
 from megatron_rl.rollout.episodes import EnvironmentReply, Episode, SingleTurn
 from megatron_rl.rollout.group_assembler import GroupAssembler
 from megatron_rl.rollout.groups import RolloutStep
@@ -67,9 +68,8 @@ from megatron_rl.rollout.step_selection import StepSelection
 from megatron_rl.rollout.submissions import Request, Submission, SubmissionPlanner, WindowProgress
 
 if TYPE_CHECKING:
-    from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
-    from megatron_rl.data import PromptDataset, PromptSampler
-    from megatron_rl.data.rewards import ServedReward
+    from megatron_rl.config.schema import DynamicSamplingConfig
+    from megatron_rl.data import PromptSampler
 
 _Crashes = dict[int, tuple[RolloutEngine, EngineUnavailableError]]
 """Positions whose window had a request fail because its engine was gone, with that engine and error."""
@@ -115,71 +115,53 @@ class _GenerationBatches:
         return self._sampler.next_batch()
 
 
-class RolloutManager:
-    """Generates, scores, shapes and filters groups for training steps (see the module docstring).
+@dataclass(frozen=True)
+class StepPolicy:
+    """How a step fills: ``prompts_per_step`` kept groups, with ``dynamic_sampling`` (its batch limit and what an
+    exhausted step does); ``max_token_lag``: carried groups older than this many weight versions are dropped
+    (None: never); ``early_batches``: send the next generation batch as soon as it is certain to be needed
+    (without partial rollouts only; False: after the one before has ended: the same groups, later)."""
 
-    Group uids (also the engines' request ids) are ``<uid_prefix><n>``; managers sharing engines
-    need distinct prefixes, since an engine remembers an aborted id until a request of it ends.
-    ``early_batches`` (without partial rollouts only) sends a generation batch as soon as it is certain
-    to be needed; False sends it after the one before has ended (the same groups, later). ``episode``: how a
-    response unfolds over turns (:mod:`episodes`; None: one turn); the manager does not close it.
-    ``served_reward``: the reward server's or the judge's scorer when ``reward`` is ``remote`` or ``judge``.
+    prompts_per_step: int
+    dynamic_sampling: DynamicSamplingConfig
+    max_token_lag: int | None = None
+    early_batches: bool = True
+
+
+class RolloutManager:
+    """Generates, scores, shapes and filters groups for training steps (see the module docstring), from its parts.
+
+    ``pool``: the engines the requests go to; ``planner``: each group's requests (prompts from its sampler, whose
+    batch is the generation batch); ``assembler``: scores, shaping and dynamic sampling's signal; ``policy``: how a
+    step fills; ``episode``: how a response unfolds over turns (None: one turn), which must be the one whose stop
+    tokens the planner was given. The manager owns the pool and the assembler (:meth:`close` closes them), not the
+    episode. Group uids (also the engines' request ids) come from the planner's ``uid_prefix``; managers sharing
+    engines need distinct prefixes, since an engine remembers an aborted id until a request of it ends.
+    Raises ValueError when the sampler's batch is smaller than ``policy.prompts_per_step``.
     """
 
     def __init__(
         self,
-        engines: Sequence[RolloutEngine],
-        dataset: PromptDataset,
-        sampler: PromptSampler,
-        rollout: RolloutConfig,
-        overlong: OverlongConfig,
-        dynamic_sampling: DynamicSamplingConfig,
-        *,
-        prompts_per_step: int,
-        reward: str,
-        reward_num_workers: int,
-        reward_timeout_s: float,
-        decode: Callable[[list[int]], str],
-        served_reward: ServedReward | None = None,
-        routing_replay: bool = False,
-        uid_prefix: str = "g",
-        seed: int | None = None,
-        recover: Recovery | None = None,
-        max_token_lag: int | None = None,
-        early_batches: bool = True,
+        pool: EnginePool,
+        planner: SubmissionPlanner,
+        assembler: GroupAssembler,
+        policy: StepPolicy,
         episode: Episode | None = None,
     ) -> None:
-        self.episode = episode or SingleTurn()
-        self.pool = EnginePool(engines, rollout.max_concurrent_requests, recover)
-        if sampler.batch_size < prompts_per_step:
+        if planner.sampler.batch_size < policy.prompts_per_step:
             raise ValueError(
-                f"the sampler's generation batch ({sampler.batch_size} prompts) is smaller than prompts_per_step "
-                f"({prompts_per_step}); make it at least as large (larger to over-sample)"
+                f"the sampler's generation batch ({planner.sampler.batch_size} prompts) is smaller than "
+                f"prompts_per_step ({policy.prompts_per_step}); make it at least as large (larger to over-sample)"
             )
-        self.sampler, self.dynamic_sampling, self.prompts_per_step = sampler, dynamic_sampling, prompts_per_step
-        self.planner = SubmissionPlanner(
-            dataset,
-            sampler,
-            rollout,
-            self.pool.next_engine,
-            uid_prefix=uid_prefix,
-            seed=seed,
-            routing_replay=routing_replay,
-            stop_token_ids=self.episode.stop_token_ids,
-        )
-        self.assembler = GroupAssembler(
-            overlong,
-            dynamic_sampling,
-            rollout.max_response_length,
-            reward=reward,
-            reward_num_workers=reward_num_workers,
-            reward_timeout_s=reward_timeout_s,
-            decode=decode,
-            served_reward=served_reward,
-        )
-        self.max_token_lag = max_token_lag
-        self.early_batches = early_batches and self.planner.windows.tokens is None
+        self.pool, self.planner, self.assembler, self.policy = pool, planner, assembler, policy
+        self.episode = episode or SingleTurn()
+        self.early_batches = policy.early_batches and planner.windows.tokens is None
         self._unfinished: list[PartialGroup] = []
+
+    @property
+    def sampler(self) -> PromptSampler:
+        """The prompt sampler the planner takes generation batches from (its state is the run's to save)."""
+        return self.planner.sampler
 
     def generate_step(self, for_step: int | None = None) -> RolloutStep:
         """Kept groups for one training step (``for_step``, trained by the policy of step ``for_step - 1``)
@@ -198,17 +180,16 @@ class RolloutManager:
         be taken.
         """
         start = time.perf_counter()
-        selection = StepSelection(self.prompts_per_step)
-        batches = _GenerationBatches(
-            self.sampler, self.dynamic_sampling.max_gen_batches if self.dynamic_sampling.enable else 1
-        )
+        selection = StepSelection(self.policy.prompts_per_step)
+        sampling = self.policy.dynamic_sampling
+        batches = _GenerationBatches(self.planner.sampler, sampling.max_gen_batches if sampling.enable else 1)
         carried, self._unfinished = self._unfinished, []
         carried, stale = self._without_stale(carried, for_step)
         restarts = 0
-        bar = _Progress(self.prompts_per_step)
+        bar = _Progress(self.policy.prompts_per_step)
         try:
             while not selection.full:
-                indices = batches.take() if len(selection.kept) + len(carried) < self.prompts_per_step else []
+                indices = batches.take() if len(selection.kept) + len(carried) < self.policy.prompts_per_step else []
                 if not indices and not carried:
                     break
                 round_ = _Round(self, selection, bar, batches.take if self.early_batches else None)
@@ -217,9 +198,10 @@ class RolloutManager:
         finally:
             bar.close()
         self._unfinished = carried
-        if not selection.full and self.dynamic_sampling.on_exhausted == "error":
+        if not selection.full and sampling.on_exhausted == "error":
             raise RolloutExhaustedError(
-                f"dynamic sampling kept {len(selection.kept)} of {self.prompts_per_step} groups after {batches.taken} "
+                f"dynamic sampling kept {len(selection.kept)} of {self.policy.prompts_per_step} groups after "
+                f"{batches.taken} "
                 f"generation batches ({selection.counts.dropped} dropped without signal); raise "
                 "algorithm.dynamic_sampling.max_gen_batches or set on_exhausted: train_partial"
             )
@@ -229,9 +211,9 @@ class RolloutManager:
 
     def _without_stale(self, carried: list[PartialGroup], for_step: int | None) -> tuple[list[PartialGroup], int]:
         """The carried groups that may still continue for ``for_step`` (see :meth:`generate_step`), and how many may not."""
-        if for_step is None or self.max_token_lag is None:
+        lag = self.policy.max_token_lag
+        if for_step is None or lag is None:
             return carried, 0
-        lag = self.max_token_lag
         fresh = [g for g in carried if for_step - 1 - (g.oldest_version() or 0) <= lag]
         return fresh, len(carried) - len(fresh)
 

@@ -15,6 +15,7 @@ from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, Rol
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
 from megatron_rl.rollout.manager import RolloutExhaustedError, RolloutManager
 from tests.reference_servers import reference_process
+from tests.rollout_managers import build_manager
 from tests.tiny_checkpoints import save_tiny_moe
 
 REWARD = "tests.rollout_rewards:first_token_parity"
@@ -36,7 +37,7 @@ def _manager(
 ) -> RolloutManager:
     rollout = RolloutConfig(engine="reference", n_samples_per_prompt=4, max_response_length=max_new)
     rollout = rollout.model_copy(update={"max_concurrent_requests": 4})
-    return RolloutManager(
+    return build_manager(
         [engine],
         _dataset(truths),
         PromptSampler(len(truths), gen_batch, seed=0, shuffle=shuffle),

@@ -28,6 +28,7 @@ from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, EXIT_CODE, engine_exit_fault
 from tests.distributed_utils import free_port
 from tests.e2e.tiny_runs import ROOT, RUN, read_metrics, run_env, train_command
+from tests.rollout_managers import build_manager
 from tests.tiny_checkpoints import save_tiny_moe
 
 REWARD = "tests.rollout_rewards:first_token_parity"
@@ -55,7 +56,7 @@ def _manager(engines, recover=None) -> RolloutManager:
     rollout = rollout.model_copy(update={"max_concurrent_requests": 2})
     truths = ["mixed"] * PROMPTS
     dataset = PromptDataset([PromptItem(i, [i % 50 + 1, 3], t, "test") for i, t in enumerate(truths)], 0)
-    return RolloutManager(
+    return build_manager(
         engines,
         dataset,
         PromptSampler(PROMPTS, PROMPTS, seed=0),

@@ -22,6 +22,7 @@ from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
 from tests.e2e.tiny_runs import RUN, read_metrics, run_train
 from tests.faults.canned_engine import canned_engine, json_answer, sample
 from tests.faults.rewards import EXIT, HANG, RAISE
+from tests.rollout_managers import build_manager
 
 FAULTY = "tests.faults.rewards:faulty_exact"
 TIMEOUT_S = 1.0
@@ -108,7 +109,7 @@ def _generate(path: str, body: Any) -> tuple[int, str, bytes]:
 
 def _manager(engine: Any) -> RolloutManager:
     dataset = PromptDataset([PromptItem(i, [i + 1, 9], "4 <eos>", "faults") for i in range(4)], 0)
-    return RolloutManager(
+    return build_manager(
         [engine],
         dataset,
         PromptSampler(len(dataset), 2, shuffle=False),

@@ -14,9 +14,9 @@ import pytest
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.manager import RolloutManager
 from megatron_rl.rollout.partial import continuation_seed, sample_seeds
 from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult
+from tests.rollout_managers import build_manager
 
 N = 4
 SEED = 1234
@@ -38,7 +38,7 @@ def _sent_requests(engine_kind: str, seed: int | None) -> list[GenerateRequest]:
     engine.name = "stand-in"
     engine.generate.side_effect = generate
     dataset = PromptDataset([PromptItem(i, [i + 1, 3], "mixed", "test") for i in range(3)], 0)
-    manager = RolloutManager(
+    manager = build_manager(
         [engine],
         dataset,
         PromptSampler(3, 3, seed=0, shuffle=False),

@@ -247,12 +247,12 @@ def test_the_tools_recipes_episodes_run_their_code_on_the_server(
     from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig, ToolSandboxConfig
     from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
     from megatron_rl.rollout.episodes import build_episode
-    from megatron_rl.rollout.manager import RolloutManager
     from megatron_rl.rollout.reference.backend import ReferenceBackend
     from megatron_rl.tools.calls import render_tool_responses
     from tests.multi_turn_cases import RecordingEngine
     from tests.qwen3_chat import build_qwen3_like_tokenizer
     from tests.reference_servers import serving
+    from tests.rollout_managers import build_manager
     from tests.tiny_checkpoints import chain_model, save_tiny_moe
 
     recipe, _ = load_recipe(REPO / "recipes/qwen3_30b_a3b_dapo_tools.yaml", [], require_files=False)
@@ -292,7 +292,7 @@ def test_the_tools_recipes_episodes_run_their_code_on_the_server(
     try:
         with serving(ReferenceBackend(model)) as http:
             engine = RecordingEngine(http)
-            manager = RolloutManager(
+            manager = build_manager(
                 [engine],
                 PromptDataset([PromptItem(0, prompt, "42", "test")], 0),
                 PromptSampler(1, 1, seed=0, shuffle=False),
