@@ -14,7 +14,7 @@ import ray
 
 from megatron_rl.actor.step_data import StepData
 from megatron_rl.orchestration.trainer_worker import ShardReceipt, TrainerWorker
-from megatron_rl.orchestration.worker_group import RankWorkerGroup
+from megatron_rl.orchestration.worker_group import RankArgs, RankWorkerGroup, by_reference
 
 
 def _for_every_node(directory: Path) -> str:
@@ -57,7 +57,9 @@ class TrainerGroup:
         if len(shards) != self.data_parallel_size:
             raise ValueError(f"got {len(shards)} shards for {self.data_parallel_size} data-parallel ranks")
         refs = [ray.put(shard) for shard in shards]
-        results = self._ranks.call_per_rank(TrainerWorker.train_step, [(refs[d],) for d in self._dp_ranks])
+        results = self._ranks.call_per_rank(
+            TrainerWorker.train_step, [RankArgs(by_reference(refs[d])) for d in self._dp_ranks]
+        )
         receipts = [receipt for _, receipt in results]
         for receipt, dp_rank in zip(receipts, self._dp_ranks, strict=True):
             if receipt.sample_ids != tuple(shards[dp_rank].sample_ids.tolist()):

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Concatenate
+from typing import Any, Concatenate, cast
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -64,6 +64,20 @@ class _RankHost:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._worker, method)(*args, **kwargs)
+
+
+class RankArgs[**P]:
+    """One rank's arguments in :meth:`RankWorkerGroup.call_per_rank`, written as the call's: ``RankArgs(x, key=y)``;
+    the type checker holds them to the method called."""
+
+    def __init__(self, *args: P.args, **kwargs: P.kwargs) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
+def by_reference[T](ref: ray.ObjectRef[T]) -> T:
+    """``ref`` as an argument of a rank call, typed as its value: Ray hands the rank's method the value of an
+    ``ObjectRef`` argument, fetched by the rank's own process from the object store."""
+    return cast(T, ref)
 
 
 _RemoteRankHost = ray.remote(_RankHost)  # not a class decorator: type checkers ignore what those return
@@ -145,19 +159,19 @@ class RankWorkerGroup[W]:
         name = self._method_name(method)
         return self._gather([host.call.remote(name, *args, **kwargs) for host in self._hosts], name)
 
-    def call_per_rank[R](
-        self, method: Callable[Concatenate[W, ...], R], per_rank_args: Sequence[Sequence[Any]]
-    ) -> list[R]:
-        """Call ``method`` on rank ``i`` with ``per_rank_args[i]``, all concurrently.
+    def call_per_rank[**P, R](self, method: Callable[Concatenate[W, P], R], per_rank: Sequence[RankArgs[P]]) -> list[R]:
+        """Call ``method`` on rank ``i`` with ``per_rank[i]``, all concurrently; results in rank order.
 
         An argument that is a Ray ``ObjectRef`` reaches the worker as its value, fetched by the
         rank's own process from the object store: ``ray.put`` a large argument once and pass its
-        reference to every rank that needs it, so the driver serialises it once.
+        reference (:func:`by_reference`) to every rank that needs it, so the driver serialises it once.
         """
         name = self._method_name(method)
-        if len(per_rank_args) != len(self._hosts):
-            raise ValueError(f"got arguments for {len(per_rank_args)} ranks, the group has {len(self._hosts)}")
-        refs = [host.call.remote(name, *args) for host, args in zip(self._hosts, per_rank_args, strict=True)]
+        if len(per_rank) != len(self._hosts):
+            raise ValueError(f"got arguments for {len(per_rank)} ranks, the group has {len(self._hosts)}")
+        refs = [
+            host.call.remote(name, *call.args, **call.kwargs) for host, call in zip(self._hosts, per_rank, strict=True)
+        ]
         return self._gather(refs, name)
 
     def _method_name(self, method: Callable[..., Any]) -> str:

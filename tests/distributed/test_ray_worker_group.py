@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.orchestration.placement_group import PlacementError, create_rank_slots
-from megatron_rl.orchestration.worker_group import RankWorkerGroup
+from megatron_rl.orchestration.worker_group import RankArgs, RankWorkerGroup
 
 pytestmark = pytest.mark.distributed
 
@@ -46,7 +46,7 @@ def test_ranks_get_launcher_env_and_all_reduce(local_ray: None) -> None:
     try:
         assert group.call(_AllReduceWorker.environment) == [(0, 2, 0), (1, 2, 1)]
         assert group.call(_AllReduceWorker.all_reduce_rank) == [3.0, 3.0]
-        assert group.call_per_rank(_AllReduceWorker.echo, [(1,), (2,)]) == [10, 21]
+        assert group.call_per_rank(_AllReduceWorker.echo, [RankArgs(1), RankArgs(2)]) == [10, 21]
         with pytest.raises(TypeError, match="_AllReduceWorker, the ranks' worker class, has no method 'upper'"):
             group.call(str.upper)  # type: ignore[arg-type]
     finally:
