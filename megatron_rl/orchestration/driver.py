@@ -207,6 +207,7 @@ def train_one_step(run: RunResources, step: int, pipeline: RolloutPipeline) -> d
     with no group skips its update (``train/update_skipped`` is 1) and the run goes on.
     """
     cfg, timer, started = run.cfg, PhaseTimer(), time.perf_counter()
+    judge_restarts = run.recover_judge()  # before the step's responses are scored
     run.hand_over.to_rollout(timer)
     with timer("generate"):
         rollout = pipeline.take(step).rollout
@@ -217,6 +218,8 @@ def train_one_step(run: RunResources, step: int, pipeline: RolloutPipeline) -> d
         "rollout/groups_trimmed": float(len(rollout.groups) - len(groups)),
         "train/update_skipped": float(not groups),
     }
+    if run.judge is not None:
+        metrics["rollout/judge_restarts"] = float(judge_restarts)
     if rollout.groups:
         metrics |= rollout_metrics(rollout.groups, max_response_length=cfg.rollout.max_response_length)
         metrics |= staleness_metrics(rollout.groups, trained_version=step - 1, max_lag=max_token_lag(cfg))

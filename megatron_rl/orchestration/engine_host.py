@@ -469,6 +469,17 @@ class EngineHosts:
         """Process ids of the engine servers (node 0's), in spec order."""
         return ray.get([hosts[0].pid.remote() for hosts in self._hosts])
 
+    def running(self) -> list[bool]:
+        """Whether each engine's processes all still run, in spec order (a host actor that is gone, or does not
+        answer within HOST_REPORT_TIMEOUT_S, counts as not running)."""
+        states = []
+        for hosts in self._hosts:
+            try:
+                states.append(all(ray.get([host.running.remote() for host in hosts], timeout=HOST_REPORT_TIMEOUT_S)))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                states.append(False)
+        return states
+
     def node_pids(self, index: int) -> list[int | None]:
         """Process ids of engine ``index``'s node processes, in node-rank order."""
         return ray.get([host.pid.remote() for host in self._hosts[index]])

@@ -9,7 +9,8 @@ the job's node. Their engines listen on the run's network and require the run's 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+import logging
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray
@@ -21,7 +22,10 @@ from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.placement_group import create_rank_slots, engine_gpu_ids
 from megatron_rl.plan.placement import plan_judge_placement
+from megatron_rl.rollout.engine import EngineStartupError
 from megatron_rl.rollout.judge_reward import JudgeReward
+
+logger = logging.getLogger(__name__)
 
 JUDGE_ENGINE_PREFIX = "judge"
 """Judge engines are named ``judge0``, ``judge1``, ... (their log files too)."""
@@ -54,12 +58,47 @@ class JudgeEngines:
     placement: PlacementGroup
     hosts: EngineHosts
     api_key: str | None
+    restarts: list[int] = field(default_factory=list)
+    """Restarts of each engine so far."""
+
+    def __post_init__(self) -> None:
+        self.restarts = self.restarts or [0] * self.judge.num_engines
 
     def reward(self) -> JudgeReward:
         """A :class:`JudgeReward` asking these engines, once every one is healthy (EngineStartupError naming the
         judge engine that failed otherwise, every engine then stopped)."""
         self.hosts.wait_healthy()
         return JudgeReward(self.judge, self.hosts.addresses, self.api_key)
+
+    def recover(self, max_restarts: int) -> int:
+        """Restart every judge engine whose process has ended, each at most ``max_restarts`` times in the run; how
+        many were restarted now (their addresses change: make a new :meth:`reward`).
+
+        A restart that fails is logged and leaves the engine down: its requests go to the other judge engines (or
+        fail as reward errors), and it is tried again at the next call while its budget lasts.
+        """
+        restarted = 0
+        for index, running in enumerate(self.hosts.running()):
+            if running or self.restarts[index] >= max_restarts:
+                continue
+            self.restarts[index] += 1
+            name = self.hosts.addresses[index][0]
+            try:
+                self.hosts.restart(index)
+            except EngineStartupError as error:
+                logger.warning(
+                    "judge engine %s did not restart (try %d of %d): %s",
+                    name,
+                    self.restarts[index],
+                    max_restarts,
+                    error,
+                )
+                continue
+            logger.warning(
+                "judge engine %s had stopped; restarted (%d of %d)", name, self.restarts[index], max_restarts
+            )
+            restarted += 1
+        return restarted
 
     def close(self) -> None:
         """Stop the engines and release their placement group."""

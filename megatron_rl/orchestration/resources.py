@@ -119,6 +119,19 @@ class RunResources:
         """The metric sinks."""
         return _started(self._logger, "metric logger")
 
+    def recover_judge(self) -> int:
+        """Restart the judge engines that stopped (``rollout.max_engine_restarts`` each in the run) and have every
+        reward pool ask the engines at their new addresses; how many were restarted (0 without a judge)."""
+        if self.judge is None:
+            return 0
+        restarted = self.judge.recover(self.cfg.rollout.max_engine_restarts)
+        if restarted:
+            reward = self.judge.reward()
+            for manager in (self._rollout, *(validation_set.manager for validation_set in self.validation)):
+                if manager is not None:
+                    manager.assembler.rewards.replace_served(reward)
+        return restarted
+
     def placement_notice(self) -> str:
         """One line: the network, the trainer ranks' nodes and each engine's address."""
         engines = self.engine_hosts.addresses if self.engine_hosts is not None else []

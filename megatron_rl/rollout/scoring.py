@@ -191,6 +191,7 @@ class RewardPool:
             )
         self.failed_score = probe[0]
         self.num_workers = num_workers
+        self._generation = 0  # bumped by replace_served: each thread renews its worker before its next chunk
         self._jobs: queue.SimpleQueue[tuple[_GroupScores, int, list[Job], str] | None] = queue.SimpleQueue()
         slots = [WorkerSlot(self._new_worker, worker) for worker in workers]
         self._threads = [threading.Thread(target=self._serve_jobs, args=(slot,), daemon=True) for slot in slots]
@@ -219,11 +220,22 @@ class RewardPool:
             self._jobs.put((group, start, jobs[start:end], label))
         return group.future
 
+    def replace_served(self, served: ServedReward) -> None:
+        """Score with ``served`` from now on (e.g. the judge's engines at new addresses): every worker is replaced
+        before its next chunk; chunks being scored finish with the old one."""
+        self.served = served
+        self._generation += 1
+
     def _serve_jobs(self, slot: WorkerSlot) -> None:
-        """One pool thread: hand chunks of jobs to its worker, which is replaced when it hangs or dies."""
+        """One pool thread: hand chunks of jobs to its worker, which is replaced when it hangs or dies, or when
+        :meth:`replace_served` changed the reward."""
+        generation = self._generation
         while (item := self._jobs.get()) is not None:
             group, index, jobs, label = item
             while jobs and not group.future.done():
+                if generation != self._generation:
+                    generation = self._generation
+                    slot.stop()  # the slot starts a worker with the new reward
                 try:
                     answers = slot.run(jobs, self.timeout_s)
                 except RuntimeError as exc:
