@@ -21,6 +21,7 @@ from megatron_rl.actor.step_data import StepData, expert_index_dtype
 from megatron_rl.config import RunConfig, load_recipe, read_architecture, trainer_layout
 from megatron_rl.data.preparation import prepare_data
 from megatron_rl.orchestration.batch_assembly import assemble_step_data, group_advantages, trim_to_even_split
+from megatron_rl.orchestration.judge_engines import start_judge_engines
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
 from megatron_rl.orchestration.network import NetworkError, RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot, create_rank_slots
@@ -30,6 +31,7 @@ from megatron_rl.orchestration.resources import (
     engines_hand_over_memory,
     initial_weights,
     prepare_rollout_weights,
+    served_reward,
     start_engines,
     start_ray,
     start_trainers,
@@ -339,6 +341,7 @@ class ClusterSteps:
         plan = plan_run_placement(cfg)
         assert run.placement is not None
         weights = prepare_rollout_weights(cfg, self.trained_dir)
+        run.judge = start_judge_engines(cfg, run.network, run.api_key)  # on their own bundles, starting meanwhile
         run.engine_hosts = start_engines(cfg, weights, run.placement, self.slots, plan, run.network, run.api_key)
         try:
             run.engine_hosts.wait_healthy()
@@ -407,10 +410,17 @@ class ClusterSteps:
         raise StepFailure(cause, f"weight_sync.transport ({transport}): a sync bug; report it with this report.json")
 
     def _generate_and_train(self, hand_over: HandOver, lines: list[str]) -> dict[str, Any]:
-        """One step's rollout from the synced engines and a PPO step on it: the log-prob gap between them."""
+        """One step's rollout from the synced engines, scored as the run scores (by the judge's engines, with
+        ``data.reward: judge``), and a PPO step on it: the log-prob gap between them."""
         run, cfg = self._run, self.cfg
         run.episode = build_episode(cfg.rollout, run.data.tokenizer)
-        manager = build_rollout_manager(cfg, run.data, run.engines, None, run.episode)
+        try:
+            served = served_reward(cfg, run.judge)
+        except EngineError as error:
+            raise StepFailure(
+                f"a judge engine did not start: {error}", "judge.model, judge.engine, judge.tp (judge engine log above)"
+            ) from error
+        manager = build_rollout_manager(cfg, run.data, run.engines, None, run.episode, served)
         try:
             hand_over.to_rollout()
             rollout = manager.generate_step(1)
@@ -438,6 +448,13 @@ class ClusterSteps:
             f"generated {sum(len(g.samples) for g in groups)} responses; trainer vs engine log-probs on them: "
             + ", ".join(f"{key} {value:.3g}" for key, value in gap.items())
         )
+        if run.judge is not None:
+            judged = sum(len(g.samples) for g in rollout.groups)
+            errors = rollout.metrics.get("rollout/reward_errors", 0.0)
+            lines.append(
+                f"judge: {len(run.judge.hosts.addresses)} engine(s) of {cfg.judge and cfg.judge.model} scored "
+                f"{judged} responses, {errors:g} without a verdict (rollout/reward_errors)"
+            )
         return gap
 
     def close(self) -> None:

@@ -17,7 +17,10 @@ from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
 from megatron_rl.preflight.report import STEP_NAMES
 from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, engine_exit_fault
 from megatron_rl.weight_sync.fault_injection import SYNC_DROP_ENV
-from tests.e2e.tiny_runs import RECIPE, run_env
+from tests.e2e.tiny_runs import RECIPE, ROOT, run_env
+from tests.judge_model import judge_overrides, save_tiny_judge
+
+GRPO = ROOT / "recipes" / "tiny_moe_cpu_grpo.yaml"
 
 PREFLIGHT_MINUTES = 5
 """The issue's bound on a tiny recipe's whole preflight."""
@@ -118,3 +121,15 @@ def test_a_planted_fault_fails_its_step_naming_cause_and_fix(tmp_path: Path, fau
     assert f"FAIL {step}" in result.stdout and f"fix: {failed['fix']}" in result.stdout
     markdown = (tmp_path / "runs" / "tiny-moe-cpu-dapo" / "preflight" / "report.md").read_text()
     assert "**cause**" in markdown and all(f"| {name} | not reached |" in markdown for name in report["not_reached"])
+
+
+@pytest.mark.full  # CI's judge run (tests/faults/test_judge_reward_run.py) starts the judge as preflight does
+def test_preflight_of_a_judge_scored_recipe_starts_the_judge_and_scores_the_step_with_it(tmp_path: Path) -> None:
+    model = save_tiny_judge(tmp_path / "judge")
+    command = [sys.executable, "-m", "megatron_rl.cli", "preflight", str(GRPO), *judge_overrides(model)]
+    result = subprocess.run(command, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "runs" / "tiny-moe-cpu-grpo" / "preflight" / "report.json").read_text())
+    assert report["passed"] and not report["not_reached"]
+    engines = " ".join(next(step for step in report["steps"] if step["name"] == "engines")["lines"])
+    assert f"judge: 1 engine(s) of {model} scored" in engines, engines
