@@ -281,6 +281,8 @@ def smoke_recipe(cfg: RunConfig, arch: QwenArchitecture) -> list[Change]:
         ]
         if cfg.data.remote_reward is not None:
             changes.append(Change("data.remote_reward", None, "the generated task's reward is local"))
+        if cfg.judge is not None:
+            changes.append(Change("judge", None, "the generated task's reward is local: no judge model on a smoke run"))
         if generated.task == SMOKE_TOOL_TASK:
             changes += [
                 Change(

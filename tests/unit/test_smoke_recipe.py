@@ -62,6 +62,17 @@ def test_a_remote_reward_gives_way_to_the_generated_tasks_own_where_the_data_is_
     assert kept.data.reward == "remote" and kept.data.remote_reward is not None
 
 
+def test_a_judge_gives_way_to_the_generated_tasks_reward_and_a_synthetic_recipe_keeps_it(
+    qwen3_30b_overrides: list[str], tmp_path: Path
+) -> None:
+    judge = ["data.reward=judge", f"judge.model={tmp_path}", "judge.num_engines=8", "judge.engine=sglang"]
+    _, smoke, changed = _smoke("qwen3_30b_a3b_dapo.yaml", [*qwen3_30b_overrides, *judge])
+    assert (smoke.data.reward, smoke.judge, smoke.job_nodes) == ("synthetic_successor", None, 1)
+    assert "judge" in changed
+    _, kept, _ = _smoke("tiny_moe_cpu_dapo.yaml", judge[:2])  # its own data: the judge scores the smoke run too
+    assert kept.data.reward == "judge" and kept.judge is not None and kept.judge.model == str(tmp_path)
+
+
 def test_a_recipe_with_its_data_here_keeps_it() -> None:
     cfg, smoke, changed = _smoke("tiny_moe_cpu_dapo.yaml", [])
     assert smoke.data.synthetic == cfg.data.synthetic and "data.synthetic" not in changed
