@@ -661,6 +661,13 @@ def _check_judge(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
             f"{judge.num_engines} judge engines x judge.tp {judge.tp} = {gpus} GPUs leave part of a node idle "
             f"(the judge takes whole nodes of {per_node} GPUs beside cluster.nodes): use judge.num_engines={fill}",
         )
+    if judge.request_timeout_s > cfg.data.reward_timeout_s:
+        yield _error(
+            "judge.request_timeout_s",
+            f"{judge.request_timeout_s:g} s exceeds data.reward_timeout_s={cfg.data.reward_timeout_s:g} s, after which "
+            "the reward worker asking the judge is killed: lower judge.request_timeout_s, or raise "
+            f"data.reward_timeout_s to at least {math.ceil(judge.request_timeout_s)}",
+        )
     if engine == "sglang" and per_node == 0 and (judge.max_total_tokens or cfg.rollout.max_total_tokens) is None:
         yield _error(
             "judge.max_total_tokens",

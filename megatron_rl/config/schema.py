@@ -462,7 +462,9 @@ class JudgeConfig(Section):
     correct_score: float = Field(1.0, description="Reward of a response judged correct.")
     wrong_score: float = Field(0.0, description="Reward of a response judged wrong (and of the empty response).")
     request_timeout_s: PositiveFloat = Field(
-        60.0, description="Seconds one judge request may take before the next engine is tried."
+        25.0,
+        description="Seconds one judge request may take before the next engine is tried; at most "
+        "data.reward_timeout_s, after which the reward worker is killed (raise both for a slow judge).",
     )
     max_total_tokens: PositiveInt | None = Field(
         None, description="KV cache tokens per judge engine; defaults to rollout.max_total_tokens."

@@ -78,6 +78,8 @@ def test_recipe_checks_name_the_judge_field_and_its_fix(tmp_path: Path) -> None:
         _recipe(*judge_overrides(model), "judge.prompt_template='{prompt}'")
     with pytest.raises(RecipeError, match=r"correct_pattern.*is not a regular expression"):
         _recipe(*judge_overrides(model), "judge.correct_pattern='('")
+    with pytest.raises(RecipeError, match=r"judge\.request_timeout_s: 40 s exceeds data\.reward_timeout_s=30 s"):
+        _recipe(*judge_overrides(model), "judge.request_timeout_s=40")
 
 
 def test_a_gpu_judge_takes_whole_nodes_of_its_own_and_the_network_spans_them(tmp_path: Path) -> None:
