@@ -177,6 +177,7 @@ def test_readme_s_judge_fragment_validates_and_plan_counts_its_node(tmp_path: Pa
     assert judge.prompt_template.startswith("Question: {prompt}\nReference answer: {ground_truth}\n")
     assert parse_verdict("so... Verdict: Correct", judge.correct_pattern, judge.wrong_pattern) is True
     assert cfg.job_nodes == cfg.cluster.nodes + 1  # type: ignore[attr-defined]
+    assert (judge.request_timeout_s, cfg.data.reward_timeout_s) == (100.0, 120.0)  # type: ignore[attr-defined]
     report = "\n".join(judge_section(cfg))  # type: ignore[arg-type]
     assert f"sbatch --nodes={cfg.job_nodes}" in report  # type: ignore[attr-defined]
     assert f"node {cfg.cluster.nodes}: judge engines 0 (GPUs 0), 1 (GPUs 1)," in report  # type: ignore[attr-defined]
