@@ -132,7 +132,9 @@ def test_a_judge_scored_run_restarts_its_killed_judge_and_eval_scores_as_the_jud
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
             (result,) = engine.generate(GenerateRequest(ids, params, return_logprob=False))
-            verdict = None if not row["response"].strip() else _verdict(tokenizer.decode(result.output_ids, True))
+            answer = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            assert isinstance(answer, str)
+            verdict = None if not row["response"].strip() else _verdict(answer)
             verdicts.append(verdict)
             assert row["correct"] is (verdict is True), row
             assert row["score"] == (1.0 if verdict else -1.0), row
