@@ -384,7 +384,7 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
 
 
-def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
+def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     convert = commands.add_parser(
         "convert", help="convert between Hugging Face and Megatron checkpoints, or into FP8 for the engines"
     )

@@ -364,7 +364,7 @@ class EngineHosts:
         self._addresses: list[EngineAddress] | None = None
         self._clients: list[HttpEngine] | None = None
 
-    def _launch(self, index: int) -> list[ray.ObjectRef]:
+    def _launch(self, index: int) -> list[ray.ObjectRef[EngineAddress]]:
         """Ask every node host of engine ``index`` to start its process (node 0's host picks where they meet)."""
         nodes, hosts = self._nodes[index], self._hosts[index]
         if len(nodes) == 1:
@@ -447,7 +447,7 @@ class EngineHosts:
         self.clients[index].rebind(ip, port, self._report(index))
         return address
 
-    def _await(self, index: int, refs: list[ray.ObjectRef]) -> EngineAddress:
+    def _await(self, index: int, refs: list[ray.ObjectRef[EngineAddress]]) -> EngineAddress:
         """Engine ``index``'s address once node 0 is healthy and every node's process runs."""
         spec, hosts = self._specs[index], self._hosts[index]
         try:

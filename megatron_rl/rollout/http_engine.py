@@ -345,7 +345,7 @@ class HttpEngine(RolloutEngine):
 
     def check_weights(
         self, action: str, *, allow_quant_error: bool = False, skip_tensor_list: list[str] | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         request = CheckWeightsRequest(action, allow_quant_error, skip_tensor_list)
         try:
             return self.request("/weights_checker", request.to_json())

@@ -142,8 +142,8 @@ def _flush(backend: ReferenceBackend, query: dict[str, list[str]]) -> TextReply:
     return TextReply(FLUSH_CACHE_FAILED, 400)
 
 
-def _update(fn: Callable[[ReferenceBackend, Any], None], parse: Callable[[dict], Any]) -> Route:
-    def route(backend: ReferenceBackend, body: dict[str, Any]) -> dict:
+def _update(fn: Callable[[ReferenceBackend, Any], None], parse: Callable[[dict[str, Any]], Any]) -> Route:
+    def route(backend: ReferenceBackend, body: dict[str, Any]) -> dict[str, Any]:
         fn(backend, parse(body))
         return _OK
 
