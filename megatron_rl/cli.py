@@ -538,7 +538,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_library_warnings()
     on_pipe = signal.signal(signal.SIGPIPE, signal.SIG_DFL) if args.command in QUIET_ON_CLOSED_PIPE else None
     try:
-        return args.handler(args)
+        status: int = args.handler(args)
+        return status
     except (
         ValueError,
         KeyError,

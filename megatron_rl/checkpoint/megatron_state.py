@@ -113,7 +113,8 @@ def _saved_param_groups(source: Path) -> list[dict[str, Any]]:
             "written at EP > 1 by an earlier megatron-rl; it cannot be resumed. Export its weights with "
             f"`megatron-rl convert mcore-to-hf --ckpt {source.parent} ...` and start a new run from them (model.path)"
         )
-    return saved["optimizer"]["param_groups"]
+    groups: list[dict[str, Any]] = saved["optimizer"]["param_groups"]
+    return groups
 
 
 def _group_identity(group: dict[str, Any]) -> dict[str, Any]:

@@ -309,7 +309,8 @@ def host_process_report(host: EngineHostHandle, name: str, settle_s: float) -> s
     """``host``'s :meth:`EngineHost.process_report` for engine ``name``, or why the host cannot give it."""
     timeout_s = settle_s + HOST_REPORT_TIMEOUT_S
     try:
-        return ray.get(host.process_report.remote(settle_s), timeout=timeout_s)
+        report: str = ray.get(host.process_report.remote(settle_s), timeout=timeout_s)
+        return report
     except ray.exceptions.GetTimeoutError:
         return f"; the host actor of engine {name} gave no process report within {timeout_s:.0f} s"
     except ray.exceptions.RayActorError as error:

@@ -348,7 +348,8 @@ class HttpEngine(RolloutEngine):
     ) -> dict[str, Any]:
         request = CheckWeightsRequest(action, allow_quant_error, skip_tensor_list)
         try:
-            return self.request("/weights_checker", request.to_json())
+            answer: dict[str, Any] = self.request("/weights_checker", request.to_json())
+            return answer
         except EngineRequestError as error:
             message = _check_failure_message(error.body)
             if message is None:

@@ -117,4 +117,5 @@ class ReferenceEngine(HttpEngine):
 
     def weights_by_name(self, name: str, truncate_size: int = 1 << 30) -> list[Any]:
         """A weight's values as nested lists (SGLang's ``/get_weights_by_name``; exact for fp32)."""
-        return self.request("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        weights: list[Any] = self.request("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        return weights

@@ -320,7 +320,8 @@ def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: st
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    return model.to(device)
+    placed: PreTrainedModel = model.to(device)
+    return placed
 
 
 def fp8_block_of(model_path: str) -> tuple[int, int] | None:
