@@ -93,8 +93,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from megatron_rl.data.preparation import prepare_recipe_data
-    from megatron_rl.data.rewards import qualified_name
     from megatron_rl.data.sampler import PromptSampler
+    from megatron_rl.named_functions import qualified_name
 
     try:
         cfg, _ = load_recipe(args.recipe, args.overrides)
@@ -286,7 +286,8 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
         print(_layout_summary(cfg))
         print("\n".join(describe_steps(cfg)))
         return 0
-    from megatron_rl.preflight.runner import preflight_dir, run_preflight
+    from megatron_rl.preflight.inputs import preflight_dir
+    from megatron_rl.preflight.runner import run_preflight
 
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
