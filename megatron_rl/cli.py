@@ -93,8 +93,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from megatron_rl.data.preparation import prepare_recipe_data
-    from megatron_rl.data.rewards import qualified_name
     from megatron_rl.data.sampler import PromptSampler
+    from megatron_rl.named_functions import qualified_name
 
     try:
         cfg, _ = load_recipe(args.recipe, args.overrides)
@@ -286,7 +286,8 @@ def _cmd_preflight(args: argparse.Namespace) -> int:
         print(_layout_summary(cfg))
         print("\n".join(describe_steps(cfg)))
         return 0
-    from megatron_rl.preflight.runner import preflight_dir, run_preflight
+    from megatron_rl.preflight.inputs import preflight_dir
+    from megatron_rl.preflight.runner import run_preflight
 
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
@@ -384,7 +385,7 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
 
 
-def _add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
+def _add_checkpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     convert = commands.add_parser(
         "convert", help="convert between Hugging Face and Megatron checkpoints, or into FP8 for the engines"
     )
@@ -538,7 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_library_warnings()
     on_pipe = signal.signal(signal.SIGPIPE, signal.SIG_DFL) if args.command in QUIET_ON_CLOSED_PIPE else None
     try:
-        return args.handler(args)
+        status: int = args.handler(args)
+        return status
     except (
         ValueError,
         KeyError,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 
 def qualified_name(fn: Callable[..., Any]) -> str:
@@ -79,4 +79,4 @@ def find_function[F: Callable[..., Any]](registry: Mapping[str, F], kind: str, n
     fn = getattr(module, attribute)
     if not callable(fn):
         raise TypeError(f"{kind} {name!r}: {module_name}.{attribute} is a {type(fn).__name__}, not a function")
-    return fn
+    return cast(F, fn)  # callable, but its signature is unchecked: the import path names the caller's F

@@ -113,8 +113,8 @@ class RoutingReplay:
             experts_BSLK = split_sequence(experts_BSLK, 1, cp_group, segments=segments)
         if not self._sequence_parallel:
             return experts_BSLK
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
+        tp: int = parallel_state.get_tensor_model_parallel_world_size()
+        rank: int = parallel_state.get_tensor_model_parallel_rank()
         return experts_BSLK.chunk(tp, dim=1)[rank]
 
     @contextmanager

@@ -74,7 +74,9 @@ def update_on_mini_batch(context: StepContext, local: ActorBatch) -> dict[str, f
     counts = count_step(micro_batches, parallel_state.get_data_parallel_group())
     accumulator = MetricsAccumulator()
 
-    def loss_fn(micro_batch: ActorBatch, current: TokenLogProbs) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def loss_fn(
+        micro_batch: ActorBatch, current: TokenLogProbs
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         loss, shares, means = actor_loss(current, micro_batch, counts, context.algorithm, context.norm_constant)
         scaled_loss, own_tokens = megatron_loss(loss, micro_batch, counts, parallel_state.get_context_parallel_group())
         accumulator.add(shares, means, micro_batch.response_mask.sum())

@@ -1,7 +1,6 @@
 """Run checkpoints: the staging/commit/latest protocol, trainer state, per-rank generator states."""
 
 from megatron_rl.checkpoint.commit import (
-    LATEST_FILE,
     CheckpointError,
     commit_checkpoint,
     committed_steps,
@@ -11,6 +10,7 @@ from megatron_rl.checkpoint.commit import (
     step_dir_name,
     step_of,
 )
+from megatron_rl.checkpoint.layout import LATEST_FILE
 from megatron_rl.checkpoint.rng import (
     capture_rng_state,
     load_rng_state,

@@ -42,7 +42,7 @@ from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, in
 from megatron_rl.parallel.local_launch import launched_externally, run_ranks
 
 
-def _build(config: dict, sizes: ParallelSizes) -> tuple[QwenArchitecture, list[torch.nn.Module]]:
+def _build(config: dict[str, Any], sizes: ParallelSizes) -> tuple[QwenArchitecture, list[torch.nn.Module]]:
     arch, _, chunks = build_qwen_model(config, sizes, params_dtype=getattr(torch, checkpoint_dtype_name(config)))
     return arch, chunks
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ _PART_KEYS = {"optimizer", "param_state", "param_state_sharding_type"}
 _EXPERT_FLAG = "is_expert_parallel"
 
 
-def _model_state(chunks: Sequence[MegatronModule]) -> dict:
+def _model_state(chunks: Sequence[MegatronModule]) -> dict[str, Any]:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
@@ -67,7 +67,9 @@ def _optimizer_parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _sharded_optimizer_parts(optimizer: MegatronOptimizer, model_state: dict, *, is_loading: bool) -> list[dict]:
+def _sharded_optimizer_parts(
+    optimizer: MegatronOptimizer, model_state: dict[str, Any], *, is_loading: bool
+) -> list[dict[str, Any]]:
     """One sharded state dict per optimizer part, in part order, with unprefixed tensor keys.
 
     Each holds ``optimizer`` (``param_groups``), ``param_state`` (per-parameter tensors keyed
@@ -87,7 +89,7 @@ def _sharded_optimizer_parts(optimizer: MegatronOptimizer, model_state: dict, *,
     return parts
 
 
-def _layout_free_optimizer_state(parts: Sequence[dict]) -> dict:
+def _layout_free_optimizer_state(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The optimizer state to save: all parts' parameter groups in one list, tensors keyed per parameter."""
     return {
         "optimizer": {"param_groups": [group for part in parts for group in part["optimizer"]["param_groups"]]},
@@ -96,7 +98,7 @@ def _layout_free_optimizer_state(parts: Sequence[dict]) -> dict:
     }
 
 
-def _saved_param_groups(source: Path) -> list[dict]:
+def _saved_param_groups(source: Path) -> list[dict[str, Any]]:
     """The parameter groups saved in ``source`` (a ``torch_dist`` checkpoint), read before any tensor.
 
     Raises ValueError for a checkpoint without optimizer state, or one whose optimizer state is
@@ -111,20 +113,23 @@ def _saved_param_groups(source: Path) -> list[dict]:
             "written at EP > 1 by an earlier megatron-rl; it cannot be resumed. Export its weights with "
             f"`megatron-rl convert mcore-to-hf --ckpt {source.parent} ...` and start a new run from them (model.path)"
         )
-    return saved["optimizer"]["param_groups"]
+    groups: list[dict[str, Any]] = saved["optimizer"]["param_groups"]
+    return groups
 
 
-def _group_identity(group: dict) -> dict:
+def _group_identity(group: dict[str, Any]) -> dict[str, Any]:
     """What tells megatron-core's parameter groups apart, except whether they are expert-parallel."""
     return {key: group.get(key) for key in param_group_identifier_keys if key != _EXPERT_FLAG}
 
 
-def _without_expert_flag(group: dict) -> dict:
+def _without_expert_flag(group: dict[str, Any]) -> dict[str, Any]:
     """``group`` without megatron-core's ``is_expert_parallel`` tag."""
     return {key: value for key, value in group.items() if key != _EXPERT_FLAG}
 
 
-def _param_groups_for(part: MegatronOptimizer, saved_groups: Sequence[dict], source: Path) -> list[dict]:
+def _param_groups_for(
+    part: MegatronOptimizer, saved_groups: Sequence[dict[str, Any]], source: Path
+) -> list[dict[str, Any]]:
     """The saved hyperparameters for each of ``part``'s parameter groups, tagged with the group's expert flag.
 
     A group takes the saved groups of its identity (:func:`_group_identity`); dense and expert

@@ -60,7 +60,8 @@ def load_rng_state(checkpoint_dir: str | Path, rank: int) -> dict[str, Any]:
         raise FileNotFoundError(f"{path}: no generator state for rank {rank} (was the run saved with fewer ranks?)")
     state = torch.load(path, weights_only=False)
     restore_rng_state(state)
-    return state.get("extra", {})
+    extra: dict[str, Any] = state.get("extra", {})
+    return extra
 
 
 def reseed_generators(seed: int) -> None:

@@ -63,7 +63,8 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}: expected a Hugging Face model directory")
-    return json.loads(path.read_text())
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:

@@ -181,4 +181,5 @@ def load_recipe(
 
 def recipe_to_yaml(cfg: RunConfig) -> str:
     """The fully resolved recipe as YAML (defaults filled in), loadable again by :func:`load_recipe`."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    text: str = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return text

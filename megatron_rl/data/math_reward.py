@@ -122,7 +122,7 @@ def extract_answer(response: str) -> str | None:
     boxed = extract_boxed(response)
     if boxed is not None:
         return boxed
-    lines = _ANSWER_LINE.findall(response)
+    lines: list[str] = _ANSWER_LINE.findall(response)
     if not lines or not lines[-1].strip():
         return None
     return lines[-1].strip()

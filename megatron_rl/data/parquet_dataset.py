@@ -71,7 +71,8 @@ def _decodes(value: pa.Scalar) -> bool:
 def _python_values(values: pa.ChunkedArray, key: str, path: Path) -> list[Any]:
     """``values`` as Python objects; ValueError naming the file, row and key of text that is not valid UTF-8."""
     try:
-        return values.to_pylist()
+        rows: list[Any] = values.to_pylist()
+        return rows
     except UnicodeDecodeError as exc:
         row = next(row for row in range(len(values)) if not _decodes(values[row]))
         raise ValueError(

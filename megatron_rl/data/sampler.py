@@ -51,7 +51,8 @@ class PromptSampler:
         """The order in which ``epoch`` visits the dataset: a permutation of ``range(dataset_size)``."""
         if not self.shuffle:
             return list(range(self.dataset_size))
-        return np.random.default_rng([self._seed, epoch]).permutation(self.dataset_size).tolist()
+        order: list[int] = np.random.default_rng([self._seed, epoch]).permutation(self.dataset_size).tolist()
+        return order
 
     def next_batch(self) -> list[int]:
         """The next batch of indices; advances the state (rolling over to the next epoch when full)."""

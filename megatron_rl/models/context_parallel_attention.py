@@ -54,4 +54,7 @@ class AllGatherContextAttention(DotProductAttention):
         seq_length = key.shape[0]
         query_positions = local_positions(seq_length, group.size(), group.rank(), query.device)
         future = torch.arange(seq_length, device=query.device).unsqueeze(0) > query_positions.unsqueeze(1)
-        return super().forward(query, key, value, future.view(1, 1, *future.shape), attn_mask_type, attention_bias)
+        output: torch.Tensor = super().forward(
+            query, key, value, future.view(1, 1, *future.shape), attn_mask_type, attention_bias
+        )
+        return output

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from megatron_rl.models.safetensors_reader import INDEX_FILE, SINGLE_FILE
+from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
 
-def _sharded_state_dict(chunks: Sequence[MegatronModule]) -> dict:
+def _sharded_state_dict(chunks: Sequence[MegatronModule]) -> dict[str, Any]:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 

@@ -83,7 +83,9 @@ class SafetensorsCheckpoint:
         """``tensor[rows, cols]`` read from disk; ``None`` selects the whole dimension."""
         tensor_slice = self._handle(name).get_slice(name)
         if rows is None and cols is None:
-            return tensor_slice[:]
-        if cols is None:
-            return tensor_slice[rows]
-        return tensor_slice[rows if rows is not None else slice(None), cols]
+            tensor: torch.Tensor = tensor_slice[:]
+        elif cols is None:
+            tensor = tensor_slice[rows]
+        else:
+            tensor = tensor_slice[rows if rows is not None else slice(None), cols]
+        return tensor

@@ -181,8 +181,10 @@ def iter_param_mappings(
 def tensor_parallel_group(mapping: ParamMapping) -> torch.distributed.ProcessGroup:
     """The process group a parameter is tensor-parallel-sharded over."""
     if mapping.expert:
-        return parallel_state.get_expert_tensor_parallel_group()
-    return parallel_state.get_tensor_model_parallel_group()
+        group: torch.distributed.ProcessGroup = parallel_state.get_expert_tensor_parallel_group()
+    else:
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
 
 
 def tensor_parallel_rank_size(mapping: ParamMapping) -> tuple[int, int]:
@@ -202,8 +204,10 @@ def group_holds_designated_source(mapping: ParamMapping) -> bool:
     rank is 0. The designated source is then the group's rank 0 (:func:`is_designated_source`).
     """
     if mapping.expert:
-        return parallel_state.get_expert_data_parallel_rank() == 0
-    return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        rank: int = parallel_state.get_expert_data_parallel_rank()
+    else:
+        rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    return rank == 0
 
 
 def is_designated_source(mapping: ParamMapping) -> bool:
@@ -214,11 +218,13 @@ def is_designated_source(mapping: ParamMapping) -> bool:
     the source of its own experts). Pipeline stages are sources of their layers.
     """
     if mapping.expert:
-        return (
+        source: bool = (
             parallel_state.get_expert_tensor_parallel_rank() == 0
             and parallel_state.get_expert_data_parallel_rank() == 0
         )
-    return (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    )
+    else:
+        source = (
+            parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        )
+    return source

@@ -309,7 +309,8 @@ def host_process_report(host: EngineHostHandle, name: str, settle_s: float) -> s
     """``host``'s :meth:`EngineHost.process_report` for engine ``name``, or why the host cannot give it."""
     timeout_s = settle_s + HOST_REPORT_TIMEOUT_S
     try:
-        return ray.get(host.process_report.remote(settle_s), timeout=timeout_s)
+        report: str = ray.get(host.process_report.remote(settle_s), timeout=timeout_s)
+        return report
     except ray.exceptions.GetTimeoutError:
         return f"; the host actor of engine {name} gave no process report within {timeout_s:.0f} s"
     except ray.exceptions.RayActorError as error:
@@ -364,7 +365,7 @@ class EngineHosts:
         self._addresses: list[EngineAddress] | None = None
         self._clients: list[HttpEngine] | None = None
 
-    def _launch(self, index: int) -> list[ray.ObjectRef]:
+    def _launch(self, index: int) -> list[ray.ObjectRef[EngineAddress]]:
         """Ask every node host of engine ``index`` to start its process (node 0's host picks where they meet)."""
         nodes, hosts = self._nodes[index], self._hosts[index]
         if len(nodes) == 1:
@@ -447,7 +448,7 @@ class EngineHosts:
         self.clients[index].rebind(ip, port, self._report(index))
         return address
 
-    def _await(self, index: int, refs: list[ray.ObjectRef]) -> EngineAddress:
+    def _await(self, index: int, refs: list[ray.ObjectRef[EngineAddress]]) -> EngineAddress:
         """Engine ``index``'s address once node 0 is healthy and every node's process runs."""
         spec, hosts = self._specs[index], self._hosts[index]
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -65,7 +66,8 @@ def interface_address(interface: str, node_ip: str | None = None) -> str:
 
 def loopback_interface() -> str:
     """The name of the interface holding 127.0.0.1 (``lo`` on Linux)."""
-    for name, addresses in psutil.net_if_addrs().items():
+    interfaces: dict[str, list[Any]] = psutil.net_if_addrs()  # psutil ships no types
+    for name, addresses in interfaces.items():
         if any(a.family == socket.AF_INET and a.address == LOOPBACK_ADDRESS for a in addresses):
             return name
     return "lo"

@@ -181,7 +181,7 @@ class RankWorkerGroup[W]:
             raise TypeError(f"{self._worker_cls.__name__}, the ranks' worker class, has no method {name or method!r}")
         return name
 
-    def _gather(self, refs: list[ray.ObjectRef], method: str) -> list[Any]:
+    def _gather(self, refs: list[ray.ObjectRef[Any]], method: str) -> list[Any]:
         """The results in rank order; at the first rank that fails (in completion order), its error."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)

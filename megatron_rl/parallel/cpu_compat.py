@@ -94,7 +94,7 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Rewrite CUDA device arguments of torch calls to CPU."""
 
     def __torch_function__(
-        self, func: Callable, types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:

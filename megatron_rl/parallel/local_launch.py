@@ -35,10 +35,11 @@ def free_port() -> int:
     """An unused TCP port on localhost."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),

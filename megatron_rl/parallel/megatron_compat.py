@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from megatron.core.optimizer import MegatronOptimizer, distrib_optimizer
@@ -67,7 +68,7 @@ def step_hidden_while_setting_param_state() -> Iterator[None]:
         return
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
-    def set_without_step(self: DistributedOptimizer, model_param: torch.Tensor, tensors: dict) -> None:
+    def set_without_step(self: DistributedOptimizer, model_param: torch.Tensor, tensors: dict[str, Any]) -> None:
         group_index, group_order = self.model_param_group_index_map[model_param]
         state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
         step = state.pop("step", None)

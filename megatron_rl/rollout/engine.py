@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import Any
 
 from megatron_rl.rollout.protocol import (
     GenerateRequest,
@@ -130,7 +131,7 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def check_weights(
         self, action: str, *, allow_quant_error: bool = False, skip_tensor_list: list[str] | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         """SGLang's ``/weights_checker`` ``action`` (``snapshot``, ``reset_tensors``, ``compare``, ``checksum``):
         its answer body; EngineRequestError carrying SGLang's message when the check fails (a compare that
         found differences names each differing tensor on a line of its own, ``name=...``)."""

@@ -345,10 +345,11 @@ class HttpEngine(RolloutEngine):
 
     def check_weights(
         self, action: str, *, allow_quant_error: bool = False, skip_tensor_list: list[str] | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         request = CheckWeightsRequest(action, allow_quant_error, skip_tensor_list)
         try:
-            return self.request("/weights_checker", request.to_json())
+            answer: dict[str, Any] = self.request("/weights_checker", request.to_json())
+            return answer
         except EngineRequestError as error:
             message = _check_failure_message(error.body)
             if message is None:

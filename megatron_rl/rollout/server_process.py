@@ -72,7 +72,7 @@ class ServerProcess:
         self.env = dict(env) if env is not None else None
         self.die_with_parent = die_with_parent
         self._secrets = [value.encode() for value in secrets if value]
-        self._process: subprocess.Popen | None = None
+        self._process: subprocess.Popen[bytes] | None = None
         self._copier: threading.Thread | None = None
 
     def __repr__(self) -> str:

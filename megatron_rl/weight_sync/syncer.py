@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.config.hf_config import QwenArchitecture
@@ -177,7 +178,7 @@ class WeightSyncer:
         num_tensors, num_bytes, num_buckets = counts
         return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
-    def sync_megatron(self, chunks: Sequence, arch: QwenArchitecture, version: str) -> SyncStats:
+    def sync_megatron(self, chunks: Sequence[torch.nn.Module], arch: QwenArchitecture, version: str) -> SyncStats:
         """Sync this rank's Megatron chunks, written by the export straight into the transport's bucket memory
         where it has some: the whole model from every rank when the transport feeds each engine rank from one
         trainer rank (:attr:`~megatron_rl.weight_sync.transports.WeightTransport.exports_full_model`), else each

@@ -132,7 +132,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> Reduction:
 
 
 def _rebuild_cuda_tensor_on_visible_device(*args: Any) -> torch.Tensor:
-    return reductions.rebuild_cuda_tensor(*rebuild_args_with_index(args, visible_device_uuids()))
+    tensor: torch.Tensor = reductions.rebuild_cuda_tensor(*rebuild_args_with_index(args, visible_device_uuids()))
+    return tensor
 
 
 class _TensorOnlyUnpickler(pickle.Unpickler):

@@ -167,7 +167,7 @@ class ReferenceBackend:
         """Wall seconds the scheduler waited with no request in the engine (SGLang's scheduler idle time)."""
         threading.Thread(target=self._schedule, name="reference-scheduler", daemon=True).start()
 
-    def generate(self, request: GenerateRequest) -> dict | list[dict]:
+    def generate(self, request: GenerateRequest) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang ``/generate`` answer: one dict per sample (a list when n > 1 or the request was a batch).
 
         The request joins the batch the scheduler thread decodes; it returns when all its samples
@@ -318,7 +318,7 @@ class ReferenceBackend:
             return freed
 
     @staticmethod
-    def _sample_json(rid: str, index: int, sample: SampleOutput, prompt_tokens: int, version: str) -> dict:
+    def _sample_json(rid: str, index: int, sample: SampleOutput, prompt_tokens: int, version: str) -> dict[str, Any]:
         """One sample's SGLang JSON, ``rid`` its id."""
         meta: dict[str, Any] = {
             "id": rid,
@@ -349,7 +349,7 @@ class ReferenceBackend:
                 self._aborted_rids.add(rid)
             self._state.notify_all()
 
-    def pause(self, mode: str) -> dict:
+    def pause(self, mode: str) -> dict[str, Any]:
         """Hold generation at the next token; ``abort`` also aborts every running request (SGLang's answer)."""
         with self._state:
             self._paused = True
@@ -359,7 +359,7 @@ class ReferenceBackend:
             self._state.notify_all()
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    def resume_generation(self) -> dict:
+    def resume_generation(self) -> dict[str, Any]:
         """Let held and new requests run again (SGLang's answer)."""
         with self._state:
             self._paused = False
@@ -576,7 +576,7 @@ class ReferenceBackend:
         with self._control:
             self._load(named, version, flush)
 
-    def weights_by_name(self, name: str, truncate_size: int) -> list:
+    def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
         """The weight ``name`` (Hub naming) as nested lists, first ``truncate_size`` rows (exact fp32 values)."""
         with self._model_lock:
             held = None if self.fp8 is None else self.fp8.lookup(name)

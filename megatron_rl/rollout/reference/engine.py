@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from megatron_rl.rollout.access import API_KEY_ENV, check_listen_host
 from megatron_rl.rollout.http_engine import HttpEngine
@@ -114,6 +115,7 @@ class ReferenceEngine(HttpEngine):
             api_key=api_key,
         )
 
-    def weights_by_name(self, name: str, truncate_size: int = 1 << 30) -> list:
+    def weights_by_name(self, name: str, truncate_size: int = 1 << 30) -> list[Any]:
         """A weight's values as nested lists (SGLang's ``/get_weights_by_name``; exact for fp32)."""
-        return self.request("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        weights: list[Any] = self.request("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        return weights

@@ -178,7 +178,9 @@ INVALID_PROBABILITIES = "probability tensor contains either `inf`, `nan` or elem
 """``torch.multinomial``'s refusal of such probabilities, raised as it raises it (a RuntimeError)."""
 
 
-def sample_rows(logits_RV: torch.Tensor, owners: list[tuple[RequestState, list[int], int]]) -> tuple[list, list]:
+def sample_rows(
+    logits_RV: torch.Tensor, owners: list[tuple[RequestState, list[int], int]]
+) -> tuple[list[int], list[float]]:
     """Each row's next token and its log-prob; ``owners`` = (request, samples, rows) in row order.
 
     Row-wise maths runs once over all rows (temperature, log_softmax, softmax, the draw's division

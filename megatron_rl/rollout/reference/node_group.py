@@ -110,7 +110,8 @@ class _Link:
         dist.recv(length, self.node)
         data = torch.empty(int(length.item()), dtype=torch.uint8)
         dist.recv(data, self.node)
-        return json.loads(data.numpy().tobytes())
+        message: dict[str, Any] = json.loads(data.numpy().tobytes())
+        return message
 
 
 def _lost(node: int, error: BaseException) -> None:

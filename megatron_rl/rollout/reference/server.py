@@ -142,8 +142,8 @@ def _flush(backend: ReferenceBackend, query: dict[str, list[str]]) -> TextReply:
     return TextReply(FLUSH_CACHE_FAILED, 400)
 
 
-def _update(fn: Callable[[ReferenceBackend, Any], None], parse: Callable[[dict], Any]) -> Route:
-    def route(backend: ReferenceBackend, body: dict[str, Any]) -> dict:
+def _update(fn: Callable[[ReferenceBackend, Any], None], parse: Callable[[dict[str, Any]], Any]) -> Route:
+    def route(backend: ReferenceBackend, body: dict[str, Any]) -> dict[str, Any]:
         fn(backend, parse(body))
         return _OK
 
@@ -320,7 +320,8 @@ def load_model(model_path: str, load_format: str, dtype: torch.dtype, device: st
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    return model.to(device)
+    placed: PreTrainedModel = model.to(device)
+    return placed
 
 
 def fp8_block_of(model_path: str) -> tuple[int, int] | None:

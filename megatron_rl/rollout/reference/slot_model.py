@@ -84,7 +84,8 @@ class SlotModel:
     @property
     def device(self) -> torch.device:
         """Where the model's weights (and so the cache) live."""
-        return self.model.model.embed_tokens.weight.device
+        device: torch.device = self.model.model.embed_tokens.weight.device
+        return device
 
     def drop_cache(self) -> None:
         """Free the cache (memory release); the next forward allocates it again, zeroed."""

@@ -23,7 +23,7 @@ class UnknownWeightError(KeyError):
     """A tensor name the model has no parameter for; the message names it and a similar known name."""
 
 
-def _expert_view(params: dict[str, torch.nn.Parameter], name: str, match: re.Match) -> torch.Tensor:
+def _expert_view(params: dict[str, torch.nn.Parameter], name: str, match: re.Match[str]) -> torch.Tensor:
     expert = int(match["expert"])
     if match["proj"] == "down":
         fused = params.get(f"{match['prefix']}.down_proj")
