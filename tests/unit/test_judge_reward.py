@@ -4,6 +4,7 @@ real reference engines (one of them stopped: the other answers; both stopped: an
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer
 
 from megatron_rl.config import judge_layout, load_recipe
 from megatron_rl.config.loading import RecipeError
+from megatron_rl.config.schema import JudgeConfig, RunConfig
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.plan.placement import plan_judge_placement
 from megatron_rl.plan.report import judge_section
@@ -61,7 +63,7 @@ def test_the_judge_reads_its_chat_template(tmp_path: Path) -> None:
     assert tokenizer.decode(ids) == "<bos> <user> succ 3 <assistant>"
 
 
-def _recipe(*overrides: str, recipe: Path = GRPO) -> object:
+def _recipe(*overrides: str, recipe: Path = GRPO) -> RunConfig:
     cfg, _ = load_recipe(recipe, list(overrides), require_files=False)
     return cfg
 
@@ -85,10 +87,10 @@ def test_a_gpu_judge_takes_whole_nodes_of_its_own_and_the_network_spans_them(tmp
     model.mkdir()
     judge = [*judge_overrides(model, num_engines=2), "judge.tp=4", "judge.engine=sglang"]
     cfg = _recipe(*judge, "cluster.network_interface=lo", recipe=BIG)
-    nodes = cfg.cluster.nodes  # type: ignore[attr-defined]
-    assert (cfg.judge_nodes, cfg.job_nodes) == (1, nodes + 1)  # type: ignore[attr-defined]
-    assert judge_layout(cfg.cluster, cfg.judge).gpus == 8  # type: ignore[attr-defined]
-    plan = plan_judge_placement(cfg)  # type: ignore[arg-type]
+    nodes = cfg.cluster.nodes
+    assert (cfg.judge_nodes, cfg.job_nodes) == (1, nodes + 1)
+    assert judge_layout(cfg.cluster, cfg.judge).gpus == 8
+    plan = plan_judge_placement(cfg)
     assert plan is not None and plan.num_bundles == 8 and plan.trainer_positions == ()
     assert plan.engine_positions == ((0, 1, 2, 3), (4, 5, 6, 7))
     with pytest.raises(RecipeError, match=r"judge\.num_engines: 1 judge engines x judge\.tp 4 = 4 GPUs .* use "):
@@ -99,13 +101,13 @@ def test_a_gpu_judge_takes_whole_nodes_of_its_own_and_the_network_spans_them(tmp
 
 def test_a_cpu_judge_shares_the_run_s_node(tmp_path: Path) -> None:
     cfg = _recipe(*judge_overrides(tmp_path, num_engines=2))
-    assert (cfg.judge_nodes, cfg.job_nodes) == (0, 1)  # type: ignore[attr-defined]
-    plan = plan_judge_placement(cfg)  # type: ignore[arg-type]
+    assert (cfg.judge_nodes, cfg.job_nodes) == (0, 1)
+    plan = plan_judge_placement(cfg)
     assert plan is not None and plan.engine_positions == ((0,), (1,)) and plan.bundle.num_gpus == 0
 
 
 @pytest.fixture(scope="module")
-def judges(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[ReferenceEngine]]:
+def judges(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[ReferenceEngine]]]:
     root = tmp_path_factory.mktemp("judges")
     model = save_tiny_judge(root / "judge")
     engines = [ReferenceEngine(f"judge{i}", model, free_port(), log_dir=root / "logs") for i in range(2)]
@@ -120,8 +122,10 @@ def judges(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Referen
             engine.shutdown()
 
 
-def _config(model: Path) -> object:
-    return _recipe(*judge_overrides(model)).judge  # type: ignore[attr-defined]
+def _config(model: Path) -> JudgeConfig:
+    judge = _recipe(*judge_overrides(model)).judge
+    assert judge is not None
+    return judge
 
 
 def test_judge_reward_scores_the_engines_greedy_verdict_and_fails_over(
@@ -130,7 +134,7 @@ def test_judge_reward_scores_the_engines_greedy_verdict_and_fails_over(
     model, engines = judges
     config = _config(model)
     addresses = [(engine.name, engine.host, engine.port) for engine in engines]
-    reward = pickle.loads(pickle.dumps(JudgeReward(config, addresses, None)))  # type: ignore[arg-type]
+    reward = pickle.loads(pickle.dumps(JudgeReward(config, addresses, None)))
     tokenizer = AutoTokenizer.from_pretrained(model)
     cases = [(f"{a} {b} succ", str(c)) for a in range(4) for b in (5, 8) for c in (1, 6)]
     verdicts = []
@@ -143,7 +147,9 @@ def test_judge_reward_scores_the_engines_greedy_verdict_and_fails_over(
         (result,) = engines[0].generate(
             GenerateRequest(ids, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0), return_logprob=False)
         )
-        verdict = parse_verdict(tokenizer.decode(result.output_ids, skip_special_tokens=True), CORRECT, WRONG)
+        answer = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        assert isinstance(answer, str)  # one sequence of ids decodes to one text
+        verdict = parse_verdict(answer, CORRECT, WRONG)
         verdicts.append(verdict)
         if verdict is None:
             with pytest.raises(JudgeRewardError, match="gave no verdict"):
@@ -171,10 +177,11 @@ def test_readme_s_judge_fragment_validates_and_plan_counts_its_node(tmp_path: Pa
     recipe = tmp_path / "judged.yaml"
     recipe.write_text(f"base: {BIG}\n{fragment}")
     cfg = _recipe(recipe=recipe)
-    judge = cfg.judge  # type: ignore[attr-defined]
+    judge = cfg.judge
+    assert judge is not None
     assert judge.prompt_template.startswith("Question: {prompt}\nReference answer: {ground_truth}\n")
     assert parse_verdict("so... Verdict: Correct", judge.correct_pattern, judge.wrong_pattern) is True
-    assert cfg.job_nodes == cfg.cluster.nodes + 1  # type: ignore[attr-defined]
-    report = "\n".join(judge_section(cfg))  # type: ignore[arg-type]
-    assert f"sbatch --nodes={cfg.job_nodes}" in report  # type: ignore[attr-defined]
-    assert f"node {cfg.cluster.nodes}: judge engines 0 (GPUs 0), 1 (GPUs 1)," in report  # type: ignore[attr-defined]
+    assert cfg.job_nodes == cfg.cluster.nodes + 1
+    report = "\n".join(judge_section(cfg))
+    assert f"sbatch --nodes={cfg.job_nodes}" in report
+    assert f"node {cfg.cluster.nodes}: judge engines 0 (GPUs 0), 1 (GPUs 1)," in report
