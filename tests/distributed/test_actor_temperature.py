@@ -90,7 +90,7 @@ def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
     )
     shard, sampled_shard = rank_shard(fixed), rank_shard(sampled)
     policy = actor.log_probs(shard)
-    result = {
+    result: dict[str, object] = {
         "log_probs": batch_rows([(shard.sample_ids, policy.log_probs)], fixed),
         "entropy": batch_rows([(shard.sample_ids, policy.entropy)], fixed),
         "ref": batch_rows([(shard.sample_ids, actor.log_probs(shard, reference=True).log_probs)], fixed),
@@ -98,7 +98,9 @@ def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
     }
     actor.train_step(shard)
     result["grads"] = {
-        name: g.clone() for name, g in export_hf_tensors(actor.chunks, actor.arch, lambda p: p.main_grad)
+        # main_grad: the gradient buffer Megatron's DDP adds to each parameter (torch's Parameter does not declare it)
+        name: g.clone()
+        for name, g in export_hf_tensors(actor.chunks, actor.arch, lambda p: p.main_grad)  # type: ignore[attr-defined]
     }
     destroy_parallel()
     return result
@@ -115,6 +117,7 @@ def _transformers_loss_grads(hf_dir: Path, batch: ActorBatch, temperature: float
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     mask = batch.response_mask[:, 1:]
     ratio = torch.exp(log_probs - log_probs.detach())
+    assert batch.advantages is not None, "the batch carries its advantages"
     advantages = batch.advantages.unsqueeze(1)
     per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
     (per_token[mask].mean() - ENTROPY_COEF * entropy[mask].mean()).backward()

@@ -130,7 +130,11 @@ def test_a_judge_scored_run_survives_its_judge_dying_and_eval_scores_as_the_judg
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
             (result,) = engine.generate(GenerateRequest(ids, params, return_logprob=False))
-            verdict = None if not row["response"].strip() else _verdict(tokenizer.decode(result.output_ids, True))
+            verdict = None
+            if row["response"].strip():
+                answer = tokenizer.decode(result.output_ids, True)
+                assert isinstance(answer, str)  # one sequence of ids decodes to one text
+                verdict = _verdict(answer)
             verdicts.append(verdict)
             assert row["correct"] is (verdict is True), row
             assert row["score"] == (1.0 if verdict else -1.0), row
