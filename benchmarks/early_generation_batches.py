@@ -56,6 +56,7 @@ PROMPTS_PER_STEP = 8
 def _save_model_config(root: Path) -> Qwen3MoeConfig:
     """The tiny recipe's model config, with EOS token ``EOS`` (inside its 32-token vocabulary), saved in ``root``."""
     init = load_recipe(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")[0].model.random_init
+    assert init is not None, "the tiny recipe builds its model from model.random_init"
     config = Qwen3MoeConfig(**{k: v for k, v in init.items() if k != "architectures"}, eos_token_id=EOS)
     config.save_pretrained(root)
     return config

@@ -43,11 +43,9 @@ from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.reference.backend import ReferenceBackend
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {
-    key: value
-    for key, value in load_recipe(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")[0].model.random_init.items()
-    if key != "architectures"
-}
+_RANDOM_INIT = load_recipe(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")[0].model.random_init
+assert _RANDOM_INIT is not None, "the tiny recipe builds its model from model.random_init"
+TINY = {key: value for key, value in _RANDOM_INIT.items() if key != "architectures"}
 """The tiny recipe's model, as its ``model.random_init`` says."""
 WIDE = TINY | dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_experts=8)
 MAX_NEW = 12
@@ -72,6 +70,7 @@ def transformers_one_at_a_time(model: torch.nn.Module, requests: list[GenerateRe
     tokens = 0
     for request in requests:
         params = request.sampling_params
+        assert params.sampling_seed is not None, "each request carries its seed (_requests)"
         generator = torch.Generator().manual_seed(params.sampling_seed)
         fed = torch.tensor([request.input_ids] * params.n)
         cache = None

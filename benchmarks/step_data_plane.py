@@ -166,6 +166,7 @@ def run_step(trainers: TrainerGroup, shapes: Shapes, num_samples: int, *, expert
     _, receipts = trainers.train_step(shards)
     delivered = time.perf_counter()
     rank_bytes = max(receipt.nbytes for receipt in receipts)
+    assert step.routed_experts is not None or not experts, "a step of routed samples carries their experts"
     result = {
         "samples": num_samples,
         "tokens": step.num_tokens,
@@ -173,7 +174,7 @@ def run_step(trainers: TrainerGroup, shapes: Shapes, num_samples: int, *, expert
         "rank_bytes": rank_bytes,
         "ratio": rank_bytes / (step.nbytes() / shapes.dp),
         "experts": experts,
-        "expert_bytes_per_entry": step.routed_experts.element_size() if experts else 0,
+        "expert_bytes_per_entry": step.routed_experts.element_size() if step.routed_experts is not None else 0,
         "padded_bytes": padded_bytes(step, shapes) if experts else 0,
         "shard_s": sharded - started,
         "deliver_s": delivered - sharded,
@@ -218,8 +219,9 @@ def main() -> None:
     print(f"# full step: {full} samples; running {counts}")
     start_local_ray(cfg)
     placement, slots = create_rank_slots(shapes.dp, num_gpus=0, num_cpus=0.01, name="data-plane")
+    # ReceivingRank stands in for TrainerWorker in the calls TrainerGroup makes (ranks look methods up by name)
     trainers = TrainerGroup(
-        RankWorkerGroup(ReceivingRank, placement, slots, num_gpus=0, num_cpus=0.01, args=(shapes.dp,))
+        RankWorkerGroup(ReceivingRank, placement, slots, num_gpus=0, num_cpus=0.01, args=(shapes.dp,))  # type: ignore[arg-type]
     )
     try:
         rows = [run_step(trainers, shapes, n) for n in counts]

@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ from benchmarks.sync_timing import engine_holds, plain_copy_seconds
 from benchmarks.tables import print_table
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.models.builder import build_qwen_model
-from megatron_rl.models.weight_transfer import export_full_model, export_hf_weights, load_hf_weights
+from megatron_rl.models.weight_transfer import Allocate, export_full_model, export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import free_port, run_local_ranks
 from megatron_rl.rollout import ReferenceEngine
@@ -60,7 +61,7 @@ from megatron_rl.weight_sync.transports import DiskTransport, DistributedTranspo
 
 SIZES = ParallelSizes(tp=2, ep=2, etp=1)
 WORLD = 4
-CONFIG = dict(
+CONFIG: dict[str, Any] = dict(
     vocab_size=32000, hidden_size=512, intermediate_size=1536, moe_intermediate_size=512, num_hidden_layers=12,
     num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4,
     norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
@@ -146,16 +147,21 @@ def _rank(
             for repeat in range(args.repeats):
                 _bump(chunks)
                 kept: list[NamedTensor] = []
-                start = _start()
-                stats = syncer.sync_export(
-                    lambda allocate, kept=kept, full=syncer.transport.exports_full_model: _tapped(
+
+                def export(
+                    allocate: Allocate | None,
+                    kept: list[NamedTensor] = kept,
+                    full: bool = syncer.transport.exports_full_model,
+                ) -> Iterator[NamedTensor]:
+                    return _tapped(
                         export_full_model(chunks, arch, allocate=allocate)
                         if full
                         else export_hf_weights(chunks, arch, designated_only=True, allocate=allocate),
                         kept,
-                    ),
-                    f"{kind}-{bucket_mb}-{repeat}",
-                )
+                    )
+
+                start = _start()
+                stats = syncer.sync_export(export, f"{kind}-{bucket_mb}-{repeat}")
                 best = min(best, _wall(start))
                 engine_holds(engine, kept, CHECKED_ROWS)
             syncer.close()

@@ -33,13 +33,11 @@ from megatron_rl.weight_sync import transports
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import TensorTransport
 
-CONFIG = {
-    key: value
-    for key, value in load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_moe_cpu_dapo.yaml")[
-        0
-    ].model.random_init.items()
-    if key != "architectures"
-}
+_RANDOM_INIT = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny_moe_cpu_dapo.yaml")[
+    0
+].model.random_init
+assert _RANDOM_INIT is not None, "the tiny recipe builds its model from model.random_init"
+CONFIG = {key: value for key, value in _RANDOM_INIT.items() if key != "architectures"}
 """The tiny recipe's model (``model.random_init``)."""
 KEPT = transports._on_every_engine
 

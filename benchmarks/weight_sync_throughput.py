@@ -45,6 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -58,7 +59,7 @@ from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors, serialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
 
-CONFIG = dict(
+CONFIG: dict[str, Any] = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,
     num_key_value_heads=8, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
 )  # fmt: skip

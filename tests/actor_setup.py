@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -34,7 +35,8 @@ SEQ_LENGTH = 16
 
 def save_tiny_moe_2layer(path: Path) -> Path:
     """Qwen3-MoE: 2 MoE layers, hidden 32, 4 experts top-2, vocab 100, fp32, random init (seed 3)."""
-    config = Qwen3MoeConfig(
+    # transformers 5 declares no head_dim on Qwen3MoeConfig; it keeps it as an extra attribute, which the model reads
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
@@ -166,7 +168,7 @@ def parallel_config(sizes: ParallelSizes) -> ParallelConfig:
 
 def train_config(**fields) -> TrainConfig:
     """fp32, one step; Adam eps 1.0 (the update is then close to lr * gradient, so a scale error shows)."""
-    defaults = dict(steps=1, prompts_per_step=8, precision="fp32", lr=1.0, adam_eps=1.0, grad_clip=None)
+    defaults: dict[str, Any] = dict(steps=1, prompts_per_step=8, precision="fp32", lr=1.0, adam_eps=1.0, grad_clip=None)
     return TrainConfig(**(defaults | fields))
 
 

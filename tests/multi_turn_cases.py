@@ -15,9 +15,10 @@ from concurrent.futures import Future
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
-from megatron_rl.rollout.engine import EngineUnavailableError
-from megatron_rl.rollout.episodes import EnvironmentReply, Episode
+from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
+from megatron_rl.rollout.episodes import EnvironmentReply, Episode, ReplyFailure
 from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult
+from tests.fake_engines import DelegatingEngine
 from tests.rollout_managers import build_manager
 
 REWARD = "tests.rollout_rewards:first_token_parity"
@@ -52,35 +53,33 @@ class ReplyingEpisode(Episode):
         if turns >= MAX_TURNS or turn_ids[-1] not in STOPS:
             return None
         future: Future[EnvironmentReply] = Future()
-        failure = {2: "limit", 3: "error"}.get(turns)
+        failures: dict[int, ReplyFailure] = {2: "limit", 3: "error"}
+        failure = failures.get(turns)
         more_calls = (("echo", None),) if turns == TWO_CALL_TURN else ()
         future.set_result(EnvironmentReply(reply_ids(turns), tool="echo", failure=failure, more_calls=more_calls))
         return future
 
 
-class RecordingEngine:
+class RecordingEngine(DelegatingEngine):
     """Delegates to an engine and records each ``/generate`` request with its answers; with ``crash_at_follow_up``,
     the first request of a later turn fails as if the engine process were gone."""
 
-    def __init__(self, engine, *, crash_at_follow_up: bool = False) -> None:
-        self._engine = engine
+    def __init__(self, engine: RolloutEngine, *, crash_at_follow_up: bool = False) -> None:
+        super().__init__(engine)
         self.calls: list[tuple[GenerateRequest, list[GenerateResult]]] = []
         self._lock = threading.Lock()
         self.crash_pending = crash_at_follow_up
 
-    def generate(self, request: GenerateRequest, **kwargs) -> list[GenerateResult]:
+    def generate(self, request: GenerateRequest, *, timeout_s: float | None = None) -> list[GenerateResult]:
         with self._lock:
-            crash = self.crash_pending and request.rid.count(".") == 3
+            crash = self.crash_pending and isinstance(request.rid, str) and request.rid.count(".") == 3
             self.crash_pending = self.crash_pending and not crash
         if crash:
             raise EngineUnavailableError("engine ref: /generate failed: the process is gone (test)")
-        results = self._engine.generate(request, **kwargs)
+        results = self._engine.generate(request, timeout_s=timeout_s)
         with self._lock:
             self.calls.append((request, results))
         return results
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
 
 def run_episodes(engine, *, routing_replay: bool, partial_tokens: int | None = None, steps: int = 1, seed: int = 7):

@@ -174,6 +174,7 @@ def with_sglang_api_key(app: Any, api_key: str) -> Any:
 
     capture = _MiddlewareCapture(app)
     add_api_key_middleware(capture, api_key=api_key, admin_api_key=None)
+    assert capture.added is not None, "SGLang added no API-key middleware"
     cls, kwargs = capture.added
     return cls(app, **(kwargs | {"fastapi_app": app}))
 

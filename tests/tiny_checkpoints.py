@@ -8,13 +8,21 @@ k_norm, gate vs up, a wrong KV group) changes the logits visibly.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 VOCAB = 100
 
-_COMMON = dict(
+_COMMON: dict[str, Any] = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     num_hidden_layers=4,
@@ -62,7 +70,7 @@ def save_tiny_moe(
     ``max_position_embeddings``: room for long generations (RoPE has no learnt positions).
     ``all_sparse=True``: every layer MoE, as Qwen3-30B-A3B (SGLang 0.5.23 serves no other kind).
     """
-    routing = (
+    routing: dict[str, Any] = (
         dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)
         if sparse_step
         else dict(norm_topk_prob=True, mlp_only_layers=[] if all_sparse else [1], decoder_sparse_step=1)
@@ -78,7 +86,8 @@ def save_tiny_moe(
     )
     model = Qwen3MoeForCausalLM(config)
     _randomise(model, seed=2)
-    model.to(dtype).save_pretrained(path)
+    # transformers wraps PreTrainedModel.to in a decorator whose type takes the model as its first argument
+    model.to(dtype).save_pretrained(path)  # type: ignore[arg-type]
     return path
 
 
@@ -91,6 +100,7 @@ def checkpoint_named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     grads = {}
     for name, param in model.named_parameters():
+        assert param.grad is not None, f"{name} has no gradient"
         prefix = name.rsplit(".", 1)[0]
         if name.endswith("mlp.experts.gate_up_proj"):
             for expert, (gate, up) in enumerate(g.chunk(2) for g in param.grad):
@@ -102,7 +112,7 @@ def checkpoint_named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def chain_model(path, chain: list[int], vocab_size: int) -> torch.nn.Module:
+def chain_model(path, chain: list[int], vocab_size: int) -> PreTrainedModel:
     """The tiny MoE at ``path`` made to sample ``chain``: its next token after ``chain[i]`` is ``chain[i + 1]``,
     whatever came before (by a logit margin of 100), and ``chain[-1]`` is its EOS."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
-import torch
 from tokenizers import AddedToken
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
@@ -47,7 +47,7 @@ class TwoCallCase:
     question: list[dict[str, str]]
     prompt: list[int]
     turn: list[int]
-    model: torch.nn.Module
+    model: PreTrainedModel
 
 
 def two_call_case(tmp_path: Path) -> TwoCallCase:
@@ -57,7 +57,9 @@ def two_call_case(tmp_path: Path) -> TwoCallCase:
     tokenizer.add_tokens([AddedToken(block, special=False, normalized=False) for block in blocks])
     question = [{"role": "user", "content": "1 + 2 and 3 * 4?"}]
     prompt = list(tokenizer.apply_chat_template(question, add_generation_prompt=True, return_dict=False))
-    turn = [*tokenizer.convert_tokens_to_ids(blocks), tokenizer.eos_token_id]
+    block_ids = tokenizer.convert_tokens_to_ids(blocks)
+    assert isinstance(block_ids, list)  # a list of tokens gives a list of ids
+    turn = [*block_ids, tokenizer.eos_token_id]
     path = save_tiny_moe(tmp_path / "moe", vocab_size=512, max_position_embeddings=256)
     return TwoCallCase(tokenizer, question, prompt, turn, chain_model(path, [prompt[-1], *turn], len(tokenizer)))
 
@@ -97,7 +99,9 @@ def run_two_call_episodes(
     return groups, engine
 
 
-def two_call_rollout(engine: str, partial_tokens: int | None = None, **fields: object) -> RolloutConfig:
+def two_call_rollout(
+    engine: Literal["sglang", "reference"], partial_tokens: int | None = None, **fields: Any
+) -> RolloutConfig:
     """The episode's rollout section: two turns of the tool-call episode with the calculator."""
     return RolloutConfig(
         engine=engine,
@@ -119,13 +123,14 @@ def check_two_call_samples(case: TwoCallCase, groups: list) -> None:
     calls = [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}} for e in EXPRESSIONS
     ]
-    conversation = [
+    conversation: list[dict[str, Any]] = [
         *case.question,
         {"role": "assistant", "content": TEXT.strip(), "tool_calls": calls},
         {"role": "tool", "content": "3"},
         {"role": "tool", "content": "12"},
     ]
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert isinstance(rendered, str)  # tokenize=False returns the text
     reply = tokenizer.encode(rendered.partition("</tool_call><|im_end|>")[2], add_special_tokens=False)
     assert groups
     for sample in (sample for group in groups for sample in group.samples):

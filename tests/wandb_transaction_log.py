@@ -23,7 +23,8 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 def read_records(path: Path) -> Iterator[Any]:
     """Every ``Record`` of the transaction log ``path``, in order; raises on a bad header or checksum."""
-    from wandb.proto.wandb_internal_pb2 import Record
+    # protobuf builds the message classes when the module runs (wandb ships no stubs of them): mypy sees no Record
+    from wandb.proto.wandb_internal_pb2 import Record  # type: ignore[attr-defined]
 
     data = path.read_bytes()
     if _FILE_HEADER.unpack_from(data) != (b":W&B", 0xBEE1, 0):

@@ -117,16 +117,21 @@ def _device_reference_rank(rank, world_size, hf_dir, batch):
     initialize_parallel(ParallelSizes())
     algorithm = algorithm_config(use_kl_loss=True, kl_coef=0.5, reference_placement="device")
     actor = tiny_actor(hf_dir, ParallelSizes(), train=train_config(lr=0.1), algorithm=algorithm)
-    reference = [t.clone() for t in actor._reference.tensors]
+
+    def reference_tensors() -> list[torch.Tensor]:
+        assert actor._reference is not None, "reference_placement=device keeps the reference weights"
+        return actor._reference.tensors
+
+    reference = [t.clone() for t in reference_tensors()]
     policy_before = [p.detach().clone() for model in actor.models for p in model.parameters()]
     shard = rank_shard(batch)
     ref_log_probs = (shard.sample_ids, actor.log_probs(shard, reference=True).log_probs)
     policy_after = [p.detach() for model in actor.models for p in model.parameters()]
     exchanged_back = all(torch.equal(a, b) for a, b in zip(policy_before, policy_after, strict=True))
     actor.offload(keep_params=True)  # the weight-sync stage: the device reference goes with the optimizer state
-    freed = all(t.untyped_storage().nbytes() == 0 for t in actor._reference.tensors)
+    freed = all(t.untyped_storage().nbytes() == 0 for t in reference_tensors())
     actor.reload()
-    restored = all(torch.equal(a, b) for a, b in zip(reference, actor._reference.tensors, strict=True))
+    restored = all(torch.equal(a, b) for a, b in zip(reference, reference_tensors(), strict=True))
     result = {"ref": ref_log_probs, "exchanged_back": exchanged_back, "freed": freed, "restored": restored}
     destroy_parallel()
     return result

@@ -46,7 +46,7 @@ SPLITS = {
 def _train_rank(rank, world_size, sizes, budget, hf_dir, batch):
     initialize_parallel(sizes)
     shard = rank_shard(batch)
-    results = {}
+    results: dict[str, object] = {}
     for mode in LOSS_AGG_MODES:
         actor = tiny_actor(
             hf_dir,
@@ -73,7 +73,9 @@ def split_runs(tmp_path_factory):
     runs = {}
     for name, (sizes, world_size, budget, _) in SPLITS.items():
         per_rank = run_distributed(_train_rank, world_size, sizes, budget, hf_dir, batch)
-        merged = {mode: (per_rank[-1][mode][0], {}) for mode in LOSS_AGG_MODES}
+        merged: dict[str, tuple[dict[str, float], dict[str, torch.Tensor]]] = {
+            mode: (per_rank[-1][mode][0], {}) for mode in LOSS_AGG_MODES
+        }
         for rank_result in per_rank:
             for mode in LOSS_AGG_MODES:
                 merged[mode][1].update(rank_result[mode][1])

@@ -63,7 +63,9 @@ def _engine_samples(hf_dir: Path) -> ActorBatch:
         params = SamplingParams(
             max_new_tokens=MAX_NEW, temperature=TEMPERATURE, n=2, sampling_seed=seed, ignore_eos=True
         )
-        for answer in backend.generate(GenerateRequest(list(prompt), params)):
+        answers = backend.generate(GenerateRequest(list(prompt), params))
+        assert isinstance(answers, list)  # n=2: one answer per sample
+        for answer in answers:
             logprobs = [logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]]
             rows.append((list(prompt), answer["output_ids"], logprobs))
     seq_length = max(len(prompt) + len(output) for prompt, output, _ in rows)
@@ -90,7 +92,7 @@ def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
     )
     shard, sampled_shard = rank_shard(fixed), rank_shard(sampled)
     policy = actor.log_probs(shard)
-    result = {
+    result: dict[str, object] = {
         "log_probs": batch_rows([(shard.sample_ids, policy.log_probs)], fixed),
         "entropy": batch_rows([(shard.sample_ids, policy.entropy)], fixed),
         "ref": batch_rows([(shard.sample_ids, actor.log_probs(shard, reference=True).log_probs)], fixed),
@@ -98,7 +100,9 @@ def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
     }
     actor.train_step(shard)
     result["grads"] = {
-        name: g.clone() for name, g in export_hf_tensors(actor.chunks, actor.arch, lambda p: p.main_grad)
+        # main_grad: the gradient buffer Megatron's DDP adds to each parameter (torch's Parameter does not declare it)
+        name: g.clone()
+        for name, g in export_hf_tensors(actor.chunks, actor.arch, lambda p: p.main_grad)  # type: ignore[attr-defined]
     }
     destroy_parallel()
     return result
@@ -115,6 +119,7 @@ def _transformers_loss_grads(hf_dir: Path, batch: ActorBatch, temperature: float
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     mask = batch.response_mask[:, 1:]
     ratio = torch.exp(log_probs - log_probs.detach())
+    assert batch.advantages is not None, "the batch carries its advantages"
     advantages = batch.advantages.unsqueeze(1)
     per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
     (per_token[mask].mean() - ENTROPY_COEF * entropy[mask].mean()).backward()

@@ -60,7 +60,7 @@ def _training_rank(rank, world_size, hf_dir, batch):
         ref_log_probs=actor.log_probs(shard, reference=True).log_probs,
     )
     (step1,) = run_updates(actor._context, local, shard.mini_batch_rows())
-    result = {"step1": step1}
+    result: dict[str, object] = {"step1": step1}
     result["after"] = (ids, actor.log_probs(shard).log_probs)
     result["ref_after_training"] = (ids, actor.log_probs(shard, reference=True).log_probs)
     result["after_ref_swap"] = (ids, actor.log_probs(shard).log_probs)

@@ -30,13 +30,14 @@ from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.tensor_serialization import deserialize_payload, shared_memory_owners
 from megatron_rl.weight_sync.transports import TensorTransport
 from tests.distributed_utils import run_distributed
+from tests.fake_engines import PartialEngine
 from tests.tiny_checkpoints import save_tiny_moe
 
 SIZES = ParallelSizes(tp=1, ep=2)
 ENGINE_TP = [2, 2]
 
 
-class EngineRanks:
+class EngineRanks(PartialEngine):
     """Opens each TP rank's payload as that rank would and records whose memory it was and what it held."""
 
     name = "recording"
@@ -46,7 +47,7 @@ class EngineRanks:
         self.received: list[dict[str, torch.Tensor]] = [{} for _ in range(max(ENGINE_TP))]
         self.fail_on = fail_on
 
-    def pause_generation(self, mode: str) -> None:
+    def pause_generation(self, mode: str = "retract") -> None:
         pass
 
     def begin_weight_update(self) -> None:
@@ -81,7 +82,7 @@ def _sync_rank(rank: int, world_size: int, hf_dir: Path, fail_on: int | None, en
         error = type(failure).__name__
     finally:
         syncer.close() if fail_on is None else None
-        pids = [None] * world_size
+        pids: list[int | None] = [None] * world_size
         torch.distributed.all_gather_object(pids, os.getpid())
         destroy_parallel()
     return {"engines": engines, "pids": pids, "error": error}

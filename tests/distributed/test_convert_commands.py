@@ -20,7 +20,7 @@ from megatron_rl.models.hf_files import partial_dir
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
 from megatron_rl.models.weight_transfer import load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-from megatron_rl.parallel.local_launch import RankFailedError
+from megatron_rl.parallel.errors import RankFailedError
 from tests.distributed_utils import run_distributed
 from tests.tiny_checkpoints import save_tiny_dense, save_tiny_moe
 

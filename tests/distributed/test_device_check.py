@@ -85,6 +85,7 @@ def test_the_gpu_runs_recipe_and_plan_build_on_cpu(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("device_check", REPO / "scripts" / "device_check.py")
+    assert spec is not None and spec.loader is not None
     device_check = importlib.util.module_from_spec(spec)
     sys.modules["device_check"] = device_check  # its dataclasses look their module up
     spec.loader.exec_module(device_check)

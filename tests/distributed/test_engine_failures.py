@@ -112,7 +112,7 @@ def test_request_timeout_and_engine_killed_mid_request(reference):
     with pytest.raises(EngineTimeoutError, match="ref: /generate got no answer within 1 s"):
         reference.generate(_request(), timeout_s=1)
 
-    errors: list[Exception] = []
+    errors: list[Exception | None] = []
     waiting = threading.Thread(target=lambda: errors.append(_capture(reference)))
     waiting.start()
     time.sleep(0.5)

@@ -73,10 +73,12 @@ class _Recording(HttpEngine):
         self.log = log
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        assert tags is not None, "the run names the memory it releases"
         self.log.append(("engine.release", *tags))
         super().release_memory(tags)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        assert tags is not None, "the run names the memory it resumes"
         self.log.append(("engine.resume", *tags))
         super().resume_memory(tags)
 
@@ -157,6 +159,7 @@ def test_hosted_engine_generates_and_dies_with_its_actor(bundles: PlacementGroup
         assert engine.generate(REQUEST)[0].output_ids == first.output_ids
 
         (pid,) = hosts.pids()
+        assert pid is not None
         assert _alive(pid)
         ray.kill(hosts._hosts[0][0])  # the actor dies without shutting its engine down
         deadline = time.monotonic() + 15
@@ -174,6 +177,7 @@ def test_engine_that_dies_is_reported_to_the_driver_with_its_log_tail(bundles: P
         hosts.wait_healthy()
         (client,) = hosts.clients
         (pid,) = hosts.pids()
+        assert pid is not None
         os.kill(pid, signal.SIGKILL)
         log_tail = r"exited with code -9; log tail:\n.*reference-engine INFO serving .* on http://"
         with pytest.raises(EngineUnavailableError, match=rf"(?s)engine ref1: /generate failed at .*{log_tail}"):

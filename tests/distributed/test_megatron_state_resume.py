@@ -11,7 +11,8 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_rl.actor.policy_actor import PolicyActor
-from megatron_rl.checkpoint.megatron_state import MEGATRON_DIR, load_megatron_state, save_megatron_state
+from megatron_rl.checkpoint.layout import MEGATRON_DIR
+from megatron_rl.checkpoint.megatron_state import load_megatron_state, save_megatron_state
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
     algorithm_config,

@@ -69,7 +69,8 @@ def _megatron_grads_rank(rank, world_size, sizes: ParallelSizes, hf_dir: Path) -
         micro_batch_size=input_ids.shape[0],
         forward_only=False,
     )
-    grads = {name: grad.clone() for name, grad in export_hf_tensors(chunks, arch, lambda p: p.main_grad)}
+    # main_grad: the gradient buffer Megatron's DDP adds to each parameter (torch's Parameter does not declare it)
+    grads = {name: grad.clone() for name, grad in export_hf_tensors(chunks, arch, lambda p: p.main_grad)}  # type: ignore[attr-defined]
     destroy_parallel()
     return grads
 

@@ -71,7 +71,7 @@ def test_dynamic_sampling_fills_the_step_and_aborts_the_surplus(engine):
         for sample in group.samples:
             assert sample.truncated and sample.overlong_penalty == -0.5 and set(sample.loss_mask) == {0}
             assert len(sample.rollout_logprobs) == len(sample.response_ids) == 16
-            assert sample.routed_experts.shape == (2 + 16 - 1, 4, 2)
+            assert sample.routed_experts is not None and sample.routed_experts.shape == (2 + 16 - 1, 4, 2)
     assert [len(group.samples) for group in batch.groups] == [4, 4]
 
 

@@ -48,6 +48,7 @@ def _sharded_rank(
     )
     _loss(logp, entropy, w_logp, w_ent).backward()
     dist.destroy_process_group()
+    assert local.grad is not None
     return logp.detach(), entropy.detach(), local.grad
 
 
@@ -62,6 +63,7 @@ def test_unsharded_logprobs_entropy_and_grads_match_full_softmax_ignoring_paddin
     _loss(ref_logp, ref_entropy, w_logp, w_ent).backward()
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, rtol=0, atol=1e-5)
+    assert ours_in.grad is not None
     torch.testing.assert_close(ours_in.grad[..., :VOCAB], ref_in.grad, rtol=0, atol=1e-5)
     assert torch.all(ours_in.grad[..., VOCAB:] == 0)
 
@@ -149,6 +151,7 @@ def test_tensor_parallel_logprobs_entropy_and_grads_match_full_softmax(world_siz
     ref_in = logits[..., :VOCAB].clone().requires_grad_(True)
     ref_logp, ref_entropy = _reference(ref_in, targets, temperature)
     _loss(ref_logp, ref_entropy, w_logp, w_ent).backward()
+    assert ref_in.grad is not None
     ref_grad = torch.cat([ref_in.grad, torch.zeros(2, TOKENS, PADDED - VOCAB)], dim=-1)
     results = run_distributed(_sharded_rank, world_size, temperature, chunk_tokens)
     for rank, (logp, entropy, grad) in enumerate(results):

@@ -47,13 +47,14 @@ ATOL = 1e-5
 BUCKET_BYTES = 4096
 
 
-def _generate(engine: ReferenceEngine, seed: int) -> list[tuple[list[int], list[int], list[float], str]]:
+def _generate(engine: ReferenceEngine, seed: int) -> list[tuple[list[int], list[int], list[float], str | None]]:
     samples = []
     for prompt in PROMPTS:
         params = SamplingParams(
             max_new_tokens=MAX_NEW, temperature=TEMPERATURE, n=2, sampling_seed=seed, ignore_eos=True
         )
         for result in engine.generate(GenerateRequest(list(prompt), params, return_routed_experts=True)):
+            assert result.routed_experts is not None
             assert result.routed_experts.shape == (len(prompt) + len(result.output_ids) - 1, 4, 2)
             samples.append((list(prompt), result.output_ids, result.output_logprobs, result.weight_version))
     return samples

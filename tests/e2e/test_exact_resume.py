@@ -121,7 +121,10 @@ def test_killed_and_resumed_run_matches_the_straight_run(
         assert sum(r["rollout/tool_calls"] for r in straight_metrics[1:]) > 0
     final = [megatron_contents(root / run / "checkpoints" / "step_000004", tmp_path) for root in (straight, resumed)]
     assert final[0].keys() == final[1].keys()
-    for key, expected in final[0].items():
-        actual = final[1][key]
-        assert torch.equal(actual, expected) if isinstance(expected, torch.Tensor) else actual == expected, key
+    for key, saved in final[0].items():
+        loaded = final[1][key]
+        if isinstance(saved, torch.Tensor):
+            assert isinstance(loaded, torch.Tensor) and torch.equal(loaded, saved), key
+        else:
+            assert loaded == saved, key
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000004"]

@@ -43,7 +43,8 @@ def _unpadded(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_run_saved_at_tp2_continues_at_tp1_pp2_with_the_same_state(tmp_path: Path) -> None:
     straight, moved = tmp_path / "straight", tmp_path / "moved"
-    straight.mkdir(), moved.mkdir()
+    straight.mkdir()
+    moved.mkdir()
     run_train(straight, [*COMMON, *TP2])
     saved = straight / RUN / "checkpoints" / "step_000002"
     output = run_train(moved, [*COMMON, *PP2, f"checkpoint.resume={saved}"])

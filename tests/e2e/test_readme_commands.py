@@ -76,12 +76,15 @@ PROVEN_ELSEWHERE = {
 
 def _blocks(text: str) -> list[tuple[str, list[str]]]:
     """The fenced blocks of a Markdown text: (language, lines), in order."""
-    blocks, current, language = [], None, ""
+    blocks: list[tuple[str, list[str]]] = []
+    current: list[str] | None = None
+    language = ""
     for line in text.splitlines():
         fence = re.fullmatch(r"```(\w*)\s*", line)
         if fence and current is None:
             current, language = [], fence.group(1)
         elif fence:
+            assert current is not None  # a fence that does not open a block closes the open one
             blocks.append((language, current))
             current = None
         elif current is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -73,7 +74,7 @@ def _sync(client, shape: tuple[int, ...], value: float) -> list:
 
 
 def main(model: str, log_dir: str) -> None:
-    ray.init(logging_level="ERROR", log_to_driver=False)
+    ray.init(logging_level=logging.ERROR, log_to_driver=False)
     network = RunNetwork("lo")
     group, slots = create_rank_slots(2, num_gpus=0.0, num_cpus=0.8, name="multinode-engine")
     nodes = engine_node_slots(slots, nnodes=2)
@@ -93,6 +94,7 @@ def main(model: str, log_dir: str) -> None:
         seen["same_as_one_node"] = _tokens(client) == _tokens(one)
         seen["synced"] = _sync(client, shape, 0.25)
         node_pids = hosts.node_pids(0)
+        assert node_pids[1] is not None, "node 1 of the engine has a process"
         os.kill(node_pids[1], signal.SIGKILL)
         seen["crash_error"], deadline = "", time.monotonic() + LOSS_NOTICED_S
         while not seen["crash_error"] and time.monotonic() < deadline:  # node 0's /health fails once it noticed

@@ -174,6 +174,7 @@ def data_error(train_file: Path, tokenizer_dir: Path, tmp_path: Path, *overrides
             *overrides,
         ],
     )
+    assert cfg.model.random_init is not None, "the tiny recipe builds its model from model.random_init"
     with pytest.raises(ValueError) as info:
         prepare_data(
             cfg.data,
@@ -402,6 +403,7 @@ def test_model_resume_checkpoint_of_another_model_names_the_fields(tmp_path: Pat
     cfg, _ = load_recipe(TINY)
     metadata = tmp_path / "step_000002" / HF_METADATA_DIR
     metadata.mkdir(parents=True)
+    assert cfg.model.random_init is not None, "the tiny recipe builds its model from model.random_init"
     (metadata / "config.json").write_text(json.dumps(dict(cfg.model.random_init) | {"num_hidden_layers": 4}))
     with pytest.raises(ValueError) as info:
         check_same_model(cfg, metadata.parent)

@@ -220,7 +220,8 @@ def test_past_max_engine_restarts_the_run_stops_naming_the_engine_its_exit_code_
 @pytest.mark.full
 def test_an_engine_crashing_beside_training_is_left_out_until_the_next_sync(tmp_path: Path) -> None:
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    straight.mkdir(), crashed.mkdir()
+    straight.mkdir()
+    crashed.mkdir()
     done = _run(straight, "cluster.cpu_engines=2", recipe=ASYNC_RECIPE)
     assert done.returncode == 0, done.stderr[-3000:]
     fault = engine_exit_fault(ASYNC_CRASH_AT_REQUEST, 1, tmp_path / "crashes")

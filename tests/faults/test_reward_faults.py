@@ -41,7 +41,7 @@ def _score(pool: RewardPool, responses: list[str], truth: str = "4") -> list[Sco
 
 def test_the_reward_timeout_is_a_documented_recipe_field_with_a_default() -> None:
     field = DataConfig.model_fields["reward_timeout_s"]
-    assert field.default == 30.0 and "killed and replaced" in field.description
+    assert field.default == 30.0 and field.description is not None and "killed and replaced" in field.description
 
 
 def test_a_raising_reward_scores_the_response_as_failed_and_logs_it_once(

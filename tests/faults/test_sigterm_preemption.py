@@ -143,7 +143,8 @@ def _session_left(session: int) -> str:
 @pytest.mark.slow
 def test_sigterm_to_the_driver_saves_its_step_exits_0_and_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
     straight, signalled = tmp_path / "straight", tmp_path / "signalled"
-    straight.mkdir(), signalled.mkdir()
+    straight.mkdir()
+    signalled.mkdir()
     run_train(straight, OVERRIDES)
 
     out, err = signalled / "driver.out", signalled / "driver.err"
@@ -194,4 +195,7 @@ def test_sigterm_to_the_driver_saves_its_step_exits_0_and_resumes_as_the_uninter
     assert final[0].keys() == final[1].keys()
     for key, value in final[0].items():
         other = final[1][key]
-        assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value, key
+        if isinstance(value, torch.Tensor):
+            assert isinstance(other, torch.Tensor) and torch.equal(other, value), key
+        else:
+            assert other == value, key

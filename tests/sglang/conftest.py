@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from tests.api_key_cases import API_KEY
 from tests.tiny_checkpoints import save_tiny_moe
 
 STARTUP_TIMEOUT_S = 240.0
-CPU_ROLLOUT = dict(engine="sglang", dtype="float32", max_total_tokens=4096, request_timeout_s=600.0)
+CPU_ROLLOUT: dict[str, Any] = dict(engine="sglang", dtype="float32", max_total_tokens=4096, request_timeout_s=600.0)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -38,7 +39,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def start_sglang(
-    model_dir: Path, log_dir: Path, name: str = "sglang", api_key: str | None = API_KEY, **rollout: object
+    model_dir: Path, log_dir: Path, name: str = "sglang", api_key: str | None = API_KEY, **rollout: Any
 ) -> SGLangEngine:
     """A healthy CPU SGLang engine serving ``model_dir`` (the caller shuts it down)."""
     config = RolloutConfig(**(CPU_ROLLOUT | rollout))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ LOGPROB_TOLERANCE = 1e-4
 """fp32 engine against an fp64 softmax of fp32 logits: both sum ~100 terms of ~1e-7 relative error."""
 
 
-def _greedy(prompt: list[int], max_new_tokens: int = NEW_TOKENS, **params: object) -> GenerateRequest:
+def _greedy(prompt: list[int], max_new_tokens: int = NEW_TOKENS, **params: Any) -> GenerateRequest:
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, **params)
     return GenerateRequest(prompt, sampling)
 

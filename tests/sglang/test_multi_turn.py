@@ -77,5 +77,7 @@ def test_a_multi_turn_episode_trains_on_what_sglang_sampled_turn_by_turn(sglang,
     assert stopped, "no turn ended at a stop token"
     for result in stopped:
         assert result.finish_reason.type == "stop" and result.finish_reason.matched == result.output_ids[-1]
-    follow_ups = [request for request, _ in engine.calls if request.rid.count(".") == 3]
+    follow_ups = [
+        request for request, _ in engine.calls if isinstance(request.rid, str) and request.rid.count(".") == 3
+    ]
     assert follow_ups and all(request.sampling_params.n == 1 for request in follow_ups)

@@ -64,7 +64,7 @@ def test_release_memory_kills_sglangs_cpu_scheduler_so_cpu_runs_never_ask(moe_di
     try:
         with pytest.raises((EngineUnavailableError, EngineRequestError)):
             engine.release_memory(["kv_cache"])
-        assert engine.process.wait_for_exit(60) is not None
+        assert engine.process is not None and engine.process.wait_for_exit(60) is not None
     finally:
         engine.shutdown()
 

@@ -80,7 +80,9 @@ def test_a_tensor_update_of_every_weight_serves_the_new_checkpoint(
         for name, tensor in named:
             views.append((name, storage[offset : offset + tensor.numel()].view(tensor.shape)))
             offset += tensor.numel()
-        payload, load_format = serialize_flattened_bucket(*flattened_bucket(views)), "flattened_bucket"
+        bucket = flattened_bucket(views)
+        assert bucket is not None, "views of one storage, back to back, make one flattened bucket"
+        payload, load_format = serialize_flattened_bucket(*bucket), "flattened_bucket"
     else:
         payload, load_format = serialize_named_tensors(named), None
     engine.begin_weight_update()
@@ -110,9 +112,10 @@ def _sync_as_trainer(
     """A trainer process: our WeightSyncer with transport ``kind`` into the engine at ``port``."""
     from megatron_rl.rollout.http_engine import HttpEngine
     from megatron_rl.weight_sync.syncer import WeightSyncer
-    from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
+    from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
 
     engine = HttpEngine("sglang", "127.0.0.1", port, request_timeout_s=SYNC_TIMEOUT_S, api_key=api_key)
+    transport: WeightTransport
     if kind == "tensor":
         transport = TensorTransport([engine])
     elif kind == "disk":

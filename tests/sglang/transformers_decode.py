@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 
-def load_model(model_dir: Path, weights: Mapping[str, torch.Tensor] | None = None) -> torch.nn.Module:
+def load_model(model_dir: Path, weights: Mapping[str, torch.Tensor] | None = None) -> PreTrainedModel:
     """The checkpoint in fp32, eval mode; ``weights`` (on-disk names) replace the saved ones where given."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if weights:

@@ -24,6 +24,7 @@ def _batch() -> ActorBatch:
 
 def test_padding_adds_inert_rows_and_positions():
     padded = _batch().padded(3, 6)
+    assert padded.advantages is not None and padded.routed_experts is not None
     assert padded.input_ids.shape == (3, 6)
     assert padded.lengths.tolist() == [4, 2, 0]
     assert padded.advantages.tolist() == [1.0, -1.0, 0.0]
@@ -36,7 +37,7 @@ def test_padding_adds_inert_rows_and_positions():
 def test_select_keeps_rows_in_the_given_order():
     selected = _batch().select([1, 0])
     assert selected.input_ids[0].tolist() == [9, 3, 0, 0]
-    assert selected.routed_experts.shape == (2, 4, 3, 2)
+    assert selected.routed_experts is not None and selected.routed_experts.shape == (2, 4, 3, 2)
 
 
 def test_prompt_mask_is_valid_non_response_tokens():

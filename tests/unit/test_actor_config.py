@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 
 import megatron.core
@@ -110,13 +111,12 @@ def test_actor_refuses_a_temperature_it_cannot_train_at(temperature):
 
 def test_a_transformer_engine_older_than_the_recipe_needs_is_refused_naming_both():
     train = _train(precision="fp8", fp8_recipe="blockwise")
-    fields = dict(is_moe=True, routing_replay=False, transformer_engine_problem=None)
-    with pytest.raises(ValueError, match=r"blockwise needs Transformer Engine >= 2.3.0 .* this one is 2.2.1"):
-        actor_config_overrides(train, **fields, transformer_engine_version="2.2.1")
-    assert (
-        actor_config_overrides(train, **fields, transformer_engine_version="2.3.0.dev0+1a2b")["fp8_recipe"]
-        == "blockwise"
+    overrides = partial(
+        actor_config_overrides, train, is_moe=True, routing_replay=False, transformer_engine_problem=None
     )
+    with pytest.raises(ValueError, match=r"blockwise needs Transformer Engine >= 2.3.0 .* this one is 2.2.1"):
+        overrides(transformer_engine_version="2.2.1")
+    assert overrides(transformer_engine_version="2.3.0.dev0+1a2b")["fp8_recipe"] == "blockwise"
 
 
 def test_the_te_each_recipe_needs_is_what_megatron_core_asks_and_the_gpu_lock_has_it():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -117,9 +118,9 @@ def test_selection_packs_only_with_recipe_cuda_and_te(pack, cuda, te):
 
 
 def test_context_parallelism_packs_with_transformer_engine_and_pads_on_cpu():
-    args = dict(tp=2, cp=2, sequence_parallel=True, fp8_recipe=None)
-    assert select_packing(pack_sequences=True, cuda=False, transformer_engine_spec=False, **args) is None
-    assert select_packing(pack_sequences=True, cuda=True, transformer_engine_spec=True, **args) == PackingRule(8, 8)
+    select = partial(select_packing, tp=2, cp=2, sequence_parallel=True, fp8_recipe=None)
+    assert select(pack_sequences=True, cuda=False, transformer_engine_spec=False) is None
+    assert select(pack_sequences=True, cuda=True, transformer_engine_spec=True) == PackingRule(8, 8)
 
 
 @pytest.mark.parametrize(("tp", "cp", "recipe"), [(1, 2, None), (2, 2, None), (2, 4, "blockwise"), (4, 1, "mxfp8")])
@@ -378,6 +379,7 @@ def test_packed_log_prob_gradients_reach_only_the_rows_own_positions(qwen3_per_s
         packed_token_log_probs(packed_1TV, pack_tokens(ids_BS, layout), layout, vocab, None, temperature=1.0).log_probs
         * weights_BS
     ).sum().backward()
+    assert packed_1TV.grad is not None and padded_BSV.grad is not None
     grad_BSV = unpack_tokens(packed_1TV.grad, layout)
     torch.testing.assert_close(grad_BSV, padded_BSV.grad * (ids_BS != 0).unsqueeze(-1), rtol=0, atol=1e-7)
     last_of_row = torch.tensor([start + n - 1 for start, n in zip(layout.starts, lengths, strict=True) if n])

@@ -6,18 +6,19 @@ import math
 
 import pytest
 import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.actor.optimizer import build_scheduler
 from megatron_rl.config.schema import TrainConfig
 
 
-def _scheduler(steps: int) -> tuple[torch.optim.Optimizer, object]:
+def _scheduler(steps: int) -> tuple[torch.optim.Optimizer, OptimizerParamScheduler]:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     train = TrainConfig(steps=steps, lr=1.0, min_lr=0.0, lr_schedule="cosine", prompts_per_step=1)
     return optimizer, build_scheduler(optimizer, train)
 
 
-def _saved_after_four_updates(steps: int) -> object:
+def _saved_after_four_updates(steps: int) -> OptimizerParamScheduler:
     _, scheduler = _scheduler(steps)
     for _ in range(4):
         scheduler.step(increment=1)

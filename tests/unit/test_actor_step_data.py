@@ -61,6 +61,7 @@ def test_shards_hold_each_sample_once_with_their_part_of_each_mini_batch(
         width = local.seq_length
         for name in ("input_ids", "response_mask", "rollout_log_probs", "routed_experts"):
             assert torch.equal(getattr(local, name), getattr(rows, name)[:, :width]), name
+        assert local.advantages is not None and rows.advantages is not None
         assert torch.equal(local.advantages, rows.advantages) and torch.equal(local.lengths, rows.lengths)
 
 
@@ -70,6 +71,7 @@ def test_each_rank_receives_its_share_of_the_bytes() -> None:
     shards = step.shard(4, 2)
     fair = step.nbytes() / 4
     assert max(shard.nbytes() for shard in shards) / fair < 1.10
+    assert step.routed_experts is not None
     assert step.routed_experts.element_size() == 1 and step.token_ids.element_size() == 4
 
 

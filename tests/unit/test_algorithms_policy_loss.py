@@ -76,7 +76,7 @@ def test_huge_log_ratio_is_clamped_to_finite_loss_and_gradient() -> None:
     loss, metrics = ppo_clip_loss(log_prob, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2), **CLIP)
     loss.backward()
     assert torch.isfinite(loss)
-    assert torch.isfinite(log_prob.grad).all()
+    assert log_prob.grad is not None and torch.isfinite(log_prob.grad).all()
     assert all(torch.isfinite(value) for value in metrics.values())
     assert metrics["ratio_max"].item() == pytest.approx(math.exp(20.0), rel=1e-5)
 
@@ -124,7 +124,7 @@ def test_no_valid_token_gives_zero_loss_and_zero_metrics() -> None:
     loss, metrics = ppo_clip_loss(log_prob, OLD, ADVANTAGES, torch.zeros(2, 3), **CLIP)
     loss.backward()
     assert loss.item() == 0.0
-    assert torch.equal(log_prob.grad, torch.zeros(2, 3))
+    assert log_prob.grad is not None and torch.equal(log_prob.grad, torch.zeros(2, 3))
     assert all(value.item() == 0.0 for value in metrics.values())
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import (
+    PolicyLoss,
     get_advantage_estimator,
     get_policy_loss,
     grpo_advantages,
@@ -42,7 +43,7 @@ def test_registered_function_is_returned_unchanged_and_found_by_name(monkeypatch
 
 
 def test_duplicate_or_empty_name_is_refused() -> None:
-    losses = registry.Registry("policy loss")
+    losses: registry.Registry[PolicyLoss] = registry.Registry("policy loss")
     losses.register("a")(ppo_clip_loss)
     with pytest.raises(ValueError, match="already registered"):
         losses.register("a")(gspo_loss)

@@ -265,7 +265,7 @@ def resolve_path(path: str, test: str | None) -> bool:
     if not found or test is None or test.startswith("..."):
         return bool(found)
     match = TEST.match(test.split("[")[0])
-    return bool(match) and has_test(match["name"], bool(match["prefix"]), found)
+    return match is not None and has_test(match["name"], bool(match["prefix"]), found)
 
 
 def _files_named(name: str) -> list[Path]:

@@ -18,6 +18,7 @@ def test_synthetic_recipe_prepares_tokenizer_datasets_and_reward(tmp_path: Path)
     cfg, _ = load_recipe(TINY)
     prepared = prepare_data(cfg.data, tokenizer_path=None, model_vocab_size=32, max_prompt_length=16, work_dir=tmp_path)
     assert (prepared.tokenizer_dir / "tokenizer.json").is_file()
+    assert cfg.data.synthetic is not None
     assert len(prepared.train) == cfg.data.synthetic.num_train
     assert prepared.val is not None and len(prepared.val) == cfg.data.synthetic.num_val
     item = prepared.train[0]
@@ -25,6 +26,7 @@ def test_synthetic_recipe_prepares_tokenizer_datasets_and_reward(tmp_path: Path)
         prepared.tokenizer.decode(item.prompt_ids)
         == f"<bos> <user> succ {(int(item.ground_truth) - 1) % 10} <assistant>"
     )
+    assert prepared.reward_fn is not None
     assert prepared.reward_fn(f"{item.ground_truth}<eos>", item.ground_truth, {}).correct
 
 

@@ -24,6 +24,7 @@ def _checkpoint_of(tmp_path: Path, **changes: object) -> Path:
     cfg = load_recipe(RECIPE)[0]
     metadata = tmp_path / "step_000002" / HF_METADATA_DIR
     metadata.mkdir(parents=True)
+    assert cfg.model.random_init is not None, "the tiny recipe builds its model from model.random_init"
     config = dict(cfg.model.random_init) | {"eos_token_id": 2, "torch_dtype": "float32"} | changes
     (metadata / "config.json").write_text(json.dumps(config))
     return metadata.parent
@@ -49,6 +50,7 @@ def _finished_run(tmp_path: Path, step: int) -> list[str]:
     metadata = staged / HF_METADATA_DIR
     metadata.mkdir()
     cfg = load_recipe(RECIPE)[0]
+    assert cfg.model.random_init is not None, "the tiny recipe builds its model from model.random_init"
     (metadata / "config.json").write_text(json.dumps(dict(cfg.model.random_init) | {"torch_dtype": "float32"}))
     commit_checkpoint(root, step)
     return [f"checkpoint.dir={root}", f"logging.dir={tmp_path / 'logs'}"]

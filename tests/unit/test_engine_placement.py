@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -20,6 +21,8 @@ from megatron_rl.orchestration.placement_group import (
 from megatron_rl.orchestration.resources import check_engines_beside_feeders, feeders_of_engines
 from megatron_rl.plan.placement import ActorResources, plan_run_placement
 from megatron_rl.rollout import ReferenceEngine, SGLangEngine
+from megatron_rl.rollout.http_engine import HttpEngine
+from megatron_rl.rollout.server_process import ServerProcess
 from megatron_rl.weight_sync.engine_feeds import colocated_feeds, engine_feeders
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -154,28 +157,35 @@ def test_unusable_gpu_ids_are_named(gpu_ids, visible, message) -> None:
         first_visible_index(gpu_ids, visible)
 
 
-def _spec(kind: str, gpu_ids: tuple[str, ...], **rollout) -> EngineSpec:
+def _spec(kind: Literal["sglang", "reference"], gpu_ids: tuple[str, ...], **rollout) -> EngineSpec:
     config = RolloutConfig(engine=kind, **rollout)
     return EngineSpec("e1", kind, "/models/qwen", "/logs", config, seed=7, gpu_ids=gpu_ids, routing_replay=True)
+
+
+def _process(engine: HttpEngine) -> ServerProcess:
+    """The server process ``build_engine`` prepared for ``engine`` (not started)."""
+    assert engine.process is not None
+    return engine.process
 
 
 def test_sglang_host_command_for_its_bundles() -> None:
     spec = _spec("sglang", ("2", "3"), tp=2, ep=2, placement="colocated", mem_fraction=0.6)
     engine = build_engine(spec, host="10.0.0.5", port=30001, nccl_port=30002, visible_devices="0,1,2,3,4,5,6,7")
     assert isinstance(engine, SGLangEngine) and engine.base_url == "http://10.0.0.5:30001"
-    command = engine.process.command
+    command = _process(engine).command
     flags = dict(zip(command[3::2], command[4::2], strict=False))
     assert command[1:3] == ["-m", "sglang.launch_server"]
     assert flags["--base-gpu-id"] == "2" and flags["--port"] == "30001" and flags["--nccl-port"] == "30002"
     assert flags["--host"] == "10.0.0.5" and flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.6"
     assert {"--enable-memory-saver", "--disable-prefill-cuda-graph", "--enable-return-routed-experts"} <= set(command)
-    assert "--dist-init-addr" not in command and engine.process.die_with_parent
+    assert "--dist-init-addr" not in command and _process(engine).die_with_parent
 
     disaggregated = build_engine(
         _spec("sglang", ("6",), placement="disaggregated"), host="h", port=1, nccl_port=2, visible_devices="4,5,6,7"
     )
-    assert "--enable-memory-saver" not in disaggregated.process.command
-    assert disaggregated.process.command[disaggregated.process.command.index("--base-gpu-id") + 1] == "2"
+    command = _process(disaggregated).command
+    assert "--enable-memory-saver" not in command
+    assert command[command.index("--base-gpu-id") + 1] == "2"
 
 
 def test_sglang_host_without_gpus_runs_sglangs_cpu_path_without_a_prefix_cache() -> None:
@@ -187,7 +197,7 @@ def test_sglang_host_without_gpus_runs_sglangs_cpu_path_without_a_prefix_cache()
         nccl_port=2,
         visible_devices=None,
     )
-    command = engine.process.command
+    command = _process(engine).command
     assert command[command.index("--device") + 1] == "cpu" and "--disable-radix-cache" in command
     assert "--enable-memory-saver" not in command
     cfg, _ = load_recipe(RECIPES / "tiny_moe_cpu_dapo_sglang.yaml", require_files=False)
@@ -197,9 +207,9 @@ def test_sglang_host_without_gpus_runs_sglangs_cpu_path_without_a_prefix_cache()
 def test_reference_host_runs_on_cpu_or_its_first_gpu() -> None:
     on_cpu = build_engine(_spec("reference", ()), host="h", port=5, nccl_port=6, visible_devices=None)
     on_gpu = build_engine(_spec("reference", ("5",)), host="h", port=5, nccl_port=6, visible_devices="4,5")
-    assert isinstance(on_cpu, ReferenceEngine) and on_cpu.process.die_with_parent
+    assert isinstance(on_cpu, ReferenceEngine) and _process(on_cpu).die_with_parent
     for engine, device in ((on_cpu, "cpu"), (on_gpu, "cuda:1")):
-        command = engine.process.command
+        command = _process(engine).command
         assert command[command.index("--device") + 1] == device and command[command.index("--host") + 1] == "h"
 
 

@@ -1,5 +1,7 @@
 """config.json -> QwenArchitecture -> TransformerConfig: every math field mapped, the rest refused."""
 
+from typing import Any
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3MoeConfig
@@ -11,7 +13,7 @@ from tests.hf_configs import QWEN3_30B_A3B
 
 
 def _moe_config(**overrides) -> dict:
-    fields = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=100,
         hidden_size=32,
         intermediate_size=64,

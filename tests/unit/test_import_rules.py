@@ -170,7 +170,7 @@ def _megatron_bindings(tree: ast.Module) -> set[str]:
 def _assigned_attribute_roots(tree: ast.Module) -> set[str]:
     roots = set()
     for node in ast.walk(tree):
-        targets = (
+        targets: list[ast.expr] = (
             node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
         )
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args:

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -153,9 +154,10 @@ def _log_steps(sink: WandbSink, steps: dict[int, dict[str, float]]) -> None:
 
 
 def test_wandb_offline_run_records_each_step_with_non_finite_values(offline_wandb: Path) -> None:
-    steps = {
+    steps: dict[int, dict[str, float]] = {
         1: {"train/reward_mean": 0.5, "train/length_correct_mean": math.nan},
-        2: {"train/reward_mean": np.float32(0.75), "actor/grad_norm": math.inf},
+        # a numpy scalar, as a metric computed with numpy is: the sink converts it (typed Mapping[str, float])
+        2: {"train/reward_mean": np.float32(0.75), "actor/grad_norm": math.inf},  # type: ignore[dict-item]
         3: {"train/reward_mean": -math.inf},
     }
     _log_steps(WandbSink(offline_wandb, project="p", run_name="tiny"), steps)
@@ -197,7 +199,7 @@ def test_wandb_resume_continues_the_run_where_the_rewind_is_refused(
     _log_steps(WandbSink(offline_wandb, project="p", run_name="r"), {1: {"x": 1.0}})
     real_init = wandb.init
 
-    def init_refusing_rewind(**kwargs: object) -> wandb.Run:
+    def init_refusing_rewind(**kwargs: Any) -> wandb.Run:
         if "resume_from" in kwargs:
             raise CommError("failed to rewind run: run not found")
         return real_init(**kwargs)

@@ -71,6 +71,7 @@ def test_step_data_is_ragged_and_compact() -> None:
         4,
     ]
     assert step.offsets.tolist() == [0, 4, 9, 11, 14, 16] and step.prompt_lengths.tolist() == [2, 2, 1, 1, 1]
+    assert step.rollout_log_probs is not None
     assert step.rollout_log_probs.numel() == step.loss_mask.numel() == 9  # response tokens only
     assert step.mini_batch_sizes == (5,) and step.sample_ids.tolist() == [0, 1, 2, 3, 4]
 
@@ -90,6 +91,7 @@ def test_actor_batch_aligns_responses_log_probs_and_mask_after_the_prompt() -> N
     assert batch.response_mask.tolist()[0] == [False, False, True, True, False]
     assert not batch.response_mask[1].any()
     assert batch.response_mask.tolist()[3] == [False, True, True, False, False]
+    assert batch.rollout_log_probs is not None and batch.advantages is not None
     torch.testing.assert_close(batch.rollout_log_probs[3], torch.tensor([0.0, -0.1, -0.2, 0.0, 0.0]))
     assert batch.advantages.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert batch.routed_experts is None
@@ -106,8 +108,10 @@ def test_routed_experts_travel_compact_and_are_padded_with_distinct_experts() ->
         )
     ]
     step = assemble_step_data(groups, torch.zeros(2), expert_dtype=torch.uint8)
+    assert step.routed_experts is not None
     assert step.routed_experts.dtype == torch.uint8 and tuple(step.routed_experts.shape) == (4, 2, 2)
     batch = step.to_actor_batch()
+    assert batch.routed_experts is not None
     assert tuple(batch.routed_experts.shape) == (2, 3, 2, 2) and batch.routed_experts.dtype == torch.long
     assert batch.routed_experts[1, :2].eq(1).all() and batch.routed_experts[0, :2].eq(0).all()
     assert batch.routed_experts[1, 2].tolist() == [[0, 1], [0, 1]]  # no expert recorded: distinct indices

@@ -36,10 +36,12 @@ def test_a_response_cut_by_its_window_stays_unfinished_and_merges_its_windows_in
     sample.extend(_result([5, 6, 7, 8], LENGTH, "default"), capped=True, max_response_length=12)
     assert not sample.finished
     sample.extend(_result([9, 2], STOP, "3"), capped=True, max_response_length=12)
-    assert sample.finished
+    finished: bool = sample.finished  # extend() set it again; mypy would keep the narrowing of the assert above
+    assert finished
     assert sample.output_ids == [5, 6, 7, 8, 9, 2] and sample.output_logprobs == [-0.5] * 6
     assert sample.finish_reason == STOP and sample.weight_version == "3"
     assert sample.version_segments == [("default", 4), ("3", 2)]
+    assert sample.routed_experts is not None
     assert sample.routed_experts.shape == (2, 1, 1)  # the last window's routing (its prefill covers the rest)
 
 

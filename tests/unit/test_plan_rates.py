@@ -71,12 +71,16 @@ def _plan(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, s
 
 def _seconds(out: str, title: str = "weight sync") -> tuple[float, float]:
     """The seconds a ``~ weight sync (...)`` line prints."""
-    low, high = re.search(rf"~ {title} \(\w+\): .* -> ([\d.,]+)-([\d.,]+) s", out).groups()  # type: ignore[union-attr]
+    found = re.search(rf"~ {title} \(\w+\): .* -> ([\d.,]+)-([\d.,]+) s", out)
+    assert found is not None, out
+    low, high = found.groups()
     return float(low.replace(",", "")), float(high.replace(",", ""))
 
 
 def _tokens_per_second(out: str) -> tuple[float, float]:
-    low, high = re.search(r"~ tokens/s/GPU: ([\d,]+)-([\d,]+) ", out).groups()  # type: ignore[union-attr]
+    found = re.search(r"~ tokens/s/GPU: ([\d,]+)-([\d,]+) ", out)
+    assert found is not None, out
+    low, high = found.groups()
     return float(low.replace(",", "")), float(high.replace(",", ""))
 
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.reference.backend import ReferenceBackend
@@ -58,7 +58,7 @@ def intra_op_threads(request) -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+def _randomised(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -67,8 +67,9 @@ def _randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval().to(DEVICE)
 
 
-def _moe(hidden: int, intermediate: int, experts: int, vocab: int, layers: int, **extra) -> torch.nn.Module:
-    config = Qwen3MoeConfig(
+def _moe(hidden: int, intermediate: int, experts: int, vocab: int, layers: int, **extra) -> PreTrainedModel:
+    # transformers 5 declares no head_dim on Qwen3MoeConfig; it keeps it as an extra attribute, which the model reads
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * intermediate,
@@ -235,9 +236,8 @@ def test_an_attention_tokens_result_does_not_depend_on_the_tokens_computed_with_
         )
 
     watched = tokens(3)
-    alone = slot_attention(
-        *(t.to(DEVICE) for t in watched[:1]), keys, values, *(t.to(DEVICE) for t in watched[1:]), 0.25
-    )
+    watched_q, watched_slots, watched_positions = (t.to(DEVICE) for t in watched)
+    alone = slot_attention(watched_q, keys, values, watched_slots, watched_positions, 0.25)
     for rows in ROW_COUNTS:
         others = tokens(rows)
         (q, at), (slot_ids, _), (positions, _) = (
@@ -295,6 +295,7 @@ def _concurrently(backend: ReferenceBackend, requests: list[GenerateRequest]) ->
 
     def run(request: GenerateRequest) -> None:
         start.wait()
+        assert isinstance(request.rid, str)  # the test's requests are named
         answers[request.rid] = _answer_key(backend.generate(request))
 
     threads = [threading.Thread(target=run, args=(r,)) for r in requests]

@@ -170,9 +170,14 @@ def test_a_sync_of_many_buckets_reuses_its_connections(served, monkeypatch):
     syncer = WeightSyncer([engine], TensorTransport([engine]), bucket_bytes=1)  # one tensor per bucket
     named = [(name, torch.full_like(p, 2.0)) for name, p in backend.params.items() if p.dim() == 1]
     syncer.sync(named, "first")
-    connects = []
+    connects: list[int] = []
     opened = http.client.HTTPConnection.connect
-    monkeypatch.setattr(http.client.HTTPConnection, "connect", lambda self: connects.append(1) or opened(self))
+
+    def counted_connect(self: http.client.HTTPConnection) -> None:
+        connects.append(1)
+        opened(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", counted_connect)
     stats = syncer.sync(named, "second")
     syncer.close()
     assert stats.num_buckets == len(named) > 10 and backend.weight_version == "second"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from megatron_rl.config.schema import DataConfig, RemoteRewardConfig
+from megatron_rl.config.schema import DataConfig, RemoteRewardConfig, SyntheticDataConfig
 from megatron_rl.data import RewardOutput, get_reward, register_reward
 from megatron_rl.data.preparation import resolve_reward
 from megatron_rl.data.remote_reward import RemoteReward, RemoteRewardError, parse_reward_answer
@@ -156,9 +156,9 @@ def test_a_kept_alive_connection_the_server_dropped_is_replaced_without_costing_
 
 def test_a_server_down_at_start_fails_the_reward_check_naming_the_url() -> None:
     data = DataConfig(
-        synthetic={"task": "successor"},
+        synthetic=SyntheticDataConfig(task="successor"),
         reward="remote",
-        remote_reward={"url": f"http://127.0.0.1:{_free_port()}/x", "backoff_s": 0.01},
+        remote_reward=RemoteRewardConfig(url=f"http://127.0.0.1:{_free_port()}/x", backoff_s=0.01),
     )
     with pytest.raises(ValueError, match=r"^data\.reward: .*data\.remote_reward\.url=http://127\.0\.0\.1:\d+/x"):
         resolve_reward(data)

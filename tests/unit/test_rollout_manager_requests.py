@@ -7,6 +7,7 @@ runs one step (no dynamic sampling) with a reward worker of its own.
 from __future__ import annotations
 
 import threading
+from typing import Literal
 from unittest import mock
 
 import pytest
@@ -22,7 +23,7 @@ N = 4
 SEED = 1234
 
 
-def _sent_requests(engine_kind: str, seed: int | None) -> list[GenerateRequest]:
+def _sent_requests(engine_kind: Literal["sglang", "reference"], seed: int | None) -> list[GenerateRequest]:
     sent: list[GenerateRequest] = []
     lock = threading.Lock()
 

@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM
 
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
 from megatron_rl.config.sglang_env import SGLANG_PYTHON_ENV
-from megatron_rl.orchestration import network as network_module
 from megatron_rl.orchestration.engine_host import EngineHost, EngineSpec, free_ports
 from megatron_rl.orchestration.network import NetworkError, RunNetwork, interface_address
 from megatron_rl.parallel.local_launch import free_port
@@ -63,7 +62,7 @@ def fake_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
         ib0=[("10.1.0.5", "255.255.0.0"), ("10.2.0.5", "255.255.0.0")],
         ib1=[],
     )
-    monkeypatch.setattr(network_module.psutil, "net_if_addrs", lambda: table)
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: table)  # the module network reads the interfaces from
 
 
 # ---------------------------------------------------------------- where the run listens
@@ -138,10 +137,13 @@ def test_the_key_check_is_sglangs() -> None:
 def test_a_spec_and_a_command_line_never_show_the_key(tmp_path: Path) -> None:
     spec = EngineSpec("e0", "reference", "/m", "/logs", RolloutConfig(), seed=1, api_key=KEY)
     assert KEY not in repr(spec)
-    engine = ReferenceEngine("e0", "/m", 8000, log_dir=tmp_path, api_key=KEY)
-    assert KEY not in " ".join(engine.process.command) and KEY not in repr(engine.process)
-    assert engine.process.env[API_KEY_ENV] == KEY  # the key travels in the environment
-    assert ReferenceEngine("e1", "/m", 8000, log_dir=tmp_path).process.env[API_KEY_ENV] == ""  # none inherited
+    process = ReferenceEngine("e0", "/m", 8000, log_dir=tmp_path, api_key=KEY).process
+    assert process is not None and process.env is not None
+    assert KEY not in " ".join(process.command) and KEY not in repr(process)
+    assert process.env[API_KEY_ENV] == KEY  # the key travels in the environment
+    keyless = ReferenceEngine("e1", "/m", 8000, log_dir=tmp_path).process
+    assert keyless is not None and keyless.env is not None
+    assert keyless.env[API_KEY_ENV] == ""  # none inherited
 
 
 def test_engine_output_reaches_its_log_with_the_key_redacted(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ def test_each_stop_maps_onto_sandboxfusions_statuses_and_back(stopped: StopReaso
     assert response["run_result"]["status"] == ("TimeLimitExceeded" if timed_out else "Finished")
     assert result_of_response(json.loads(json.dumps(response))) == result
     sandboxfusions = {key: value for key, value in response.items() if key != "stopped"}  # no field of ours
-    expected = "wall_time" if timed_out else None  # stderr names no limit here
+    expected: StopReason | None = "wall_time" if timed_out else None  # stderr names no limit here
     assert result_of_response(sandboxfusions) == replace(result, stopped=expected)
 
 
@@ -270,7 +270,9 @@ def test_the_tools_recipes_episodes_run_their_code_on_the_server(
             [{"role": "user", "content": "6 * 7?"}], add_generation_prompt=True, return_dict=False
         )
     )
-    turn = [*tokenizer.convert_tokens_to_ids(blocks), tokenizer.eos_token_id]
+    block_ids = tokenizer.convert_tokens_to_ids(blocks)
+    assert isinstance(block_ids, list)  # a list of tokens gives a list of ids
+    turn = [*block_ids, tokenizer.eos_token_id]
     path = save_tiny_moe(tmp_path / "moe", vocab_size=512, max_position_embeddings=256)
     model = chain_model(path, [prompt[-1], *turn], len(tokenizer))
     rollout = RolloutConfig(

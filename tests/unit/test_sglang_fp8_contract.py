@@ -26,7 +26,27 @@ BLOCK = (128, 128)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, EXPERT_FFN, LAYERS = 512, 4, 2, 128, 4, 256, 2
 
 
-def _our_shapes(name: str, rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
+class _LinearLayer(torch.nn.Module):
+    """The module SGLang's ``Fp8LinearMethod.create_weights`` fills: the attributes it reads and the parameters it
+    registers, declared for the type checker (a Module's attribute is otherwise a Tensor or a Module)."""
+
+    tp_group: None
+    weight: torch.nn.Parameter
+    weight_scale_inv: torch.nn.Parameter
+
+
+class _ExpertsLayer(torch.nn.Module):
+    """The module SGLang's ``Fp8MoEMethod.create_weights`` fills, declared as :class:`_LinearLayer` is."""
+
+    moe_tp_size: int
+    moe_runner_config: types.SimpleNamespace
+    w13_weight: torch.nn.Parameter
+    w13_weight_scale_inv: torch.nn.Parameter
+    w2_weight: torch.nn.Parameter
+    w2_weight_scale_inv: torch.nn.Parameter
+
+
+def _our_shapes(name: str, rows: int, cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     quantized, scales = quantize_blocks(torch.zeros(rows, cols), BLOCK)
     assert quantized.dtype == FP8_DTYPE, name
     return tuple(quantized.shape), tuple(scales.shape)
@@ -61,7 +81,7 @@ def test_sglangs_merged_fp8_linears_take_our_projections_weights_and_scales(fp8_
         "o_proj": ([HIDDEN], q_out, ["o_proj"]),
     }
     for merged, (outputs, inputs, ours) in layers.items():
-        layer = torch.nn.Module()
+        layer = _LinearLayer()
         layer.tp_group = None
         Fp8LinearMethod(fp8_config).create_weights(layer, inputs, outputs, inputs, sum(outputs), torch.bfloat16)
         shapes = [_our_shapes(name, rows, inputs) for name, rows in zip(ours, outputs, strict=True)]
@@ -74,7 +94,7 @@ def test_sglangs_merged_fp8_linears_take_our_projections_weights_and_scales(fp8_
 def test_sglangs_fp8_experts_take_each_experts_weights_and_scales(fp8_config):
     from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
 
-    layer = torch.nn.Module()
+    layer = _ExpertsLayer()
     layer.moe_tp_size = 1
     layer.moe_runner_config = types.SimpleNamespace(is_gated=True)
     Fp8MoEMethod(fp8_config).create_weights(layer, EXPERTS, HIDDEN, EXPERT_FFN, torch.bfloat16)

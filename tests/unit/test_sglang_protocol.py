@@ -78,6 +78,7 @@ from megatron_rl.weight_sync.tensor_serialization import (
 )
 from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
 from tests.api_key_cases import API_KEY, KEY_CASES, raw_request
+from tests.fake_engines import PartialEngine
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
 from tests.tiny_checkpoints import save_tiny_moe
 
@@ -201,6 +202,7 @@ def test_reference_response_round_trips_through_our_parser():
     result = GenerateResult.from_json(_reference_sample_json(), routed_experts_shape=(3, 2))
     assert result.output_ids == [7, 2] and result.output_logprobs == [-0.5, -1.25]
     assert result.finish_reason == FinishReason("stop", matched=2) and result.weight_version == "3"
+    assert result.routed_experts is not None
     assert result.routed_experts.shape == (2, 3, 2) and result.routed_experts[1, 2, 1] == 11
 
 
@@ -256,7 +258,8 @@ def _sglang_reductions() -> Iterator[None]:
         yield
     finally:
         reductions.reduce_tensor, reductions.rebuild_cuda_tensor = originals
-        del reductions._reduce_tensor_original, reductions._rebuild_cuda_tensor_original
+        delattr(reductions, "_reduce_tensor_original")  # SGLang's patch keeps torch's functions there
+        delattr(reductions, "_rebuild_cuda_tensor_original")
         reductions.init_reductions()
 
 
@@ -308,7 +311,7 @@ def test_sglang_reads_the_device_uuid_of_our_cuda_payload(sglang_torch_reduction
         MultiprocessingSerializer.deserialize(payload)
 
 
-class _PostedRequests:
+class _PostedRequests(PartialEngine):
     """An engine that keeps the /update_weights_from_tensor bodies our poster sends (as JSON)."""
 
     name = "engine0"
@@ -340,7 +343,9 @@ def _feed_one_engine_rank(rank: int, world_size: int, flattened: bool) -> list[d
         transport.begin("v1")
         bucket = _feeder_bucket(rank)
         if flattened:
-            bucket = [(name, transport.allocate([tuple(t.shape)], t.dtype)[0].copy_(t)) for name, t in bucket]
+            allocate = transport.allocate
+            assert allocate is not None, "a transport that feeds engines hands out bucket memory"
+            bucket = [(name, allocate([tuple(t.shape)], t.dtype)[0].copy_(t)) for name, t in bucket]
         transport.send_bucket(bucket, "v1")
         transport.finish("v1")
     dist.barrier()  # the poster's engine has read both entries
@@ -435,6 +440,7 @@ def _sglang_engine_rank(tp_rank: int, port: int, named: list, runs: list | None,
         received = [(name, torch.empty(t.shape, dtype=t.dtype)) for name, t in named]
         handles = [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in received]
         for handle in handles:
+            assert handle is not None  # async_op=True returns the work to wait on
             handle.wait()
     else:
         received = []
@@ -560,9 +566,10 @@ def _sync_as_trainer(port: int, kind: str, named: list, version: str) -> None:
     """A trainer process: one WeightSyncer of transport ``kind`` into the engine at ``port``."""
     from megatron_rl.rollout.http_engine import HttpEngine
     from megatron_rl.weight_sync.syncer import WeightSyncer
-    from megatron_rl.weight_sync.transports import DistributedTransport, TensorTransport
+    from megatron_rl.weight_sync.transports import DistributedTransport, TensorTransport, WeightTransport
 
     engine = HttpEngine("sglang-http", "127.0.0.1", port, request_timeout_s=60)
+    transport: WeightTransport
     if kind == "tensor":
         transport = TensorTransport([engine])
     else:
@@ -606,6 +613,7 @@ def test_the_api_key_reaches_sglang_through_a_private_file_not_the_command_line(
     engine = SGLangEngine(
         "e0", RolloutConfig(), SGLangPlacement(0, 30000, 30001), "/models/qwen3", log_dir=tmp_path, api_key=API_KEY
     )
+    assert engine.process is not None
     command = engine.process.command
     assert not any(API_KEY in part for part in command)
     config_file = Path(command[command.index("--config") + 1])

@@ -349,9 +349,9 @@ def _raises() -> list[tuple[str, str]]:
             source = file.read_text()
             for node in ast.walk(ast.parse(source)):
                 if isinstance(node, ast.Raise) and node.exc is not None and not isinstance(node.exc, ast.Name):
-                    found.append(
-                        (str(file.relative_to(PACKAGE)), " ".join(ast.get_source_segment(source, node).split()))
-                    )
+                    segment = ast.get_source_segment(source, node)
+                    assert segment is not None, "a node ast.parse gave has its position"
+                    found.append((str(file.relative_to(PACKAGE)), " ".join(segment.split())))
     return found
 
 
@@ -381,7 +381,8 @@ def test_no_classification_is_stale() -> None:
 def model_dirs(tmp_path: Path) -> dict[str, str]:
     """An empty directory, and one holding only a config.json (no weights)."""
     empty, config_only = tmp_path / "empty", tmp_path / "config_only"
-    empty.mkdir(), config_only.mkdir()
+    empty.mkdir()
+    config_only.mkdir()
     tiny_config = read_recipe_tree(RECIPES / TINY)["model"]["random_init"]
     (config_only / "config.json").write_text(json.dumps(tiny_config))
     return {"empty": str(empty), "config_only": str(config_only)}

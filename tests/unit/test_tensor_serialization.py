@@ -63,7 +63,9 @@ def _views_of_one_storage() -> list[tuple[str, torch.Tensor]]:
 
 def test_a_flattened_bucket_spans_its_views_and_round_trips_bit_exact():
     named = _views_of_one_storage()
-    flat, metadata = flattened_bucket(named)
+    bucket = flattened_bucket(named)
+    assert bucket is not None
+    flat, metadata = bucket
     assert flat.dtype == torch.uint8 and flat.numel() == 552 - 64 and flat.data_ptr() == named[1][1].data_ptr()
     assert [(m.name, m.start_idx, m.end_idx, m.numel) for m in metadata] == [
         ("c", 448, 488, 40),
@@ -113,7 +115,9 @@ def test_flattened_unpickler_refuses_foreign_objects(payload):
     ids=["past-the-end", "size-mismatch", "misaligned", "negative"],
 )
 def test_flattened_metadata_outside_its_tensor_is_refused(start, end, shape, dtype):
-    flat, (meta,) = flattened_bucket([("w", torch.zeros(4))])
+    bucket = flattened_bucket([("w", torch.zeros(4))])
+    assert bucket is not None
+    flat, (meta,) = bucket
     meta.start_idx, meta.end_idx, meta.shape, meta.dtype = start, end, torch.Size(shape), dtype
     with pytest.raises(UnsafePayloadError, match="w: bytes"):
         deserialize_flattened_bucket(serialize_flattened_bucket(flat, [meta]))
@@ -147,6 +151,7 @@ def test_an_allocated_group_starts_a_new_bucket_whole_when_it_does_not_fit():
     buckets: list[list] = []
     filler = BucketFiller(80, buckets.append, lambda shapes, dtype: [torch.zeros(s, dtype=dtype) for s in shapes])
     filler.add("t0", torch.zeros(10))  # 40 bytes
+    assert filler.allocate is not None
     gate, up = filler.allocate([(6,), (6,)], torch.float32)  # 48 bytes: with t0 past 80, so t0 goes alone
     assert [[name for name, _ in b] for b in buckets] == [["t0"]]
     filler.add("gate", gate)
@@ -182,7 +187,7 @@ def test_unknown_uuid_names_it_and_the_visible_devices(monkeypatch):
     with pytest.raises(ValueError, match=rf"(?s){unknown}.*0: {UUIDS[0]}, 1: {UUIDS[1]}.*CUDA_VISIBLE_DEVICES='2,3'"):
         rebuild_args_with_index(cuda_rebuild_args(unknown), UUIDS)
     with pytest.raises(UnsafePayloadError, match="index or a UUID string, got float"):
-        rebuild_args_with_index(cuda_rebuild_args(1.0), UUIDS)
+        rebuild_args_with_index(cuda_rebuild_args(1.0), UUIDS)  # type: ignore[arg-type]  # a float device, on purpose
 
 
 def test_only_cuda_reductions_get_a_uuid():

@@ -28,10 +28,11 @@ from megatron_rl.weight_sync.buckets import BucketFiller
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, serialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
+from tests.fake_engines import PartialEngine
 from tests.tiny_checkpoints import save_tiny_moe
 
 
-class RecordingEngine:
+class RecordingEngine(PartialEngine):
     """Receives tensor updates as an engine does (opens the IPC payload, copies it out) and records them.
 
     Each update waits for ``gate`` before it reads, so a test can hold a bucket in flight.
@@ -144,11 +145,13 @@ def _fill_allocated(transport: TensorTransport, engine: RecordingEngine, count: 
     memory; the gate opens only when bucket 1 is written, so bucket 0 is in flight meanwhile."""
     transport.begin("v")
     filler = BucketFiller(8000, lambda bucket: transport.send_bucket(bucket, "v"), transport.allocate)
+    allocate = filler.allocate
+    assert allocate is not None, "the tensor transport hands out bucket memory"
     pointers = []
     for i in range(count):
         if i == 4:
             engine.gate.set()
-        (tensor,) = filler.allocate([(1000,)], torch.float32)
+        (tensor,) = allocate([(1000,)], torch.float32)
         filler.add(f"w{i}", tensor.fill_(float(i)))
         pointers.append(tensor.data_ptr())
     filler.flush()
@@ -179,6 +182,7 @@ def test_a_bucket_without_a_tensor_allocated_for_it_is_refused():
     engine = RecordingEngine()
     engine.gate.set()
     transport = TensorTransport([engine])
+    assert transport.allocate is not None, "the tensor transport hands out bucket memory"
     kept, dropped = transport.allocate([(4,), (4,)], torch.float32)
     with pytest.raises(RuntimeError, match=r"1 tensor\(s\) allocated .* not in the bucket"):
         transport.send_bucket([("kept", kept.zero_())], "v")
@@ -206,7 +210,7 @@ def backend(tmp_path_factory):
     return ReferenceBackend(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32))
 
 
-class InProcessEngine:
+class InProcessEngine(PartialEngine):
     """The reference backend called directly (no HTTP): what the server does with each request."""
 
     name = "in-process"

@@ -9,6 +9,8 @@ by transformers' ``apply_chat_template`` from the template's text (:mod:`tests.q
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -16,7 +18,7 @@ from megatron_rl.tools.calls import ToolCall, ToolCallError, parse_tool_calls, r
 from tests.qwen3_chat import build_qwen3_like_tokenizer
 
 
-def _template_tool_call(name: str, arguments: dict[str, object]) -> str:
+def _template_tool_call(name: str, arguments: Mapping[str, object]) -> str:
     """What the template emits for one call of an assistant message: ``'<tool_call>\\n{"name": "'``, the name,
     ``'", "arguments": '``, the arguments ``| tojson``, ``'}\\n</tool_call>'``."""
     return '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + "}\n</tool_call>"
@@ -105,7 +107,7 @@ def test_the_reply_is_what_qwen3s_template_renders_after_a_tool_call() -> None:
 
 def test_the_replies_to_two_calls_are_what_apply_chat_template_renders_for_two_tool_messages() -> None:
     calls = [("calculator", {"expression": "2**10"}), ("clock", {"zone": "UTC"})]
-    conversation = [
+    conversation: list[dict[str, Any]] = [
         {"role": "user", "content": "What is 2**10, and the time?"},
         {
             "role": "assistant",
@@ -118,6 +120,7 @@ def test_the_replies_to_two_calls_are_what_apply_chat_template_renders_for_two_t
     tokenizer = build_qwen3_like_tokenizer()
     before = tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert isinstance(before, str) and isinstance(rendered, str)  # tokenize=False returns the text
     turn = "Two calls.\n" + "\n".join(_template_tool_call(name, arguments) for name, arguments in calls)
     assert rendered == before + turn + "<|im_end|>" + render_tool_responses(["1024", "12:00\nUTC"])
     assert parse_tool_calls(turn) == [ToolCall(name, arguments) for name, arguments in calls]

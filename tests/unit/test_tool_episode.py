@@ -86,18 +86,29 @@ def test_turns_without_a_call_or_past_max_turns_end_the_episode_and_bad_calls_ge
         episode.close()
 
 
+def _token_ids(tokenized: object) -> list[int]:
+    """What ``apply_chat_template`` returns tokenized (transformers types it as any of its outputs), as ids."""
+    assert isinstance(tokenized, list) and all(isinstance(i, int) for i in tokenized), tokenized
+    return tokenized
+
+
 def test_the_synthetic_episode_reply_is_the_chat_template_rendering_of_the_tool_message():
     tokenizer = build_synthetic_tokenizer(tools=True)
     rollout = RolloutConfig(episode="synthetic_tool_calls", tools=["synthetic_lookup"], max_turns=2, tool_num_workers=1)
     episode = build_episode(rollout, tokenizer)
     try:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "ask 3"}], add_generation_prompt=True, return_dict=False
+        prompt = _token_ids(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": "ask 3"}], add_generation_prompt=True, return_dict=False
+            )
         )
         context = {"tools_kwargs": {"synthetic_lookup": {"table": "0123456789", "key": 3}}}
         item = PromptItem(0, list(prompt), "3", "test", context)
         call = tokenizer.convert_tokens_to_ids("<call>")
-        reply = episode.reply(item, [call], turns=1).result(timeout=60)
+        assert isinstance(call, int)  # one token, one id
+        replied = episode.reply(item, [call], turns=1)
+        assert replied is not None, "the episode replies to a turn that ends at <call>"
+        reply = replied.result(timeout=60)
         answer = tokenizer.encode("3", add_special_tokens=False) + [tokenizer.eos_token_id]
         conversation = [
             {"role": "user", "content": "ask 3"},

@@ -94,6 +94,7 @@ def test_replicated_reads_the_whole_tensor():
 def test_only_an_unpadded_vocabulary_is_gathered_in_place():
     out = [torch.empty(16, HIDDEN)]
     targets = VocabParallel(16).gather_targets(out, (8, HIDDEN), 2)
+    assert targets is not None
     assert [(t.data_ptr(), tuple(t.shape)) for t in targets] == [
         (out[0].data_ptr(), (8, HIDDEN)),
         (out[0][8].data_ptr(), (8, HIDDEN)),
