@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config.schema import ClusterConfig, JudgeConfig, ParallelConfig, RolloutConfig
+from megatron_rl.config.schema import ClusterConfig, ParallelConfig, RolloutConfig, RunConfig
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,12 @@ class JudgeLayout:
         return self.num_engines * self.gpus_per_engine
 
 
-def judge_layout(cluster: ClusterConfig, judge: JudgeConfig | None) -> JudgeLayout:
+def judge_layout(cfg: RunConfig) -> JudgeLayout:
     """The :class:`JudgeLayout` of a recipe's ``judge`` section (no engines without one). On GPU recipes the judge's
-    GPUs round up to whole nodes; validation refuses a judge that does not fill them."""
+    GPUs round up to whole nodes (:attr:`RunConfig.judge_nodes`); validation refuses a judge that does not fill
+    them."""
+    judge = cfg.judge
     if judge is None:
         return JudgeLayout(num_engines=0, gpus_per_engine=0, nodes=0)
-    if cluster.gpus_per_node == 0:
-        return JudgeLayout(num_engines=judge.num_engines, gpus_per_engine=0, nodes=0)
-    return JudgeLayout(judge.num_engines, judge.tp, nodes=-(-judge.num_engines * judge.tp // cluster.gpus_per_node))
+    gpus_per_engine = judge.tp if cfg.cluster.gpus_per_node else 0
+    return JudgeLayout(judge.num_engines, gpus_per_engine, nodes=cfg.judge_nodes)

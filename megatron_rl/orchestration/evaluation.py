@@ -106,7 +106,7 @@ def evaluate(
 def _run_sets(
     cfg: RunConfig, data: PreparedData, weights: Path, out_dir: Path, names: Sequence[str], step: int
 ) -> dict[str, dict[str, float]]:
-    network = RunNetwork.of(cfg.cluster, cfg.job_nodes)
+    network = RunNetwork.of_run(cfg)
     run = RunResources(cfg, data, weights, network=network)
     try:
         start_ray(cfg, network)

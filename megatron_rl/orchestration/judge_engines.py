@@ -58,11 +58,11 @@ class JudgeEngines:
     placement: PlacementGroup
     hosts: EngineHosts
     api_key: str | None
-    restarts: list[int] = field(default_factory=list)
+    restarts: list[int] = field(init=False)
     """Restarts of each engine so far."""
 
     def __post_init__(self) -> None:
-        self.restarts = self.restarts or [0] * self.judge.num_engines
+        self.restarts = [0] * self.judge.num_engines
 
     def reward(self) -> JudgeReward:
         """A :class:`JudgeReward` asking these engines, once every one is healthy (EngineStartupError naming the

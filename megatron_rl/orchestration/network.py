@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from megatron_rl.config.schema import ClusterConfig
+from megatron_rl.config.schema import ClusterConfig, RunConfig
 
 LOOPBACK_ADDRESS = "127.0.0.1"
 SOCKET_INTERFACE_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -91,6 +91,11 @@ class RunNetwork:
         if cluster.network_interface is None:
             raise NetworkError(f"cluster.network_interface: required on {nodes} nodes")
         return cls(cluster.network_interface)
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig) -> RunNetwork:
+        """The network of the run ``cfg`` on all its nodes (``RunConfig.job_nodes``: a judge may add its own)."""
+        return cls.of(cfg.cluster, cfg.job_nodes)
 
     @property
     def is_loopback(self) -> bool:

@@ -41,7 +41,7 @@ from ray.util.placement_group import PlacementGroup
 import megatron_rl
 from megatron_rl.actor.step_data import expert_index_dtype
 from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
-from megatron_rl.config import RunConfig, judge_layout, read_architecture
+from megatron_rl.config import RunConfig, read_architecture
 from megatron_rl.config.schema import JUDGE_REWARD, REMOTE_REWARD
 from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_recipe_data
@@ -59,7 +59,7 @@ from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import RankPaths, TrainerWorker
 from megatron_rl.orchestration.validation import ValidationSet, build_validation_sets
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
-from megatron_rl.plan.placement import CPU_BUNDLE_CPUS, PlacementError, RunPlacementPlan, plan_run_placement
+from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_judge_placement, plan_run_placement
 from megatron_rl.rollout import RolloutEngine
 from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
 from megatron_rl.rollout.engine_pool import EnginePool, Recovery
@@ -180,7 +180,7 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
     arch = read_architecture(cfg.model.path, cfg.model.random_init)
     data = prepare_recipe_data(cfg, model_vocab_size=arch.vocab_size, work_dir=f"{cfg.run_dir}/data")
     expert_dtype = expert_index_dtype(max(1, arch.num_experts))  # what a step's routed experts travel in
-    network = RunNetwork.of(cfg.cluster, cfg.job_nodes)
+    network = RunNetwork.of_run(cfg)
     network.address()  # a node without the recipe's interface fails here, before Ray starts
     run = RunResources(
         cfg,
@@ -342,7 +342,7 @@ def start_ray(cfg: RunConfig, network: RunNetwork | None = None) -> None:
     (``ray.init`` would take SIGTERM, :func:`handlers_kept_through_ray_init`).
     """
     with handlers_kept_through_ray_init():
-        _init_ray(cfg, network or RunNetwork.of(cfg.cluster, cfg.job_nodes))
+        _init_ray(cfg, network or RunNetwork.of_run(cfg))
 
 
 @contextlib.contextmanager
@@ -365,8 +365,8 @@ def _init_ray(cfg: RunConfig, network: RunNetwork) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env={"env_vars": {"PYTHONPATH": python_path}}, log_to_driver=False)
         return
-    judge = judge_layout(cfg.cluster, cfg.judge)
-    judge_cpus = math.ceil(judge.num_engines * CPU_BUNDLE_CPUS) if cfg.cluster.gpus_per_node == 0 else 0
+    judge = plan_judge_placement(cfg)
+    judge_cpus = math.ceil(judge.num_bundles * judge.bundle.num_cpus) if judge and cfg.cluster.gpus_per_node == 0 else 0
     start = functools.partial(
         ray.init,
         address="local",  # a Ray of its own, never the last `ray start` cluster of the machine (/tmp/ray)
@@ -484,9 +484,7 @@ def start_engines(
 
     Each listens on its node's address in ``network`` and requires ``api_key``.
     """
-    specs, host_bundles = engine_specs(
-        cfg, hf_dir, slots, plan, network or RunNetwork.of(cfg.cluster, cfg.job_nodes), api_key
-    )
+    specs, host_bundles = engine_specs(cfg, hf_dir, slots, plan, network or RunNetwork.of_run(cfg), api_key)
     return EngineHosts(specs, placement, host_bundles, plan.engine_host)
 
 
@@ -513,7 +511,7 @@ def start_trainers(
         num_cpus=plan.trainer.num_cpus,
         args=(cfg, RankPaths.of(cfg, hf_dir), api_key),
         env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
-        network=network or RunNetwork.of(cfg.cluster, cfg.job_nodes),
+        network=network or RunNetwork.of_run(cfg),
     )
     return TrainerGroup(ranks)
 

@@ -126,7 +126,7 @@ class TrainerWorker:
             fp8_block=cfg.rollout.fp8_block if cfg.rollout.quantization == "fp8" else None,
             engine_world_sizes=[cfg.engine_tp_ranks] * len(self._clients),
             engine_ep_size=cfg.rollout.ep,
-            master_address=RunNetwork.of(cfg.cluster, cfg.job_nodes).address(ray.util.get_node_ip_address()),
+            master_address=RunNetwork.of_run(cfg).address(ray.util.get_node_ip_address()),
             disk_dir=self._paths.weight_sync_dir,
             hf_config_dir=self._paths.engine_config_dir,
         )

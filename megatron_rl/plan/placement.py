@@ -117,7 +117,7 @@ def plan_judge_placement(cfg: RunConfig) -> RunPlacementPlan | None:
     """The judge engines' own placement group (None without ``judge``): on GPU recipes one ``{GPU: 1, CPU: 1}``
     bundle per judge GPU, engine ``e`` on bundles ``e*tp .. e*tp+tp-1`` (its nodes: :attr:`RunConfig.judge_nodes`
     beside the run's); on CPU recipes one ``{CPU: 0.4}`` bundle per engine. No trainer ranks."""
-    layout = judge_layout(cfg.cluster, cfg.judge)
+    layout = judge_layout(cfg)
     if layout.num_engines == 0:
         return None
     if cfg.cluster.gpus_per_node == 0:

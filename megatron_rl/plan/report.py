@@ -191,7 +191,7 @@ def placement_section(
 def judge_section(cfg: RunConfig) -> list[str]:
     """The judge's engines (``data.reward: judge``) and, on GPU recipes, the nodes of its own they fill: one line
     per node, numbered after the run's; nothing without a judge."""
-    layout = judge_layout(cfg.cluster, cfg.judge)
+    layout = judge_layout(cfg)
     if cfg.judge is None or layout.num_engines == 0:
         return []
     engine = cfg.judge.engine or cfg.rollout.engine

@@ -143,7 +143,7 @@ class ClusterSteps:
         """A GEMM on every trainer rank's device (and a disaggregated engine's), checked and timed, then collectives on
         the recipe's groups."""
         cfg = self.cfg
-        network = RunNetwork.of(cfg.cluster, cfg.job_nodes)
+        network = RunNetwork.of_run(cfg)
         try:
             network.address()
         except NetworkError as error:

@@ -91,7 +91,7 @@ def test_a_gpu_judge_takes_whole_nodes_of_its_own_and_the_network_spans_them(tmp
     cfg = _recipe(*judge, "cluster.network_interface=lo", recipe=BIG)
     nodes = cfg.cluster.nodes
     assert (cfg.judge_nodes, cfg.job_nodes) == (1, nodes + 1)
-    assert judge_layout(cfg.cluster, cfg.judge).gpus == 8
+    assert judge_layout(cfg).gpus == 8
     plan = plan_judge_placement(cfg)
     assert plan is not None and plan.num_bundles == 8 and plan.trainer_positions == ()
     assert plan.engine_positions == ((0, 1, 2, 3), (4, 5, 6, 7))
