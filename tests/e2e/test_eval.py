@@ -1,9 +1,9 @@
 """``megatron-rl eval`` on a run's last checkpoint: the run's own validation, reproduced by engines alone.
 
-A short run of the default recipe (4 steps, both of its validation sets at steps 0 and 4), then ``eval`` on its
-checkpoint folder. Every metric of both sets equals the run's step-4 validation exactly: the engine serves the
+A short run of the default recipe (2 steps, both of its validation sets at steps 0 and 2), then ``eval`` on its
+checkpoint folder. Every metric of both sets equals the run's step-2 validation exactly: the engine serves the
 checkpoint's weights (converted from torch_dist, as ``eval`` does without an ``hf/`` export), the weights the run
-had synced, greedy decoding is deterministic, and the sampled set draws with the seeds of step 4, which the
+had synced, greedy decoding is deterministic, and the sampled set draws with the seeds of step 2, which the
 checkpoint names (``ValidationSet.generate``).
 """
 
@@ -19,10 +19,10 @@ import pytest
 from tests.e2e.tiny_runs import RECIPE, RUN, read_metrics, run_env, run_train
 
 OVERRIDES = [
-    "train.steps=4",
+    "train.steps=2",
     "train.prompts_per_step=4",
     "algorithm.dynamic_sampling.gen_batch_prompts=16",
-    "validation.interval=4",
+    "validation.interval=2",
     "checkpoint.interval=0",
     "data.synthetic.num_val=16",
     "logging.sinks=[jsonl]",
@@ -39,7 +39,7 @@ def _eval(cwd: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 def test_eval_of_the_last_checkpoint_reproduces_the_runs_last_validation(tmp_path: Path) -> None:
     run_train(tmp_path, OVERRIDES)
     last = read_metrics(tmp_path / RUN)[-1]
-    assert last["step"] == 4
+    assert last["step"] == 2
 
     result = _eval(tmp_path, "--checkpoint", str(RUN / "checkpoints"))
     assert result.returncode == 0, result.stderr[-4000:]

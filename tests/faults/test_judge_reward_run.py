@@ -1,8 +1,8 @@
 """A tiny run scored by a judge model (``data.reward: judge``) on a reference engine of its own, whose process is
 killed mid-run: the run restarts it before a later step (``rollout/judge_restarts``), the reward workers ask the new
-engine, and the last steps are judged again; the run completes. Then ``megatron-rl eval`` of its checkpoint scores with a fresh judge engine, and every row's score
-is the verdict the judge gives when asked again here, by a request built from the recipe's template and the
-judge's chat template without the project's judge code.
+engine, and the last steps are judged again; the run completes. In the full tier, ``megatron-rl eval`` of a run's
+checkpoint scores with a fresh judge engine, and every row's score is the verdict the judge gives when asked again
+here, by a request built from the recipe's template and the judge's chat template without the project's judge code.
 """
 
 from __future__ import annotations
@@ -49,12 +49,10 @@ def _verdict(answer: str) -> bool | None:
     return max(matches)[1] if matches else None
 
 
-@pytest.mark.slow
-def test_a_judge_scored_run_restarts_its_killed_judge_and_eval_scores_as_the_judge_answers(tmp_path: Path) -> None:
-    model = save_tiny_judge(tmp_path / "judge")
-    overrides = [
+def _overrides(model: Path, steps: int) -> list[str]:
+    return [
         *judge_overrides(model),
-        "train.steps=4",
+        f"train.steps={steps}",
         f"train.prompts_per_step={PROMPTS}",
         f"rollout.n_samples_per_prompt={SAMPLES}",
         f"data.synthetic.num_val={VAL_PROMPTS}",
@@ -64,6 +62,12 @@ def test_a_judge_scored_run_restarts_its_killed_judge_and_eval_scores_as_the_jud
         "checkpoint.interval=0",
         "logging.sinks=[jsonl]",
     ]
+
+
+@pytest.mark.slow
+def test_a_judge_scored_run_restarts_its_killed_judge(tmp_path: Path) -> None:
+    model = save_tiny_judge(tmp_path / "judge")
+    overrides = _overrides(model, steps=4)
     run = subprocess.Popen(
         train_command(overrides, GRPO),
         cwd=tmp_path,
@@ -91,6 +95,14 @@ def test_a_judge_scored_run_restarts_its_killed_judge_and_eval_scores_as_the_jud
         assert record["rollout/reward_errors"] < responses, record["step"]
     assert _judge_server(model) is None  # the run's judge engines ended with it
 
+
+@pytest.mark.full  # CI's judge run is the test above; eval's judge is the same JudgeReward the run's workers use
+def test_eval_of_a_judge_scored_run_scores_as_the_judge_answers(tmp_path: Path) -> None:
+    model = save_tiny_judge(tmp_path / "judge")
+    overrides = _overrides(model, steps=1)
+    subprocess.run(
+        train_command(overrides, GRPO), cwd=tmp_path, env=run_env(), capture_output=True, timeout=600, check=True
+    )
     evaluated = subprocess.run(
         [
             sys.executable,

@@ -32,9 +32,11 @@ ONE_REAL_RUN_OF_EVERY_PATH = {
 FILES = sorted({node.split("::")[0] for node in ONE_REAL_RUN_OF_EVERY_PATH.values()})
 
 
-def _collected(*options: str) -> set[str]:
+def _collected(*options: str) -> tuple[set[str], set[str]]:
+    """The node ids pytest collects with ``options``, and those of them marked ``full`` (tests/tier_probe.py)."""
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *options, *FILES],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "tests.tier_probe"]
+        + [*options, *FILES],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -42,14 +44,16 @@ def _collected(*options: str) -> set[str]:
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {line.strip() for line in result.stdout.splitlines() if "::" in line}
+    lines = [line.strip() for line in result.stdout.splitlines() if "::" in line]
+    marked = {line.removeprefix("full ") for line in lines if line.startswith("full ")}
+    return {line for line in lines if not line.startswith("full ")}, marked
 
 
 def test_ci_keeps_a_real_run_of_every_path_and_full_adds_the_rest() -> None:
-    ci, full, full_only = _collected(), _collected("--full"), _collected("--full", "-m", "full")
+    (ci, ci_marked), (full, full_only) = _collected(), _collected("--full")
     missing = {path: node for path, node in ONE_REAL_RUN_OF_EVERY_PATH.items() if node not in ci}
     assert missing == {}
-    assert ci | full_only == full and not ci & full_only
+    assert not ci_marked and full_only and ci | full_only == full and not ci & full_only
     recipes = sorted(path.stem for path in (ROOT / "recipes").glob("*.yaml"))
     smokes = "tests/e2e/test_smoke_recipes.py::test_smoke_runs_the_recipe_for_two_steps_with_a_resume"
     assert sorted(node.split("[")[1][:-1] for node in full if node.startswith(smokes)) == recipes
