@@ -33,6 +33,7 @@ from tests.e2e.tiny_runs import (
     PARTIAL_ROLLOUTS,
     RECIPE,
     ROOT,
+    TOOLS,
     StraightRuns,
     megatron_contents,
     read_metrics,
@@ -43,14 +44,6 @@ from tests.e2e.tiny_runs import (
 )
 
 ASYNC_RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_async.yaml"
-TOOLS = [
-    "rollout.episode=synthetic_tool_calls",
-    "rollout.tools=[synthetic_lookup]",
-    "rollout.max_turns=2",
-    "rollout.tool_num_workers=1",
-    "data.synthetic.task=lookup",
-    "data.reward=synthetic_lookup",
-]
 RECIPES = {
     "sync": (RECIPE, Path("runs") / "tiny-moe-cpu-dapo", []),
     "async": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", []),

@@ -1,29 +1,27 @@
-"""The rollout manager split (issue 28) changed no number: the tiny DAPO recipe runs as on the commit it was split from.
+"""The layout move of issue 42 changed no number: the tiny DAPO runs go as on the commit the move was made from.
 
-What it proves: splitting ``rollout/manager.py`` into engine pool, step selection, group assembler
-and submissions kept the groups, seeds, metrics and weights of :data:`BASE` (main at 4ffb843, the
-commit the split was made from).
+What it proves: moving the engine processes into ``engines/`` and the wire formats into ``wire/``, reshaping the
+rank's training step into ``actor/train_step.py`` and typing the engine-host handles kept the groups, seeds, metrics
+and weights of :data:`BASE` (main at 1d51acb, the commit before the move).
 
-Each case runs the tiny recipe for four steps from its seed (over-sampling with dynamic sampling,
-validation at steps 0, 2 and 4, a checkpoint every 2 steps) twice on this machine with this interpreter
-and environment: once with :data:`BASE`'s code and recipes (extracted from this repository's history with
-``git archive`` and put first on PYTHONPATH, ahead of the editable install), once with this tree's (the
-session's straight run of that configuration, ``straight_runs``, which test_exact_resume compares with too). The two runs' per-step metrics, all but wall-clock ones
-(:func:`~tests.e2e.tiny_runs.without_wall_clock`), are exactly equal, and every tensor of the two
-final (step 4) Megatron checkpoints (model and optimizer) is bit-equal, and so is the rest of their state
-(:func:`checkpoint_state`: trainer state, LR scheduler, Megatron's RNG trackers, and in the async case
-the unfinished groups carried to the next step). Both sides use the same CPU's float
-arithmetic, so no number recorded on another machine is involved and any x86 CPU or torch build
-gives the same verdict. The cases: ``sync``, the tiny DAPO recipe (dynamic sampling drops groups and
-aborts the over-sampled rest); ``async-partial``, its async variant with partial rollouts (4-token
-windows, so groups are carried between steps). Each checks that its base run did exercise that. Since named validation sets (issue 41), the base's one
-validation set is compared as this tree's ``greedy`` set (:data:`VAL_RENAMED`), and this tree's default recipe also
-validates a ``sampled`` set at steps 0 and 4, which must leave every training number as it was.
+Each case runs a tiny recipe for four steps from its seed (over-sampling with dynamic sampling, validation at steps 0,
+2 and 4, a checkpoint every 2 steps) twice on this machine with this interpreter and environment: once with
+:data:`BASE`'s code and recipes (extracted from this repository's history with ``git archive`` and put first on
+PYTHONPATH, ahead of the editable install), once with this tree's (the session's straight run of that configuration,
+``straight_runs``, which test_exact_resume compares with too). The two runs' per-step metrics, all but wall-clock ones
+(:func:`~tests.e2e.tiny_runs.without_wall_clock`), are exactly equal, and every tensor of the two final (step 4)
+Megatron checkpoints (model and optimizer) is bit-equal, and so is the rest of their state (:func:`checkpoint_state`:
+trainer state, LR scheduler, Megatron's RNG trackers, and in the async cases the unfinished groups carried to the next
+step). Both sides use the same CPU's float arithmetic, so no number recorded on another machine is involved and any
+x86 CPU or torch build gives the same verdict. The cases: ``sync``, the tiny DAPO recipe (dynamic sampling drops
+groups and aborts the over-sampled rest); ``async-partial``, its async variant with partial rollouts (4-token windows,
+so groups are carried between steps); ``async-partial-tools``, that with multi-turn tool episodes. Each checks that
+its base run did exercise that.
 
 Skipped, saying why, where the clone lacks :data:`BASE` (a shallow clone, or a tree outside git);
-``.ci/run`` works in a plain ``git clone``, which has the full history. Once the split is merged
-this test has done its job: retire it, or re-point :data:`BASE` at a later commit to hold another
-behaviour-preserving refactor to that commit's numbers.
+``.ci/run`` works in a plain ``git clone``, which has the full history. Once the move is merged this test has done
+its job: retire it, or re-point :data:`BASE` at a later commit to hold another behaviour-preserving refactor to that
+commit's numbers.
 """
 
 from __future__ import annotations
@@ -46,6 +44,7 @@ from tests.e2e.tiny_runs import (
     FOUR_STEPS,
     PARTIAL_ROLLOUTS,
     ROOT,
+    TOOLS,
     StraightRuns,
     full_tensors,
     read_metrics,
@@ -54,13 +53,8 @@ from tests.e2e.tiny_runs import (
     without_wall_clock,
 )
 
-BASE = "4ffb843afd5d773cf31b0712aee42598488a1daf"
-"""The commit the rollout manager split was made from (main before issue 28)."""
-
-
-def base_overrides(overrides: list[str]) -> list[str]:
-    """``overrides`` as :data:`BASE`'s recipe schema spells them: validation was ``train.val_interval`` there."""
-    return [o.replace("validation.interval=", "train.val_interval=", 1) for o in overrides]
+BASE = "1d51acb7b1b8754a0b40ebc4a399bbbde2f5a406"
+"""The commit the layout move of issue 42 was made from."""
 
 
 CASES = {
@@ -70,12 +64,18 @@ CASES = {
         Path("runs") / "tiny-moe-cpu-dapo-async",
         FOUR_STEPS + PARTIAL_ROLLOUTS,
     ),
+    "async-partial-tools": (
+        "tiny_moe_cpu_dapo_async.yaml",
+        Path("runs") / "tiny-moe-cpu-dapo-async",
+        FOUR_STEPS + PARTIAL_ROLLOUTS + TOOLS,
+    ),
 }
 """Each case: its recipe (in ``recipes/`` of the tree that runs it), its run directory, its overrides."""
 
 EXERCISED = {
     "sync": ("rollout/groups_dropped", "rollout/groups_aborted"),
     "async-partial": ("rollout/groups_carried",),
+    "async-partial-tools": ("rollout/groups_carried", "rollout/tool_calls"),
 }
 """Counters each case's base run must have made non-zero at some step: the paths it is there to hold."""
 
@@ -92,7 +92,7 @@ def base_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if found.returncode != 0:
         pytest.skip(
             f"this checkout has no commit {BASE[:7]} (a shallow clone, or not a git clone): "
-            "nothing to compare the split with; a full `git clone` has it"
+            "nothing to compare the layout move with; a full `git clone` has it"
         )
     archive = subprocess.run([git, "-C", str(ROOT), "archive", "--format=tar", BASE], capture_output=True, check=True)
     tree = tmp_path_factory.mktemp("base")
@@ -166,44 +166,13 @@ def same(a: object, b: object) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     if dataclasses.is_dataclass(a) and not isinstance(a, type):
-        fields = [field.name for field in dataclasses.fields(a) if field.name not in FIELDS_ADDED_SINCE_BASE]
+        fields = [field.name for field in dataclasses.fields(a)]
         return type(a) is type(b) and all(same(getattr(a, name), getattr(b, name)) for name in fields)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
-
-
-ADDED_SINCE_BASE = {
-    "train/turns_mean": 1.0,
-    "rollout/tool_calls": 0.0,
-    "rollout/tool_errors": 0.0,
-    "rollout/tool_timeouts": 0.0,
-    "rollout/tool_limit_stops": 0.0,
-}
-"""Metrics logged since :data:`BASE` (multi-turn episodes), with the value every single-turn step must have."""
-VAL_RENAMED = {
-    "val/accuracy": "val/greedy/mean@1",
-    "val/reward_mean": "val/greedy/reward_mean",
-    "val/response_length_mean": "val/greedy/response_length_mean",
-    "val/reward_errors": "val/greedy/reward_errors",
-    "val/reward_timeouts": "val/greedy/reward_timeouts",
-    "val/engine_restarts": "val/greedy/engine_restarts",
-}
-""":data:`BASE`'s one validation set is this tree's ``greedy`` set (the same prompts, greedy): its metrics, renamed.
-Other ``val/`` keys, the base's length diagnostics and this tree's other metrics and ``sampled`` set, are not
-compared; that the sampled set runs beside training and changes no training number is what the rest holds."""
-FIELDS_ADDED_SINCE_BASE = {"answer"}
-"""Dataclass fields added since :data:`BASE` (a sample's extracted answer), absent from its pickled samples."""
-
-
-def comparable(record: dict[str, float], *, base: bool) -> dict[str, float]:
-    """``record`` with validation metrics under this tree's names (:data:`VAL_RENAMED`), the others left out."""
-    kept = {key: value for key, value in record.items() if not key.startswith("val/")}
-    if base:
-        return kept | {VAL_RENAMED[key]: value for key, value in record.items() if key in VAL_RENAMED}
-    return kept | {key: value for key, value in record.items() if key in VAL_RENAMED.values()}
 
 
 @pytest.mark.slow
@@ -217,18 +186,14 @@ def test_tiny_dapo_run_equals_the_base_commits_run(
         assert imported_from(code, tmp_path).is_relative_to(code.resolve()), f"megatron_rl not imported from {code}"
     base_dir = tmp_path / "base"
     base_dir.mkdir()
-    run_train(base_dir, base_overrides(overrides), base_tree / "recipes" / recipe, base_tree)
+    run_train(base_dir, overrides, base_tree / "recipes" / recipe, base_tree)
     base = case_result(case, base_dir, base_dir)
     this = case_result(case, straight_runs.run(ROOT / "recipes" / recipe, overrides), tmp_path)
 
     for counter in EXERCISED[case]:
         assert any(record.get(counter, 0) > 0 for record in base.metrics), f"the base run never had {counter} > 0"
     assert [r["step"] for r in this.metrics] == [r["step"] for r in base.metrics]
-    for want, got in zip(
-        [comparable(r, base=True) for r in base.metrics], [comparable(r, base=False) for r in this.metrics], strict=True
-    ):
-        added = {key: got.pop(key) for key in ADDED_SINCE_BASE if key in got and key not in want}
-        assert all(added[key] == ADDED_SINCE_BASE[key] for key in added), f"step {want['step']}: {added}"
+    for want, got in zip(base.metrics, this.metrics, strict=True):
         differing = sorted(k for k in want.keys() | got.keys() if not same(want.get(k), got.get(k)))
         assert not differing, f"step {want['step']}: " + ", ".join(
             f"{k}: {want.get(k)} -> {got.get(k)}" for k in differing

@@ -47,6 +47,15 @@ PARTIAL_ROLLOUTS = [
 ]
 """Partial rollouts on the tiny recipe: 4-token windows over its 12-token responses, at most 3; dynamic sampling on
 score variance, so steps fill and groups still generating are carried to the next step."""
+TOOLS = [
+    "rollout.episode=synthetic_tool_calls",
+    "rollout.tools=[synthetic_lookup]",
+    "rollout.max_turns=2",
+    "rollout.tool_num_workers=1",
+    "data.synthetic.task=lookup",
+    "data.reward=synthetic_lookup",
+]
+"""Multi-turn episodes on the tiny recipe: the synthetic lookup task, whose tool the policy calls in up to 2 turns."""
 
 
 def train_command(overrides: list[str], recipe: Path = RECIPE) -> list[str]:
