@@ -40,12 +40,13 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_rl.orchestration.actor_handle import ActorHandle
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.plan.placement import ActorResources
 from megatron_rl.rollout import EngineStartupError, HttpEngine, ReferenceEngine, SGLangEngine, SGLangPlacement
@@ -300,24 +301,20 @@ class EngineHost:
 
 
 RemoteEngineHost = ray.remote(EngineHost)
-EngineHostHandle = Any
-"""A :class:`RemoteEngineHost` actor handle: its methods resolve at run time (``ray.actor.ActorHandle`` types
-every method ``Never``, so that to a type checker nothing after a call would run)."""
 
 
-def host_process_report(host: EngineHostHandle, name: str, settle_s: float) -> str:
+def host_process_report(host: ActorHandle[EngineHost], name: str, settle_s: float) -> str:
     """``host``'s :meth:`EngineHost.process_report` for engine ``name``, or why the host cannot give it."""
     timeout_s = settle_s + HOST_REPORT_TIMEOUT_S
     try:
-        report: str = ray.get(host.process_report.remote(settle_s), timeout=timeout_s)
-        return report
+        return ray.get(host.call(EngineHost.process_report, settle_s), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         return f"; the host actor of engine {name} gave no process report within {timeout_s:.0f} s"
     except ray.exceptions.RayActorError as error:
         return f"; the host actor of engine {name} is gone, and its log with it unless its node is up: {error}"
 
 
-def engine_process_report(hosts: Sequence[EngineHostHandle], name: str, settle_s: float) -> str:
+def engine_process_report(hosts: Sequence[ActorHandle[EngineHost]], name: str, settle_s: float) -> str:
     """The process report of engine ``name`` whose node processes ``hosts`` run (node rank order): every ended
     node's, each named by its node rank when the engine spans nodes; '' while all run."""
     if len(hosts) == 1:
@@ -369,12 +366,12 @@ class EngineHosts:
         """Ask every node host of engine ``index`` to start its process (node 0's host picks where they meet)."""
         nodes, hosts = self._nodes[index], self._hosts[index]
         if len(nodes) == 1:
-            return [hosts[0].start.remote(nodes[0])]
+            return [hosts[0].call(EngineHost.start, nodes[0])]
         try:
-            meet = ray.get(hosts[0].dist_init_address.remote(nodes[0]), timeout=HOST_REPORT_TIMEOUT_S)
+            meet = ray.get(hosts[0].call(EngineHost.dist_init_address, nodes[0]), timeout=HOST_REPORT_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
             raise EngineStartupError(f"engine {nodes[0].name}: its node 0 host gave no address: {error}") from error
-        return [h.start.remote(replace(s, dist_init_addr=meet)) for h, s in zip(hosts, nodes, strict=True)]
+        return [h.call(EngineHost.start, replace(s, dist_init_addr=meet)) for h, s in zip(hosts, nodes, strict=True)]
 
     def _report(self, index: int) -> functools.partial[str]:
         return functools.partial(engine_process_report, list(self._hosts[index]), self._specs[index].name)
@@ -418,14 +415,15 @@ class EngineHosts:
             raise RuntimeError("engine clients exist once EngineHosts.wait_healthy has returned")
         return self._clients
 
-    def _new_host(self, index: int, node: int = 0) -> EngineHostHandle:
+    def _new_host(self, index: int, node: int = 0) -> ActorHandle[EngineHost]:
         """A host actor for node ``node`` of engine ``index`` on the first of that node's bundles."""
-        return RemoteEngineHost.options(
+        return ActorHandle.start(
+            RemoteEngineHost,
             num_gpus=self._resources.num_gpus,
             num_cpus=self._resources.num_cpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._placement, self._bundles[index][node]),
             runtime_env={"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}},
-        ).remote()
+        )
 
     def restart(self, index: int) -> EngineAddress:
         """Start engine ``index`` again on its bundles, as at start-up, every node's process (a crash of any one
@@ -435,12 +433,12 @@ class EngineHosts:
         same bundle. Returns the new (name, host, port); EngineStartupError when the new engine is not healthy.
         """
         hosts = self._hosts[index]
-        stops = [host.shutdown.remote() for host in hosts]
+        stops = [host.call(EngineHost.shutdown) for host in hosts]
         for node, stop in enumerate(stops):
             try:
                 ray.get(stop, timeout=SHUTDOWN_TIMEOUT_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                ray.kill(hosts[node])  # its engine dies with it (die_with_parent)
+                hosts[node].kill()  # its engine dies with it (die_with_parent)
                 hosts[node] = self._new_host(index, node)
         address = self._await(index, self._launch(index))
         self.addresses[index] = address
@@ -454,7 +452,7 @@ class EngineHosts:
         try:
             address = ray.get(refs[0])
             ray.get(refs[1:])
-            running = ray.get([host.engine_healthy.remote() for host in hosts[1:]])
+            running = ray.get([host.call(EngineHost.engine_healthy) for host in hosts[1:]])
         except ray.exceptions.RayTaskError as error:
             cause = error.cause if isinstance(error.cause, Exception) else error
             raise EngineStartupError(f"engine {spec.name} failed to start: {cause}") from error
@@ -468,7 +466,7 @@ class EngineHosts:
 
     def pids(self) -> list[int | None]:
         """Process ids of the engine servers (node 0's), in spec order."""
-        return ray.get([hosts[0].pid.remote() for hosts in self._hosts])
+        return ray.get([hosts[0].call(EngineHost.pid) for hosts in self._hosts])
 
     def running(self) -> list[bool]:
         """Whether each engine's processes all still run, in spec order (a host actor that is gone, or does not
@@ -476,20 +474,22 @@ class EngineHosts:
         states = []
         for hosts in self._hosts:
             try:
-                states.append(all(ray.get([host.running.remote() for host in hosts], timeout=HOST_REPORT_TIMEOUT_S)))
+                states.append(
+                    all(ray.get([host.call(EngineHost.running) for host in hosts], timeout=HOST_REPORT_TIMEOUT_S))
+                )
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 states.append(False)
         return states
 
     def node_pids(self, index: int) -> list[int | None]:
         """Process ids of engine ``index``'s node processes, in node-rank order."""
-        return ray.get([host.pid.remote() for host in self._hosts[index]])
+        return ray.get([host.call(EngineHost.pid) for host in self._hosts[index]])
 
     def close(self) -> None:
         """Stop every engine process, then end its host actor (a process whose stop fails dies with its actor)."""
         hosts = [host for engine in self._hosts for host in engine]
-        stops = [host.shutdown.remote() for host in hosts]
+        stops = [host.call(EngineHost.shutdown) for host in hosts]
         ray.wait(stops, num_returns=len(stops), timeout=SHUTDOWN_TIMEOUT_S)
         for host in hosts:
-            ray.kill(host)
+            host.kill()
         self._hosts = []

@@ -31,6 +31,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_rl.orchestration.actor_handle import ActorHandle
 from megatron_rl.orchestration.errors import RankCallError
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot
@@ -109,19 +110,20 @@ class RankWorkerGroup[W]:
         network = network or RunNetwork()
         self._worker_cls = worker_cls
         self._node_ips = [slot.node_ip for slot in slots]
-        # Any: Ray resolves an actor's methods at run time (ray.actor.ActorHandle types them Never).
-        self._hosts: list[Any] = [
-            _RemoteRankHost.options(
+        self._hosts = [
+            ActorHandle.start(
+                _RemoteRankHost,
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, slot.bundle_index),
-            ).remote()
+            )
             for slot in slots
         ]
-        master_addr, master_port = ray.get(self._hosts[0].free_endpoint.remote(network))
+        master_addr, master_port = ray.get(self._hosts[0].call(_RankHost.free_endpoint, network))
         local_ranks = _local_ranks(slots)
         starts = [
-            host.start.remote(
+            host.call(
+                _RankHost.start,
                 network.environment()
                 | (env or {})
                 | {
@@ -157,7 +159,7 @@ class RankWorkerGroup[W]:
     def call[**P, R](self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Call ``method`` on every rank's worker concurrently; results in rank order (a rank's error re-raises)."""
         name = self._method_name(method)
-        return self._gather([host.call.remote(name, *args, **kwargs) for host in self._hosts], name)
+        return self._gather([host.call(_RankHost.call, name, *args, **kwargs) for host in self._hosts], name)
 
     def call_per_rank[**P, R](self, method: Callable[Concatenate[W, P], R], per_rank: Sequence[RankArgs[P]]) -> list[R]:
         """Call ``method`` on rank ``i`` with ``per_rank[i]``, all concurrently; results in rank order.
@@ -170,7 +172,8 @@ class RankWorkerGroup[W]:
         if len(per_rank) != len(self._hosts):
             raise ValueError(f"got arguments for {len(per_rank)} ranks, the group has {len(self._hosts)}")
         refs = [
-            host.call.remote(name, *call.args, **call.kwargs) for host, call in zip(self._hosts, per_rank, strict=True)
+            host.call(_RankHost.call, name, *call.args, **call.kwargs)
+            for host, call in zip(self._hosts, per_rank, strict=True)
         ]
         return self._gather(refs, name)
 
@@ -213,7 +216,7 @@ class RankWorkerGroup[W]:
         killed ... by an unexpected system error" at the end of every run).
         """
         for host in self._hosts:
-            ray.kill(host)
+            host.kill()
         here = ray.util.get_node_ip_address()
         local = [pid for pid, node_ip in zip(self._pids, self._node_ips, strict=True) if node_ip == here]
         deadline = time.monotonic() + KILL_GRACE_S

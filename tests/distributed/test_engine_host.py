@@ -161,7 +161,7 @@ def test_hosted_engine_generates_and_dies_with_its_actor(bundles: PlacementGroup
         (pid,) = hosts.pids()
         assert pid is not None
         assert _alive(pid)
-        ray.kill(hosts._hosts[0][0])  # the actor dies without shutting its engine down
+        hosts._hosts[0][0].kill()  # the actor dies without shutting its engine down
         deadline = time.monotonic() + 15
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
