@@ -47,6 +47,9 @@ if TYPE_CHECKING:
     from megatron_rl.actor.policy_actor import PolicyActor
     from megatron_rl.actor.step_data import StepData
 
+# What Megatron's loss_func returns for a micro-batch: (loss, its token count, log dict).
+LossResult = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
 
 @dataclass(frozen=True)
 class StepContext:
@@ -141,11 +144,11 @@ def forward_backward(
 
     def forward_step(
         data_iterator: Iterator[ModelInput], model: torch.nn.Module
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]]:
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossResult]]:
         item = next(data_iterator)
         logits = run_model(model, item, options.replay)
 
-        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        def loss_func(output: torch.Tensor) -> LossResult:
             micro_batch = item.micro_batch
             current = output_log_probs(output, item, options)
             loss, shares, means = actor_loss(current, micro_batch, counts, context.algorithm, context.norm_constant)
@@ -158,10 +161,12 @@ def forward_backward(
     for model in context.models:
         model.train()
     micro_batch_size, seq_length = schedule_shape(inputs)
+    # Each model chunk (virtual pipeline stage) gets its own iterator over the inputs.
+    iterators = [iter(inputs) for _ in context.models] if len(context.models) > 1 else iter(inputs)
     with options.replaying():
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=[iter(inputs) for _ in context.models] if len(context.models) > 1 else iter(inputs),
+            data_iterator=iterators,
             model=list(context.models),
             num_microbatches=len(inputs),
             seq_length=seq_length,
