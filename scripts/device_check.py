@@ -213,6 +213,7 @@ def _step_data(vocab_size: int, num_sequences: int, seq_length: int) -> StepData
 
 def _train_rank(rank: int, world_size: int, cfg, model_dir: Path, batch_shape: tuple[int, int]) -> dict[str, Any]:
     from megatron_rl.actor.policy_actor import PolicyActor
+    from megatron_rl.actor.train_step import train_step
     from megatron_rl.config.hf_config import load_hf_config
     from megatron_rl.parallel.device import on_accelerator
     from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
@@ -232,7 +233,7 @@ def _train_rank(rank: int, world_size: int, cfg, model_dir: Path, batch_shape: t
     )
     shard = _step_data(actor.arch.vocab_size, *batch_shape)  # one rank: the whole step is its shard
     before = [p.detach().to("cpu", copy=True) for model in actor.models for p in model.parameters()]  # not on the GPU
-    metrics = actor.train_step(shard)
+    metrics = train_step(actor, shard)
     after = [p.detach() for model in actor.models for p in model.parameters()]
     moved = sum(int(not torch.equal(a, b.cpu())) for a, b in zip(before, after, strict=True))
     main_dtypes = sorted(

@@ -4,12 +4,11 @@ Every rank of the trainer holds one actor; all of them are called together, each
 data-parallel rank's :class:`~megatron_rl.actor.step_data.StepData` shard from the driver
 (every rank of a model-parallel group the same shard). Public API:
 
-* :meth:`PolicyActor.train_step`: the trainer's step on this DP rank's own samples: old (and,
-  with the KL loss, reference) log-probs computed here and kept here (:meth:`log_probs`), then
-  PPO epochs x mini-batches of optimizer updates (``train_step.run_updates``); only scalar
-  metrics come back;
 * :meth:`PolicyActor.log_probs`: the policy's (or the reference's) log-probs and entropies of
-  the shard's rows, [n, S] on the last pipeline stage, exactly as ``train_step`` computes them;
+  the shard's rows, [n, S] on the last pipeline stage, exactly as the training step computes them;
+* :attr:`PolicyActor.step_context`, :meth:`PolicyActor.prepare` and
+  :meth:`PolicyActor.batch_log_probs`: what the trainer's step (``train_step.train_step``, on
+  this DP rank's own samples) reads and calls;
 * :meth:`PolicyActor.export_weights`: Hugging Face (name, tensor) pairs for weight sync;
 * :meth:`PolicyActor.offload` / :meth:`PolicyActor.reload`: colocated mode memory hand-over.
 
@@ -22,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import math
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,16 +30,16 @@ from megatron.core import parallel_state
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.batch_logprobs import local_log_probs
+from megatron_rl.actor.micro_batch_forward import ForwardOptions
 from megatron_rl.actor.offload import StateOffloader
 from megatron_rl.actor.optimizer import build_optimizer, wrap_ddp
 from megatron_rl.actor.packing import select_packing
 from megatron_rl.actor.precision import actor_config_overrides, params_dtype
 from megatron_rl.actor.reference_policy import ReferencePolicyWeights
 from megatron_rl.actor.routing_replay import RoutingReplay
-from megatron_rl.actor.schedule import ForwardOptions
 from megatron_rl.actor.step_data import StepData
 from megatron_rl.actor.token_logprobs import TokenLogProbs
-from megatron_rl.actor.train_step import StepContext, run_updates
+from megatron_rl.actor.train_step import StepContext
 from megatron_rl.config.hf_config import parse_hf_config
 from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
 from megatron_rl.models.builder import build_model_chunks
@@ -115,7 +113,6 @@ class PolicyActor:
                 f"{(parallel.tp, parallel.pp, parallel.cp, parallel.ep)}: initialize_parallel(parallel_sizes(parallel))"
             )
         self.arch = parse_hf_config(hf_config)
-        self._algorithm = algorithm
         te_problem, dtype = transformer_engine_problem(), params_dtype(train)
         use_te = te_problem is None
         overrides = actor_config_overrides(
@@ -159,7 +156,7 @@ class PolicyActor:
         )
         # The reference routes with its own routers: the engine's experts are the policy's choice.
         self._reference_forward = dataclasses.replace(self._forward, replay=None)
-        self._context = StepContext(self.models, self.optimizer, train, algorithm, norm_constant, self._forward)
+        self.step_context = StepContext(self.models, self.optimizer, train, algorithm, norm_constant, self._forward)
         keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
         reference_device = select_device() if algorithm.reference_placement == "device" else "cpu"
         self._reference = ReferencePolicyWeights(self.models, device=reference_device) if keep else None
@@ -168,47 +165,22 @@ class PolicyActor:
         self._offloader = StateOffloader(self.models, self.optimizer.optimizer, extra)
         self._device = select_device()
 
-    def train_step(self, shard: StepData) -> dict[str, float]:
-        """The step on this DP rank's own samples: old (and reference) log-probs here, then the updates.
-
-        All ranks call this together, every rank of a model-parallel group with the same shard
-        and every DP rank with as many samples per mini-batch (``StepData.shard``). The old and
-        reference log-probs are those of :meth:`log_probs` and stay on this rank. Returns the
-        metrics averaged over the step's updates, the same on every rank: ``loss``,
-        ``policy_loss``, ``entropy_loss``, ``kl_loss`` (with the KL loss), ``clip_frac_upper``/
-        ``lower``/``dual``, ``approx_kl``, ``entropy``, ``ratio_mean``/``max``, ``mismatch_*``/
-        ``tis_*`` (with rollout log-probs), ``grad_norm``, ``lr``, ``tokens``,
-        ``num_micro_batches``, ``time_forward_backward_s``, ``time_update_s``; plus
-        ``num_updates``, ``time_old_log_probs_s`` (``time_ref_log_probs_s`` with the KL loss)
-        and ``time_train_s``.
-        """
-        started = time.perf_counter()
-        local = self._prepare(shard)
-        local = local.replace(old_log_probs=self._log_probs(local, reference=False).log_probs)
-        timings = {"time_old_log_probs_s": time.perf_counter() - started}
-        if self._algorithm.use_kl_loss:
-            local = local.replace(ref_log_probs=self._log_probs(local, reference=True).log_probs)
-            timings["time_ref_log_probs_s"] = time.perf_counter() - started - timings["time_old_log_probs_s"]
-        trained = time.perf_counter()
-        updates = run_updates(self._context, local, shard.mini_batch_rows())
-        return _mean_over_updates(updates) | timings | {"time_train_s": time.perf_counter() - trained}
-
     def log_probs(self, shard: StepData, *, reference: bool = False) -> TokenLogProbs:
-        """Log-probs and entropies of this DP rank's samples at the sampling temperature, as ``train_step`` has them.
+        """Log-probs and entropies of this DP rank's samples at the sampling temperature, as the step has them.
 
         [n, S] for the shard's n samples in its order (``StepData.to_actor_batch`` rows), on the
         last pipeline stage (zeros on the others). ``reference``: the reference policy's, which
-        routes with its own routers (no routing replay). All ranks call this together, as
-        :meth:`train_step`.
+        routes with its own routers (no routing replay). All ranks call this together, as the
+        training step.
 
         Raises:
             RuntimeError: ``reference`` but the actor keeps no reference weights (``keep_reference``).
             ValueError: routing replay is on and the shard has no routed experts.
         """
-        return self._log_probs(self._prepare(shard), reference=reference)
+        return self.batch_log_probs(self.prepare(shard), reference=reference)
 
-    def _log_probs(self, local: ActorBatch, *, reference: bool) -> TokenLogProbs:
-        """:meth:`log_probs` of rows already prepared: ``train_step`` pads and moves its shard once."""
+    def batch_log_probs(self, local: ActorBatch, *, reference: bool) -> TokenLogProbs:
+        """:meth:`log_probs` of rows already prepared (:meth:`prepare`): the step pads and moves its shard once."""
         if not reference:
             return local_log_probs(self.models, local, self._forward)
         if self._reference is None:
@@ -216,7 +188,7 @@ class PolicyActor:
         with self._reference.swapped_in():
             return local_log_probs(self.models, local, self._reference_forward)
 
-    def _prepare(self, shard: StepData) -> ActorBatch:
+    def prepare(self, shard: StepData) -> ActorBatch:
         """``shard``'s rows on this rank's device, checked for what the recipe needs before any collective."""
         local = shard.to_actor_batch()
         if self._forward.replay is not None:
@@ -237,10 +209,3 @@ class PolicyActor:
     def reload(self) -> None:
         """Bring the offloaded state back, bit-identical."""
         self._offloader.reload()
-
-
-def _mean_over_updates(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Each metric averaged over the step's optimizer updates, plus ``num_updates``."""
-    return {key: sum(update[key] for update in updates) / len(updates) for key in updates[0]} | {
-        "num_updates": float(len(updates))
-    }

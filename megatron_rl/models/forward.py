@@ -1,9 +1,12 @@
-"""Forward-only pass of this rank's model chunks through Megatron's pipeline schedule.
+"""Forward-only passes of this rank's model chunks through Megatron's pipeline schedule.
 
-:func:`forward_logits` feeds micro-batches of token ids through
-``get_forward_backward_func`` (no pipelining, 1F1B or interleaved, as the
-parallel state dictates) and returns, on the last pipeline stage, each
-micro-batch's vocabulary-parallel logits ``[B, S, Vp/tp]`` (this TP rank's
+:func:`run_pipeline_schedule` is the forward-only ``get_forward_backward_func`` call (no
+pipelining, 1F1B or interleaved, as the parallel state dictates) that parity
+(:func:`forward_logits`) and the actor's log-prob pass (``actor.batch_logprobs``) share; the
+training step calls Megatron's schedule itself (``actor.train_step``).
+
+:func:`forward_logits` feeds micro-batches of token ids through it and returns, on the last
+pipeline stage, each micro-batch's vocabulary-parallel logits ``[B, S, Vp/tp]`` (this TP rank's
 slice of the padded vocabulary). Other stages get an empty list.
 
 Every micro-batch must have the same shape ``[B, S]`` (CPU runs use fixed
@@ -42,13 +45,12 @@ def run_pipeline_schedule(
     *,
     micro_batch_size: int,
     seq_length: int,
-    forward_only: bool,
 ) -> list[Any]:
-    """One ``get_forward_backward_func`` call over ``inputs`` (one item per micro-batch).
+    """One forward-only ``get_forward_backward_func`` call over ``inputs`` (one item per micro-batch).
 
-    Each model chunk (virtual pipeline stage) gets its own iterator over ``inputs``. Forward-only
-    calls collect the forward step's non-loss outputs; the result is what Megatron returns
-    (on the last pipeline stage; empty elsewhere).
+    Each model chunk (virtual pipeline stage) gets its own iterator over ``inputs``. The result is
+    the forward step's non-loss outputs, one per micro-batch, as Megatron collects them (on the
+    last pipeline stage; empty elsewhere).
     """
     iterators = [iter(inputs) for _ in chunks] if len(chunks) > 1 else iter(inputs)
     outputs = get_forward_backward_func()(
@@ -58,8 +60,8 @@ def run_pipeline_schedule(
         num_microbatches=len(inputs),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-        collect_non_loss_data=forward_only,
+        forward_only=True,
+        collect_non_loss_data=True,
     )
     return list(outputs)
 
@@ -83,7 +85,5 @@ def forward_logits(chunks: Sequence[torch.nn.Module], micro_batches: Sequence[to
     batches = [{"input_ids": mb, "position_ids": position_ids} for mb in micro_batches]
     for chunk in chunks:
         chunk.eval()
-    logits = run_pipeline_schedule(
-        chunks, _forward_step, batches, micro_batch_size=batch_size, seq_length=seq_length, forward_only=True
-    )
+    logits = run_pipeline_schedule(chunks, _forward_step, batches, micro_batch_size=batch_size, seq_length=seq_length)
     return [gather_sequence(part, 1, cp_group, grads="own") for part in logits] if context_parallel else logits

@@ -142,12 +142,15 @@ class TrainerWorker:
         return self._dp_rank
 
     def train_step(self, shard: StepData) -> tuple[dict[str, float], ShardReceipt]:
-        """The step on this rank's shard (old/reference log-probs here); the actor's metrics and a receipt.
+        """The step on this rank's shard (:func:`~megatron_rl.actor.train_step.train_step` on the actor); its
+        metrics and a receipt.
 
         The metrics are the same on every rank; the receipt says what this rank received.
         """
+        from megatron_rl.actor.train_step import train_step
+
         receipt = ShardReceipt(self._rank, tuple(shard.sample_ids.tolist()), shard.nbytes())
-        return self.actor.train_step(shard), receipt
+        return train_step(self.actor, shard), receipt
 
     def offload(self, keep_params: bool = False) -> None:
         """Move this rank's actor state to host memory while colocated engines use the device (bit-exact).

@@ -2,7 +2,7 @@
 
 The same 8 sequences (2 mini-batches, KL loss on, rollout log-probs given) are trained once at DP2,
 each rank getting only its :class:`StepData` shard and computing old and reference log-probs for
-those samples alone (``PolicyActor.train_step``), and once at DP1, one rank holding the whole step.
+those samples alone (``train_step.train_step``), and once at DP1, one rank holding the whole step.
 Each mini-batch holds the same samples in both, so the same rows meet the same weights and the
 updates agree up to float32 rounding: the old log-probs are the same forward pass over differently
 padded micro-batches (another summation order in the matmuls).
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.train_step import train_step
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
     algorithm_config,
@@ -51,7 +52,7 @@ def _step_rank(rank, world_size, hf_dir, batch):
     initialize_parallel(ParallelSizes())
     actor = _actor(hf_dir)
     shard = rank_shard(batch, MINI_BATCHES)
-    metrics = actor.train_step(shard)
+    metrics = train_step(actor, shard)
     result = {"metrics": metrics, "params": _parameters(actor), "ids": shard.sample_ids.tolist()}
     destroy_parallel()
     return result

@@ -13,6 +13,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
+from megatron_rl.actor.train_step import train_step
 from megatron_rl.algorithms import LOSS_AGG_MODES
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
@@ -60,7 +61,7 @@ def _train_rank(rank, world_size, sizes, budget, hf_dir, batch):
             before = actor.log_probs(shard)  # every rank takes part; the values are on the last stage
             if parallel_state.is_pipeline_last_stage():
                 results["before"] = (shard.sample_ids, before)
-        metrics = actor.train_step(shard)
+        metrics = train_step(actor, shard)
         results[mode] = (metrics, dict(actor.export_weights()))
     destroy_parallel()
     return results

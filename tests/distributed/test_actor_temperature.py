@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.train_step import train_step
 from megatron_rl.models.weight_transfer import export_hf_tensors
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.rollout import GenerateRequest, SamplingParams
@@ -98,7 +99,7 @@ def _actor_rank(rank, world_size, sizes, hf_dir, fixed, sampled):
         "ref": batch_rows([(shard.sample_ids, actor.log_probs(shard, reference=True).log_probs)], fixed),
         "sampled": batch_rows([(sampled_shard.sample_ids, actor.log_probs(sampled_shard).log_probs)], sampled),
     }
-    actor.train_step(shard)
+    train_step(actor, shard)
     result["grads"] = {
         # main_grad: the gradient buffer Megatron's DDP adds to each parameter (torch's Parameter does not declare it)
         name: g.clone()

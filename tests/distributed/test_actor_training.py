@@ -5,7 +5,7 @@ Runs at DP2 (two gloo ranks), each with its shard of the batch. Independent valu
 from transformers' log-probs of the same weights, with the formulas written out (not through
 ``megatron_rl.algorithms``). The first update takes the batch's noisy old log-probs (so that the PPO
 ratio is off 1 and both clip bounds are active) through ``run_updates``, the second half of
-``PolicyActor.train_step``; the later steps are whole ``train_step`` calls, whose own old log-probs
+``train_step.train_step``; the later steps are whole ``train_step`` calls, whose own old log-probs
 are the current weights' (ratio 1 at their first update).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_rl.actor.policy_actor import PolicyActor
-from megatron_rl.actor.train_step import run_updates
+from megatron_rl.actor.train_step import run_updates, train_step
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
     algorithm_config,
@@ -59,12 +59,12 @@ def _training_rank(rank, world_size, hf_dir, batch):
         old_log_probs=batch.old_log_probs[ids, : local.seq_length],
         ref_log_probs=actor.log_probs(shard, reference=True).log_probs,
     )
-    (step1,) = run_updates(actor._context, local, shard.mini_batch_rows())
+    (step1,) = run_updates(actor.step_context, local, shard.mini_batch_rows())
     result: dict[str, object] = {"step1": step1}
     result["after"] = (ids, actor.log_probs(shard).log_probs)
     result["ref_after_training"] = (ids, actor.log_probs(shard, reference=True).log_probs)
     result["after_ref_swap"] = (ids, actor.log_probs(shard).log_probs)
-    result["step2"] = actor.train_step(shard)
+    result["step2"] = train_step(actor, shard)
 
     saved = _state_tensors(actor)
     param_bytes = sum(p.untyped_storage().nbytes() for m in actor.models for p in m.parameters())
@@ -83,7 +83,7 @@ def _training_rank(rank, world_size, hf_dir, batch):
     result["freed_bytes_left"] = sum(p.untyped_storage().nbytes() for m in actor.models for p in m.parameters())
     actor.reload()
     result["identical_after_reload"] = all(torch.equal(a, b) for a, b in zip(saved, _state_tensors(actor), strict=True))
-    result["step3"] = actor.train_step(shard)
+    result["step3"] = train_step(actor, shard)
     destroy_parallel()
     return result
 

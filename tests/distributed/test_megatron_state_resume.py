@@ -11,6 +11,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_rl.actor.policy_actor import PolicyActor
+from megatron_rl.actor.train_step import train_step
 from megatron_rl.checkpoint.layout import MEGATRON_DIR
 from megatron_rl.checkpoint.megatron_state import load_megatron_state, save_megatron_state
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
@@ -57,7 +58,7 @@ def _step_from_checkpoint(actor: PolicyActor, batch, resave_dir: Path | None) ->
     scheduler = actor.optimizer.scheduler.state_dict()
     if resave_dir is not None:
         save_megatron_state(actor.chunks, actor.optimizer.optimizer, actor.optimizer.scheduler, resave_dir)
-    metrics = actor.train_step(rank_shard(batch))
+    metrics = train_step(actor, rank_shard(batch))
     run = _Run(weights, scheduler, metrics["loss"], metrics["lr"], _weights(actor))
     destroy_parallel()
     return run
@@ -65,7 +66,7 @@ def _step_from_checkpoint(actor: PolicyActor, batch, resave_dir: Path | None) ->
 
 def _train_save_train(rank, world_size, sizes, hf_dir, ckpt_dir, batch) -> _Run:
     actor = _actor(sizes, hf_dir, load_weights=True)
-    actor.train_step(rank_shard(batch))
+    train_step(actor, rank_shard(batch))
     return _step_from_checkpoint(actor, batch, resave_dir=ckpt_dir)
 
 

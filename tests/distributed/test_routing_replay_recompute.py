@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl.actor.train_step import train_step
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from tests.actor_setup import (
     algorithm_config,
@@ -44,7 +45,7 @@ def _step(rank, world_size, hf_dir, batch, recompute: str) -> tuple[dict[str, fl
         train=train_config(max_tokens_per_micro_batch=BUDGET, recompute=recompute),
         algorithm=algorithm_config(routing_replay=True),
     )
-    metrics = actor.train_step(rank_shard(batch))
+    metrics = train_step(actor, rank_shard(batch))
     params = [p.detach().clone() for model in actor.models for p in model.parameters()]
     destroy_parallel()
     return metrics, params
