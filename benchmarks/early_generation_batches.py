@@ -39,11 +39,11 @@ from benchmarks.tables import print_table
 from megatron_rl.config import load_recipe
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+from megatron_rl.engines import ReferenceEngine
+from megatron_rl.engines.protocol import FORWARD_SECONDS_METRIC, IDLE_SECONDS_METRIC, metric_total
 from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout import ReferenceEngine
 from megatron_rl.rollout.groups import RolloutStep
 from megatron_rl.rollout.manager import RolloutManager
-from megatron_rl.rollout.protocol import FORWARD_SECONDS_METRIC, IDLE_SECONDS_METRIC, metric_total
 from tests.rollout_managers import build_manager
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,11 +35,11 @@ from pathlib import Path
 
 from benchmarks.tables import print_table
 from megatron_rl.config import load_recipe
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.protocol import FORWARD_SECONDS_METRIC, IDLE_SECONDS_METRIC, metric_total
 from megatron_rl.orchestration.driver import train_one_step
 from megatron_rl.orchestration.resources import RunResources, start_run
 from megatron_rl.orchestration.rollout_pipeline import RolloutPipeline
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.protocol import FORWARD_SECONDS_METRIC, IDLE_SECONDS_METRIC, metric_total
 
 RECIPE = "recipes/tiny_moe_cpu_dapo.yaml"
 GOAL = 0.10

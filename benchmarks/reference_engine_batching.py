@@ -39,8 +39,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from benchmarks.tables import print_table
 from megatron_rl.config import load_recipe
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.engines.protocol import GenerateRequest, SamplingParams
+from megatron_rl.engines.reference.backend import ReferenceBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 _RANDOM_INIT = load_recipe(ROOT / "recipes" / "tiny_moe_cpu_dapo.yaml")[0].model.random_init

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_rl.rollout import ReferenceEngine
+from megatron_rl.engines import ReferenceEngine
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 

@@ -49,11 +49,11 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from benchmarks.sync_timing import engine_holds, plain_copy_seconds
 from benchmarks.tables import print_table
 from megatron_rl.config.hf_config import load_hf_config
+from megatron_rl.engines import ReferenceEngine
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.weight_transfer import Allocate, export_full_model, export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import free_port, run_local_ranks
-from megatron_rl.rollout import ReferenceEngine
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
 from megatron_rl.weight_sync.buckets import MIB, BucketFiller, NamedTensor
 from megatron_rl.weight_sync.syncer import WeightSyncer

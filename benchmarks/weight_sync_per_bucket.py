@@ -27,8 +27,8 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from benchmarks.tables import print_table
 from megatron_rl.config import load_recipe
+from megatron_rl.engines import ReferenceEngine
 from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout import ReferenceEngine
 from megatron_rl.weight_sync import transports
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import TensorTransport

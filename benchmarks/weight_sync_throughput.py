@@ -52,12 +52,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from benchmarks.sync_timing import engine_holds, plain_copy_seconds
 from benchmarks.tables import print_table
+from megatron_rl.engines import ReferenceEngine
 from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout import ReferenceEngine
 from megatron_rl.weight_sync.buckets import MIB
 from megatron_rl.weight_sync.syncer import WeightSyncer
-from megatron_rl.weight_sync.tensor_serialization import deserialize_named_tensors, serialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
+from megatron_rl.wire.tensor_serialization import deserialize_named_tensors, serialize_named_tensors
 
 CONFIG: dict[str, Any] = dict(
     vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16,

@@ -2,7 +2,7 @@
 # Create .venv with Python 3.12 and install megatron-rl with its pinned dependency set.
 # With --sglang, also .venv-sglang: SGLang 0.5.23 for engines on CPU (launch/requirements-sglang.lock says
 # why it is an environment of its own), and the libcuda.so.1 stand-in its CPU engines load
-# (megatron_rl/rollout/sglang_cpu.py). With --gpu, .venv gets the GPU set instead (launch/requirements-gpu.lock:
+# (megatron_rl/engines/sglang_cpu.py). With --gpu, .venv gets the GPU set instead (launch/requirements-gpu.lock:
 # the CPU set plus Transformer Engine 2.20.2 and SGLang 0.5.23, with the transformers SGLang pins), TE's PyTorch
 # extension built against .venv's torch; a .venv that has the GPU set keeps it on later runs without --gpu.
 # Idempotent: does nothing when the installed sets match their lock files.
@@ -56,7 +56,7 @@ build_driver_standin() {
     if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(torch.cuda.is_available())'; then
         return  # a GPU machine: engines load the real driver, never the stand-in
     fi
-    "$venv/bin/python" -c 'from megatron_rl.rollout.sglang_cpu import driver_standin_dir; driver_standin_dir()'
+    "$venv/bin/python" -c 'from megatron_rl.engines.sglang_cpu import driver_standin_dir; driver_standin_dir()'
 }
 
 stamp_of() { cat "$root/pyproject.toml" "$lock" | sha256sum | cut -c1-16; }

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_rl.engines.engine import EngineError
 from megatron_rl.orchestration.errors import (
     AsyncEngineCrashError,
     EngineRestartLimitError,
@@ -19,7 +20,6 @@ from megatron_rl.orchestration.errors import (
 )
 from megatron_rl.parallel.errors import RankFailedError
 from megatron_rl.plan.placement import PlacementError
-from megatron_rl.rollout.engine import EngineError
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.distributed import ParallelSizes

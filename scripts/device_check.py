@@ -335,10 +335,10 @@ def check_training(cfg, model_dir: Path, dry_run: bool) -> tuple[CheckResult, Ch
 
 def _ipc_sync_rank(rank: int, world_size: int, hf_dir: Path, log_dir: Path) -> dict[str, Any]:
     from megatron_rl.config.schema import TrainConfig
+    from megatron_rl.engines import GenerateRequest, ReferenceEngine, SamplingParams
     from megatron_rl.models.weight_transfer import export_hf_weights
     from megatron_rl.parallel.device import on_accelerator
     from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-    from megatron_rl.rollout import GenerateRequest, ReferenceEngine, SamplingParams
     from megatron_rl.weight_sync.syncer import WeightSyncer
     from megatron_rl.weight_sync.transports import TensorTransport
     from tests.actor_setup import tiny_actor
@@ -386,10 +386,10 @@ def _colocated_rank(rank: int, world_size: int, hf_dir: Path, log_dir: Path) -> 
     import torch.distributed as dist
 
     from megatron_rl.config.schema import TrainConfig
+    from megatron_rl.engines import HttpEngine, ReferenceEngine
     from megatron_rl.models.weight_transfer import export_hf_weights
     from megatron_rl.parallel.device import on_accelerator
     from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-    from megatron_rl.rollout import HttpEngine, ReferenceEngine
     from megatron_rl.weight_sync.syncer import WeightSyncer
     from megatron_rl.weight_sync.transports import TensorTransport
     from tests.actor_setup import tiny_actor
@@ -494,10 +494,10 @@ def _sync_bench_rank(
 ) -> dict[str, Any]:
     from megatron_rl.actor.policy_actor import PolicyActor
     from megatron_rl.config.hf_config import load_hf_config
+    from megatron_rl.engines import GenerateRequest, ReferenceEngine, SamplingParams
     from megatron_rl.models.weight_transfer import export_hf_weights
     from megatron_rl.parallel.device import on_accelerator
     from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-    from megatron_rl.rollout import GenerateRequest, ReferenceEngine, SamplingParams
     from megatron_rl.weight_sync.syncer import WeightSyncer
     from megatron_rl.weight_sync.transports import TensorTransport
 
@@ -647,7 +647,7 @@ def check_fp8_quantiser(dry_run: bool) -> tuple[bool, dict[str, Any]]:
     """FP8 rollouts' blockwise quantiser (torch's float8 casts, no Transformer Engine) on this device: the FP8
     bytes and scales equal the CPU's, bit for bit, for bf16 weights of Qwen3-30B-A3B's shapes; and its time
     per GB of bf16 over one layer's worth of experts (384 tensors), what each sync adds per GPU."""
-    from megatron_rl.weight_sync.fp8_blocks import quantize_blocks
+    from megatron_rl.wire.fp8_blocks import quantize_blocks
 
     device = torch.device("cpu" if dry_run else "cuda")
     generator = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """Which plain ops give a row other bits when other rows are computed with it, on this device.
 
-The reference engine's forward must be batch-invariant (``megatron_rl/rollout/reference/invariant_ops.py``):
+The reference engine's forward must be batch-invariant (``megatron_rl/engines/reference/invariant_ops.py``):
 it runs every op over rows in calls of a fixed row count. This probe shows why, per device and
 library version: for the engine's op shapes it computes three watched rows alone, then with 1 to
 5,000 other rows after them, and lists the other-row counts at which the watched rows' bits change.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_rl.rollout.reference.invariant_ops import blocked_bmm_linear, rms_norm, row_invariant_linear
+from megatron_rl.engines.reference.invariant_ops import blocked_bmm_linear, rms_norm, row_invariant_linear
 
 COUNTS = [1, 2, 13, 16, 17, 100, 255, 600, 5000]
 

@@ -13,9 +13,9 @@ import sys
 import threading
 import time
 
-import megatron_rl.rollout.http_engine as http_engine
+import megatron_rl.engines.http_engine as http_engine
 from megatron_rl import cli
-from megatron_rl.rollout.http_engine import HttpEngine
+from megatron_rl.engines.http_engine import HttpEngine
 
 ANSWER = b'{"ok": true}'
 

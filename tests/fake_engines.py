@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.engine import RolloutEngine
+from megatron_rl.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,

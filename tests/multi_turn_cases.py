@@ -15,9 +15,9 @@ from concurrent.futures import Future
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
-from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
+from megatron_rl.engines.engine import EngineUnavailableError, RolloutEngine
+from megatron_rl.engines.protocol import GenerateRequest, GenerateResult
 from megatron_rl.rollout.episodes import EnvironmentReply, Episode, ReplyFailure
-from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult
 from tests.fake_engines import DelegatingEngine
 from tests.rollout_managers import build_manager
 

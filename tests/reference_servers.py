@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.engine import ReferenceEngine
+from megatron_rl.engines.reference.server import build_server
 from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.engine import ReferenceEngine
-from megatron_rl.rollout.reference.server import build_server
 
 
 @contextmanager

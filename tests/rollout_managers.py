@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptSampler
 from megatron_rl.data.rewards import ServedReward
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.engines.engine import RolloutEngine
 from megatron_rl.rollout.engine_pool import EnginePool, Recovery
 from megatron_rl.rollout.episodes import Episode
 from megatron_rl.rollout.group_assembler import GroupAssembler

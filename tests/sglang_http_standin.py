@@ -6,7 +6,7 @@ manager, and maps the answer to status codes and bodies (plain-text
 ``/flush_cache``, ``{"success", "message"}`` with 400 for refused weight
 updates, Starlette's 500 for an assertion). :class:`ReferenceTokenizerManager`
 stands in for the tokenizer manager + scheduler: each method SGLang's routes
-await is answered by :class:`~megatron_rl.rollout.reference.backend.ReferenceBackend`
+await is answered by :class:`~megatron_rl.engines.reference.backend.ReferenceBackend`
 (run in a thread, so a blocking group join or broadcast does not stall the
 event loop), returning what SGLang's manager returns. So our client talks to
 SGLang's real routes, and the reference backend plays SGLang's scheduler.
@@ -30,13 +30,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.protocol import (
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDistributedRequest,
 )
-from megatron_rl.rollout.reference.backend import EngineStateError, ReferenceBackend, WeightUpdateRefused
+from megatron_rl.engines.reference.backend import EngineStateError, ReferenceBackend, WeightUpdateRefused
+from megatron_rl.parallel.local_launch import free_port
 
 STARTUP_TIMEOUT_S = 30.0
 

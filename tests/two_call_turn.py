@@ -23,8 +23,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+from megatron_rl.engines.http_engine import HttpEngine
 from megatron_rl.rollout.episodes import build_episode
-from megatron_rl.rollout.http_engine import HttpEngine
 from tests.multi_turn_cases import RecordingEngine
 from tests.qwen3_chat import build_qwen3_like_tokenizer
 from tests.rollout_managers import build_manager

@@ -1,7 +1,7 @@
 """``convert hf-to-fp8``: a Hugging Face checkpoint -> the blockwise FP8 checkpoint FP8 rollouts start from.
 
 The output holds every tensor of the input, the projections quantised
-(:func:`~megatron_rl.weight_sync.fp8_blocks.quantize_named`: FP8 weight + ``weight_scale_inv``), the
+(:func:`~megatron_rl.wire.fp8_blocks.quantize_named`: FP8 weight + ``weight_scale_inv``), the
 rest unchanged, in shards of at most the default shard size; config.json gains the
 ``quantization_config`` SGLang reads; tokenizer and generation files are copied. It is built in
 ``.OUT.partial`` and renamed into place, so an interrupted conversion leaves no half-written OUT.
@@ -26,7 +26,7 @@ from megatron_rl.models.hf_files import (
     write_shard_files,
 )
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
-from megatron_rl.weight_sync.fp8_blocks import quantize_named
+from megatron_rl.wire.fp8_blocks import quantize_named
 
 
 def convert_hf_to_fp8(hf_dir: str | Path, out_dir: str | Path, block: tuple[int, int]) -> Path:

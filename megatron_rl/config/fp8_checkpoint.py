@@ -3,7 +3,7 @@
 Qwen's FP8 releases (and DeepSeek-V3's) store each quantised projection as an ``float8_e4m3fn``
 weight and a float32 ``weight_scale_inv`` per ``[bn, bk]`` block, and say so in config.json's
 ``quantization_config``, which SGLang 0.5.23's ``Fp8Config.from_config`` reads. The tensor math is
-``megatron_rl.weight_sync.fp8_blocks``.
+``megatron_rl.wire.fp8_blocks``.
 """
 
 from __future__ import annotations

@@ -789,5 +789,5 @@ class RunConfig(Section):
 
     @property
     def sglang_on_cpu(self) -> bool:
-        """SGLang engines on a cluster without GPUs: SGLang's CPU path (``rollout/sglang_cpu.py``)."""
+        """SGLang engines on a cluster without GPUs: SGLang's CPU path (``engines/sglang_cpu.py``)."""
         return self.rollout.engine == "sglang" and self.cluster.gpus_per_node == 0

@@ -46,11 +46,11 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_rl.engines import EngineStartupError, HttpEngine, ReferenceEngine, SGLangEngine, SGLangPlacement
+from megatron_rl.engines.access import check_listen_host
 from megatron_rl.orchestration.actor_handle import ActorHandle
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.plan.placement import ActorResources
-from megatron_rl.rollout import EngineStartupError, HttpEngine, ReferenceEngine, SGLangEngine, SGLangPlacement
-from megatron_rl.rollout.access import check_listen_host
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import RolloutConfig

@@ -26,11 +26,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from megatron_rl.engines import EngineError, RolloutEngine
 from megatron_rl.orchestration.engine_host import EngineAddress, EngineHosts
 from megatron_rl.orchestration.errors import AsyncEngineCrashError, EngineRestartLimitError
 from megatron_rl.orchestration.memory_handover import HandOver
 from megatron_rl.orchestration.trainer_group import TrainerGroup
-from megatron_rl.rollout import EngineError, RolloutEngine
 
 
 class EngineRecovery:

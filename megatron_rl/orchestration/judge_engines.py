@@ -18,11 +18,11 @@ from ray.util.placement_group import PlacementGroup
 
 from megatron_rl.config import RunConfig
 from megatron_rl.config.schema import JudgeConfig, RolloutConfig
+from megatron_rl.engines.engine import EngineStartupError
 from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.placement_group import create_rank_slots, engine_gpu_ids
 from megatron_rl.plan.placement import plan_judge_placement
-from megatron_rl.rollout.engine import EngineStartupError
 from megatron_rl.rollout.judge_reward import JudgeReward
 
 logger = logging.getLogger(__name__)

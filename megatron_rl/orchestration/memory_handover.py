@@ -35,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal, Protocol
 
-from megatron_rl.rollout import RolloutEngine
-from megatron_rl.rollout.protocol import MEMORY_TAGS
+from megatron_rl.engines import RolloutEngine
+from megatron_rl.engines.protocol import MEMORY_TAGS
 
 Timer = Callable[[str], AbstractContextManager[None]]
 """``timer(phase)``: a context manager recording the phase's seconds (the driver's PhaseTimer)."""

@@ -6,7 +6,7 @@ The initial weights are one Hugging Face checkpoint both sides load, so trainer 
 engines start identical: ``model.path``, or for ``model.random_init`` a checkpoint
 written once into ``<run_dir>/initial_hf`` (seeded by ``train.seed``).
 
-Network and access (:mod:`network`, :mod:`megatron_rl.rollout.access`): a run that fits one
+Network and access (:mod:`network`, :mod:`megatron_rl.engines.access`): a run that fits one
 node (``cluster.nodes: 1``) starts its local Ray on 127.0.0.1 and keeps every server it starts
 on loopback; a run on several nodes listens on the address of ``cluster.network_interface`` on
 each node. Each run draws an API key (or takes ``MEGATRON_RL_ENGINE_API_KEY``) that its engines
@@ -47,6 +47,8 @@ from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData, prepare_recipe_data
 from megatron_rl.data.remote_reward import RemoteReward
 from megatron_rl.data.rewards import ServedReward
+from megatron_rl.engines import RolloutEngine
+from megatron_rl.engines.access import API_KEY_ENV, new_api_key
 from megatron_rl.metrics.logger import MetricLogger, build_metric_logger
 from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
 from megatron_rl.orchestration.engine_recovery import DeferredEngineRecovery, EngineRecovery
@@ -60,8 +62,6 @@ from megatron_rl.orchestration.trainer_worker import RankPaths, TrainerWorker
 from megatron_rl.orchestration.validation import ValidationSet, build_validation_sets
 from megatron_rl.orchestration.worker_group import RankWorkerGroup
 from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_judge_placement, plan_run_placement
-from megatron_rl.rollout import RolloutEngine
-from megatron_rl.rollout.access import API_KEY_ENV, new_api_key
 from megatron_rl.rollout.engine_pool import EnginePool, Recovery
 from megatron_rl.rollout.episodes import Episode, build_episode
 from megatron_rl.rollout.group_assembler import GroupAssembler

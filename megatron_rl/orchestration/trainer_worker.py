@@ -20,10 +20,10 @@ import torch.distributed as dist
 from megatron_rl.actor.step_data import StepData
 from megatron_rl.config.hf_config import load_hf_config
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.engines import HttpEngine
 from megatron_rl.orchestration.engine_host import EngineAddress
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.parallel.device import check_gpu_arch
-from megatron_rl.rollout import HttpEngine
 
 # Megatron-side modules are imported by the methods that run on a rank: the driver imports this class only to start
 # ranks and name their methods, and megatron-core costs it 3 s of start-up (benchmarks/startup.py).

@@ -10,7 +10,7 @@ from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, Run
 from megatron_rl.data import PromptSampler
 from megatron_rl.data.preparation import PreparedData
 from megatron_rl.data.rewards import ServedReward
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.engines.engine import RolloutEngine
 from megatron_rl.rollout.engine_pool import EnginePool, Recovery
 from megatron_rl.rollout.episodes import Episode
 from megatron_rl.rollout.group_assembler import GroupAssembler

@@ -31,11 +31,11 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_rl.engines.server_process import kill_when_parent_dies
 from megatron_rl.orchestration.actor_handle import ActorHandle
 from megatron_rl.orchestration.errors import RankCallError
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.orchestration.placement_group import RankSlot
-from megatron_rl.rollout.server_process import kill_when_parent_dies
 
 KILL_GRACE_S = 2.0
 """Seconds :meth:`RankWorkerGroup.shutdown` gives ranks to exit through Ray's kill before SIGKILL."""

@@ -134,7 +134,7 @@ def _moe_layers(arch: QwenArchitecture) -> int:
 
 def fp8_projections(arch: QwenArchitecture) -> list[tuple[int, int, int]]:
     """(rows, columns, count) of the weights FP8 rollouts quantise (every attention projection, dense MLP
-    projection and expert projection; ``weight_sync.fp8_blocks.is_quantized``), over the whole model."""
+    projection and expert projection; ``wire.fp8_blocks.is_quantized``), over the whole model."""
     hidden, q_out = arch.hidden_size, arch.num_attention_heads * arch.head_dim
     kv_out = arch.num_query_groups * arch.head_dim
     moe_layers = _moe_layers(arch)

@@ -20,6 +20,8 @@ import torch
 from megatron_rl.actor.step_data import StepData, expert_index_dtype
 from megatron_rl.config import RunConfig, load_recipe, read_architecture, trainer_layout
 from megatron_rl.data.preparation import prepare_data
+from megatron_rl.engines.access import new_api_key
+from megatron_rl.engines.engine import EngineError, RolloutEngine
 from megatron_rl.orchestration.batch_assembly import assemble_step_data, group_advantages, trim_to_even_split
 from megatron_rl.orchestration.judge_engines import start_judge_engines
 from megatron_rl.orchestration.memory_handover import ColocatedHandOver, HandOver, release_engine_caches
@@ -44,8 +46,6 @@ from megatron_rl.plan.rates import Rate
 from megatron_rl.preflight.cut_model import cut_model
 from megatron_rl.preflight.device_probe import DeviceProbe
 from megatron_rl.preflight.report import StepFailure, StepOutcome
-from megatron_rl.rollout.access import new_api_key
-from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.rollout.episodes import build_episode
 
 PREFLIGHT_RESPONSE_TOKENS = 64

@@ -30,7 +30,7 @@ from megatron_rl.data.synthetic_task import synthetic_exact, synthetic_lookup_an
 from megatron_rl.data.synthetic_tokenizer import ASSISTANT_TOKEN, CALL_TOKEN, EOS_TOKEN, TOOL_TOKEN
 from megatron_rl.named_functions import qualified_name
 from megatron_rl.preflight.report import StepFailure, StepOutcome
-from megatron_rl.weight_sync.fp8_blocks import SCALE_SUFFIX, is_quantized
+from megatron_rl.wire.fp8_blocks import SCALE_SUFFIX, is_quantized
 
 SAMPLE_ROWS = 3
 """Training rows scored by the reward."""

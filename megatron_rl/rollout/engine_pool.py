@@ -3,7 +3,7 @@
 Requests go to the engines in use round-robin (:meth:`EnginePool.next_engine`), each sent on a thread
 of a pool of ``max_concurrent_requests`` threads per engine, so at most that many (per engine, on
 average) are in flight. A request whose engine process is gone fails with
-:class:`~megatron_rl.rollout.engine.EngineUnavailableError`; the manager holds it until the rest of
+:class:`~megatron_rl.engines.engine.EngineUnavailableError`; the manager holds it until the rest of
 its batch has answered, then :meth:`EnginePool.recover` restarts the crashed engines through the
 ``recover`` hook and the held requests go again, unchanged, to the engines it says are ready.
 """
@@ -15,8 +15,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
-from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult
+from megatron_rl.engines.engine import EngineUnavailableError, RolloutEngine
+from megatron_rl.engines.protocol import GenerateRequest, GenerateResult
 
 Recovery = Callable[[Sequence[tuple[RolloutEngine, EngineUnavailableError]]], Sequence[RolloutEngine]]
 """Restarts the crashed engines given (each with one of its errors); returns the engines ready to take

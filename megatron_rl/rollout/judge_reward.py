@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rl.data.prompts import encode_prompts
 from megatron_rl.data.rewards import RewardOutput
-from megatron_rl.rollout.engine import EngineError
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
+from megatron_rl.engines.engine import EngineError
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.protocol import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -56,13 +56,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_rl.rollout.engine import EngineUnavailableError, RolloutEngine
+from megatron_rl.engines.engine import EngineUnavailableError, RolloutEngine
+from megatron_rl.engines.protocol import FinishReason, GenerateResult
 from megatron_rl.rollout.engine_pool import EnginePool
 from megatron_rl.rollout.episodes import EnvironmentReply, Episode, SingleTurn
 from megatron_rl.rollout.group_assembler import GroupAssembler
 from megatron_rl.rollout.groups import RolloutStep
 from megatron_rl.rollout.partial import PartialGroup
-from megatron_rl.rollout.protocol import FinishReason, GenerateResult
 from megatron_rl.rollout.scoring import ScoredResponse
 from megatron_rl.rollout.step_selection import StepSelection
 from megatron_rl.rollout.submissions import Request, Submission, SubmissionPlanner, WindowProgress

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_rl.engines.protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from megatron_rl.rollout.groups import ToolCounts, weight_version_number
-from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 if TYPE_CHECKING:
     from megatron_rl.data import PromptItem

@@ -15,7 +15,7 @@ SandboxFusion's API for Python (:mod:`megatron_rl.tools.sandbox_service` has the
   allowed at once, running now, the most that ran at once, and the runs answered so far.
 
 At most ``--workers`` sandboxes run at once; further requests wait for one to end. The API key is the
-engines' (:mod:`megatron_rl.rollout.access`): every path but ``/health`` needs ``Authorization: Bearer KEY``,
+engines' (:mod:`megatron_rl.engines.access`): every path but ``/health`` needs ``Authorization: Bearer KEY``,
 else 401 ``{"error":"Unauthorized"}``; the key comes from ``--api-key-file`` or the environment variable
 ``MEGATRON_RL_ENGINE_API_KEY``, and the server does not start without one (it runs whatever code it is
 sent). It listens on 127.0.0.1 unless ``--host`` names one other address (never a wildcard).
@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.rollout.access import (
+from megatron_rl.engines.access import (
     API_KEY_ENV,
     UNAUTHORIZED_BODY,
     UNAUTHORIZED_STATUS,

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.engines.engine import RolloutEngine
+from megatron_rl.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from megatron_rl.rollout.partial import (
     PartialGroup,
     PartialSample,
@@ -25,7 +26,6 @@ from megatron_rl.rollout.partial import (
     continuation_seed,
     sample_seeds,
 )
-from megatron_rl.rollout.protocol import GenerateRequest, GenerateResult, SamplingParams
 
 if TYPE_CHECKING:
     from megatron_rl.config.schema import RolloutConfig

@@ -32,8 +32,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from megatron_rl.engines.access import API_KEY_ENV
 from megatron_rl.named_functions import import_path
-from megatron_rl.rollout.access import API_KEY_ENV
 from megatron_rl.rollout.worker_processes import STARTUP_TIMEOUT_S, WorkerExit, WorkerProcess, WorkerSlot, stop_threads
 from megatron_rl.tools.calls import ToolCall
 from megatron_rl.tools.registry import LimitedOutput, get_tool, tool_call_name, tool_problem
@@ -73,7 +73,7 @@ def _import_path(tool: str) -> str:
 
 def sandbox_service(config: ToolSandboxConfig | None) -> SandboxService | None:
     """The service ``rollout.tool_sandbox`` names, with the run's API key from this process's environment
-    (:data:`~megatron_rl.rollout.access.API_KEY_ENV`; unset: no key sent); None for the local sandbox."""
+    (:data:`~megatron_rl.engines.access.API_KEY_ENV`; unset: no key sent); None for the local sandbox."""
     if config is None:
         return None
     return SandboxService(config.url, config.timeout_s, config.retries, os.environ.get(API_KEY_ENV) or None)

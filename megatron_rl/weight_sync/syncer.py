@@ -42,12 +42,12 @@ import torch.distributed as dist
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.schema import WeightSyncConfig
+from megatron_rl.engines.engine import EngineError, RolloutEngine
 from megatron_rl.models.weight_transfer import Allocate, export_full_model, export_hf_weights
-from megatron_rl.rollout.engine import EngineError, RolloutEngine
 from megatron_rl.weight_sync.buckets import MIB, BucketFiller, NamedTensor, tensor_bytes
 from megatron_rl.weight_sync.fault_injection import dropped_tensor, without
-from megatron_rl.weight_sync.fp8_blocks import quantize_named
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
+from megatron_rl.wire.fp8_blocks import quantize_named
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class WeightSyncer:
     none (SGLang on CPU, ``--disable-radix-cache``), where nothing cached could outlive the old weights.
     ``fp8_block``: the engines serve blockwise FP8 weights of that block (FP8 rollouts): every
     projection is quantised on this rank's device as it is exported and sent as its FP8 weight and
-    scales (:func:`~megatron_rl.weight_sync.fp8_blocks.quantize_named`), through any transport.
+    scales (:func:`~megatron_rl.wire.fp8_blocks.quantize_named`), through any transport.
     """
 
     def __init__(

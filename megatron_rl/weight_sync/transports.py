@@ -24,7 +24,7 @@ the syncer's controller opens and closes.
   1 + sum of the previous engines' sizes); per bucket it posts
   ``/update_weights_from_distributed`` to every engine and broadcasts the bucket:
   on GPU with ``load_format="flattened_bucket"``, its tensors packed back to back
-  as one buffer (:mod:`~megatron_rl.weight_sync.dense_buckets`; a bucket whose
+  as one buffer (:mod:`~megatron_rl.wire.dense_buckets`; a bucket whose
   dtypes would misalign that layout goes as several such requests), on CPU one
   broadcast per tensor (``DistributedTransport.flatten``). Gloo on CPU, NCCL on
   GPU; the group is created on the first bucket and kept until :meth:`close`. Joining a group and each bucket's
@@ -50,28 +50,28 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from megatron_rl.models.weight_transfer import Allocate
-from megatron_rl.parallel.device import collective_backend
-from megatron_rl.parallel.stores import listen_socket
-from megatron_rl.rollout.engine import EngineError, RolloutEngine
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.engine import EngineError, RolloutEngine
+from megatron_rl.engines.protocol import (
     InitWeightsUpdateGroupRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
+from megatron_rl.models.weight_transfer import Allocate
+from megatron_rl.parallel.device import collective_backend
+from megatron_rl.parallel.stores import listen_socket
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
 from megatron_rl.weight_sync.buckets import NamedTensor
-from megatron_rl.weight_sync.dense_buckets import aligned_runs, pack
 from megatron_rl.weight_sync.engine_feeds import colocated_feeds, engine_feeders, engine_rank_experts
 from megatron_rl.weight_sync.send_lock import SendLock, create_send_lock
-from megatron_rl.weight_sync.tensor_serialization import (
+from megatron_rl.wire.dense_buckets import aligned_runs, pack
+from megatron_rl.wire.tensor_serialization import (
     FLATTENED_BUCKET,
     flattened_bucket,
     serialize_flattened_bucket,
     serialize_named_tensors,
 )
-from megatron_rl.weight_sync.weight_group import (
+from megatron_rl.wire.weight_group import (
     WeightGroup,
     broadcast_from_trainer,
     create_weight_group,

@@ -27,11 +27,11 @@ from transformers import AutoModelForCausalLM
 
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.train_step import train_step
+from megatron_rl.engines import GenerateRequest, SamplingParams
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.server import load_model
 from megatron_rl.models.weight_transfer import export_hf_tensors
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
-from megatron_rl.rollout import GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.server import load_model
 from tests.actor_setup import (
     algorithm_config,
     batch_rows,

@@ -16,16 +16,16 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.config.hf_config import load_hf_config
+from megatron_rl.engines import EngineError, ReferenceEngine
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.protocol import UpdateWeightsFromTensorRequest
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.weight_transfer import load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout import EngineError, ReferenceEngine
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.protocol import UpdateWeightsFromTensorRequest
 from megatron_rl.weight_sync.syncer import WeightSyncer
-from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
+from megatron_rl.wire.tensor_serialization import serialize_named_tensors
 from tests.distributed_utils import run_distributed
 from tests.tiny_checkpoints import save_tiny_moe
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.rollout import EngineRequestError, GenerateRequest, ReferenceEngine, SamplingParams
+from megatron_rl.engines import EngineRequestError, GenerateRequest, ReferenceEngine, SamplingParams
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import DiskTransport
 from tests.distributed_utils import free_port

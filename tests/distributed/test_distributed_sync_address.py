@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.config.schema import WeightSyncConfig
-from megatron_rl.rollout import ReferenceEngine
+from megatron_rl.engines import ReferenceEngine
 from megatron_rl.weight_sync.syncer import build_syncer, build_transport
 from tests.distributed_utils import free_port
 from tests.tiny_checkpoints import save_tiny_moe

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from megatron_rl.rollout import (
+from megatron_rl.engines import (
     EngineRequestError,
     EngineStartupError,
     EngineTimeoutError,
@@ -18,7 +18,7 @@ from megatron_rl.rollout import (
     ReferenceEngine,
     SamplingParams,
 )
-from megatron_rl.rollout.server_process import ServerProcess
+from megatron_rl.engines.server_process import ServerProcess
 from tests.distributed_utils import free_port
 from tests.tiny_checkpoints import save_tiny_moe
 

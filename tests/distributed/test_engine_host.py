@@ -19,12 +19,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.orchestration import engine_host
-from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
-from megatron_rl.orchestration.memory_handover import ColocatedHandOver, release_engine_caches
-from megatron_rl.orchestration.placement_group import create_rank_slots
-from megatron_rl.plan.placement import ActorResources
-from megatron_rl.rollout import (
+from megatron_rl.engines import (
     EngineRequestError,
     EngineStartupError,
     EngineUnavailableError,
@@ -32,7 +27,12 @@ from megatron_rl.rollout import (
     HttpEngine,
     SamplingParams,
 )
-from megatron_rl.rollout.protocol import UpdateWeightsFromDiskRequest
+from megatron_rl.engines.protocol import UpdateWeightsFromDiskRequest
+from megatron_rl.orchestration import engine_host
+from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
+from megatron_rl.orchestration.memory_handover import ColocatedHandOver, release_engine_caches
+from megatron_rl.orchestration.placement_group import create_rank_slots
+from megatron_rl.plan.placement import ActorResources
 from tests.tiny_checkpoints import save_tiny_moe
 
 pytestmark = pytest.mark.distributed

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from megatron_rl.rollout import ReferenceEngine
+from megatron_rl.engines import ReferenceEngine
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import DistributedTransport
 from tests.distributed_utils import free_port, run_distributed

@@ -26,12 +26,12 @@ from safetensors.torch import load_file
 
 from megatron_rl.algorithms import importance_correction
 from megatron_rl.config.hf_config import load_hf_config
+from megatron_rl.engines import GenerateRequest, ReferenceEngine, SamplingParams
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.forward import forward_logits
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
-from megatron_rl.rollout import GenerateRequest, ReferenceEngine, SamplingParams
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import DistributedTransport, TensorTransport
 from tests.distributed_utils import free_port, run_distributed

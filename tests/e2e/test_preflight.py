@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_rl.data.synthetic_tokenizer import save_synthetic_tokenizer
+from megatron_rl.engines.reference.fault_injection import ENGINE_EXIT_ENV, engine_exit_fault
 from megatron_rl.preflight.report import STEP_NAMES
-from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, engine_exit_fault
 from megatron_rl.weight_sync.fault_injection import SYNC_DROP_ENV
 from tests.e2e.tiny_runs import RECIPE, ROOT, run_env
 from tests.judge_model import judge_overrides, save_tiny_judge

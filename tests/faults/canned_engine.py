@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from megatron_rl.rollout import HttpEngine
+from megatron_rl.engines import HttpEngine
 
 Answer = Callable[[str, Any], tuple[int, str, bytes]]
 

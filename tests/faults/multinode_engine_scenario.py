@@ -19,19 +19,19 @@ import ray
 import torch
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
-from megatron_rl.orchestration.network import RunNetwork
-from megatron_rl.orchestration.placement_group import create_rank_slots, engine_node_slots
-from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.plan.placement import ActorResources
-from megatron_rl.rollout import EngineUnavailableError, ReferenceEngine
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines import EngineUnavailableError, ReferenceEngine
+from megatron_rl.engines.protocol import (
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
     SamplingParams,
     UpdateWeightsFromDistributedRequest,
 )
-from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group
+from megatron_rl.orchestration.engine_host import EngineHosts, EngineSpec
+from megatron_rl.orchestration.network import RunNetwork
+from megatron_rl.orchestration.placement_group import create_rank_slots, engine_node_slots
+from megatron_rl.parallel.local_launch import free_port
+from megatron_rl.plan.placement import ActorResources
+from megatron_rl.wire.weight_group import broadcast_from_trainer, create_weight_group
 
 REQUESTS = [
     GenerateRequest(

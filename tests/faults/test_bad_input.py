@@ -26,9 +26,7 @@ from megatron_rl.config import RecipeError, load_recipe
 from megatron_rl.config.loading import apply_overrides, read_recipe_tree, validate_recipe_tree
 from megatron_rl.data import save_synthetic_tokenizer
 from megatron_rl.data.preparation import prepare_data
-from megatron_rl.models.safetensors_reader import CheckpointTensorError, SafetensorsCheckpoint
-from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout import (
+from megatron_rl.engines import (
     EngineError,
     EngineRequestError,
     EngineResponseError,
@@ -37,6 +35,8 @@ from megatron_rl.rollout import (
     HttpEngine,
     SamplingParams,
 )
+from megatron_rl.models.safetensors_reader import CheckpointTensorError, SafetensorsCheckpoint
+from megatron_rl.parallel.local_launch import free_port
 from tests.faults.canned_engine import canned_engine, json_answer, sample
 from tests.tiny_checkpoints import save_tiny_moe
 

@@ -1,6 +1,6 @@
 """A rollout engine that crashes mid-generation is restarted, and the run's results do not change.
 
-The crash is injected (``rollout/reference/fault_injection.py``): the engine process exits with
+The crash is injected (``engines/reference/fault_injection.py``): the engine process exits with
 code 17 on its N-th ``/generate`` request, holding the requests it had. First the rollout manager
 alone against two real reference engines (a restart hook that starts a new process); then the tiny
 DAPO run end to end, colocated and disaggregated: the final weights equal an uninterrupted run's, the
@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
-from megatron_rl.rollout import EngineUnavailableError, ReferenceEngine
+from megatron_rl.engines import EngineUnavailableError, ReferenceEngine
+from megatron_rl.engines.reference.fault_injection import ENGINE_EXIT_ENV, EXIT_CODE, engine_exit_fault
 from megatron_rl.rollout.manager import RolloutManager
-from megatron_rl.rollout.reference.fault_injection import ENGINE_EXIT_ENV, EXIT_CODE, engine_exit_fault
 from tests.distributed_utils import free_port
 from tests.e2e.tiny_runs import ROOT, RUN, read_metrics, run_env, train_command
 from tests.rollout_managers import build_manager

@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from megatron_rl.config import load_recipe
 from megatron_rl.data.preparation import prepare_recipe_data
+from megatron_rl.engines.protocol import GenerateRequest, SamplingParams
+from megatron_rl.engines.reference.engine import ReferenceEngine
 from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference.engine import ReferenceEngine
 from tests.e2e.tiny_runs import ROOT, read_metrics, run_env, train_command
 from tests.judge_model import CORRECT, MAX_NEW_TOKENS, TEMPLATE, WRONG, judge_overrides, save_tiny_judge
 
@@ -37,7 +37,7 @@ have, which decode to nothing, and the empty response is judged without asking).
 def _judge_server(model: Path) -> psutil.Process | None:
     for process in psutil.process_iter(["cmdline"]):
         cmdline = process.info["cmdline"] or []
-        if "megatron_rl.rollout.reference.server" in cmdline and str(model) in cmdline:
+        if "megatron_rl.engines.reference.server" in cmdline and str(model) in cmdline:
             return process
     return None
 

@@ -16,8 +16,8 @@ import pytest
 
 from megatron_rl.config.schema import DataConfig, DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+from megatron_rl.engines.protocol import GenerateRequest
 from megatron_rl.rollout.manager import RolloutManager
-from megatron_rl.rollout.protocol import GenerateRequest
 from megatron_rl.rollout.scoring import RewardPool, ScoredResponse
 from tests.e2e.tiny_runs import RUN, read_metrics, run_train
 from tests.faults.canned_engine import canned_engine, json_answer, sample

@@ -144,7 +144,7 @@ def test_the_tiny_run_listens_on_loopback_only_and_its_keys_reach_no_file(tmp_pa
     assert elsewhere == {}, f"listening beyond loopback: {elsewhere}"
     assert len(watcher.listening) >= 5, watcher.listening  # Ray's servers, the trainer store, the engine, ...
 
-    assert [line for line in watcher.command_lines if "megatron_rl.rollout.reference.server" in line], "engine not seen"
+    assert [line for line in watcher.command_lines if "megatron_rl.engines.reference.server" in line], "engine not seen"
     assert not [line for line in watcher.command_lines if engine_key in line]
     engine_log = (run_dir / "logs" / "reference0.log").read_text()
     assert "(API key required)" in engine_log

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.reference.node_group import NODE_LOST_EXIT_CODE
+from megatron_rl.engines.reference.node_group import NODE_LOST_EXIT_CODE
 from tests.e2e.tiny_runs import RUN, TWO_STEPS, read_metrics, run_env, train_command, without_wall_clock
 from tests.ray_processes import RAY, free_ports, kill_tree, node_ports, ray_probe, wait_for_nodes
 from tests.tiny_checkpoints import save_tiny_moe

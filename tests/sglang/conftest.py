@@ -1,6 +1,6 @@
 """The real SGLang 0.5.23 server on this machine's CPU, and our reference engine beside it.
 
-One SGLang engine (started through :class:`~megatron_rl.rollout.sglang_engine.SGLangEngine`, the
+One SGLang engine (started through :class:`~megatron_rl.engines.sglang_engine.SGLangEngine`, the
 production launcher) and one reference engine, both with the same API key, serve the same tiny Qwen3-MoE
 checkpoint, fp32, for the whole session. Tests that change weights put the checkpoint's back.
 The tests skip when no SGLang installation is found (``./launch/setup.sh --sglang``); ``.ci/run``
@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
+from megatron_rl.engines import ReferenceEngine, SGLangEngine, SGLangPlacement
+from megatron_rl.engines.http_engine import HttpEngine
 from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.rollout import ReferenceEngine, SGLangEngine, SGLangPlacement
-from megatron_rl.rollout.http_engine import HttpEngine
 from tests.api_key_cases import API_KEY
 from tests.tiny_checkpoints import save_tiny_moe
 
@@ -107,7 +107,7 @@ def moe_weights_b(moe_dir_b: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def restore_weights(sglang: SGLangEngine, moe_dir: Path) -> Iterator[SGLangEngine]:
     """The session's SGLang engine, given the checkpoint's weights back (from disk) after the test."""
-    from megatron_rl.rollout.protocol import UpdateWeightsFromDiskRequest
+    from megatron_rl.engines.protocol import UpdateWeightsFromDiskRequest
 
     yield sglang
     sglang.continue_generation()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from megatron_rl.rollout.protocol import AbortRequest, GenerateRequest, GenerateResult, SamplingParams
+from megatron_rl.engines.protocol import AbortRequest, GenerateRequest, GenerateResult, SamplingParams
 from tests.sglang.transformers_decode import greedy, load_model
 
 PROMPTS = [[5, 17, 42], [3, 9, 27, 81, 43, 29], [64]]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from megatron_rl.config.schema import JudgeConfig
 from megatron_rl.data.synthetic_tokenizer import SYNTHETIC_VOCAB_SIZE, build_synthetic_tokenizer
-from megatron_rl.rollout.http_engine import HttpEngine
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.sglang_engine import SGLangEngine
 from megatron_rl.rollout.judge_reward import JudgeReward, JudgeRewardError
-from megatron_rl.rollout.sglang_engine import SGLangEngine
 from tests.api_key_cases import API_KEY
 from tests.judge_model import MAX_NEW_TOKENS, TEMPLATE
 

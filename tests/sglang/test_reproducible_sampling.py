@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rollout.engine import EngineStartupError
+from megatron_rl.engines.engine import EngineStartupError
+from megatron_rl.engines.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.partial import sample_seeds
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from tests.sglang.conftest import start_sglang
 
 N = 4

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from megatron_rl.rollout.engine import EngineRequestError, EngineStartupError, EngineUnavailableError
-from megatron_rl.rollout.protocol import FLUSH_CACHE_OK, GenerateRequest, SamplingParams
-from megatron_rl.rollout.sglang_engine import CONFIG_FILE_NAME
+from megatron_rl.engines.engine import EngineRequestError, EngineStartupError, EngineUnavailableError
+from megatron_rl.engines.protocol import FLUSH_CACHE_OK, GenerateRequest, SamplingParams
+from megatron_rl.engines.sglang_engine import CONFIG_FILE_NAME
 from tests.api_key_cases import API_KEY, KEY_CASES, raw_request
 from tests.sglang.conftest import start_sglang
 
@@ -75,8 +75,8 @@ def test_routed_experts_cannot_be_returned_by_sglang_on_cpu(moe_dir, tmp_path):
     """--enable-return-routed-experts allocates a CUDA-registered host buffer (state_capturer/base.py) and the
     CPU server does not start: validate refuses routing replay with SGLang on CPU."""
     from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.engines import SGLangEngine, SGLangPlacement
     from megatron_rl.parallel.local_launch import free_port
-    from megatron_rl.rollout import SGLangEngine, SGLangPlacement
     from tests.sglang.conftest import CPU_ROLLOUT
 
     placement = SGLangPlacement(base_gpu_id=0, port=free_port(), nccl_port=free_port(), device="cpu")

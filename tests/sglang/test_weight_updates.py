@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.rollout.engine import EngineRequestError
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.engine import EngineRequestError
+from megatron_rl.engines.protocol import (
     GenerateRequest,
     SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
+from megatron_rl.wire.tensor_serialization import serialize_named_tensors
 from tests.api_key_cases import API_KEY
 from tests.sglang.transformers_decode import greedy, load_model
 
@@ -70,7 +70,7 @@ def test_a_tensor_update_of_every_weight_serves_the_new_checkpoint(
     restore_weights, moe_weights_b, expected_b, flattened
 ):
     """CPU tensors in shared memory, as the tensor transport sends them (one payload per engine TP rank)."""
-    from megatron_rl.weight_sync.tensor_serialization import flattened_bucket, serialize_flattened_bucket
+    from megatron_rl.wire.tensor_serialization import flattened_bucket, serialize_flattened_bucket
 
     engine = restore_weights
     named = sorted(moe_weights_b.items())
@@ -110,7 +110,7 @@ def _sync_as_trainer(
     port: int, api_key: str, kind: str, config_dir: str, sync_dir: str, named: list, version: str
 ) -> None:
     """A trainer process: our WeightSyncer with transport ``kind`` into the engine at ``port``."""
-    from megatron_rl.rollout.http_engine import HttpEngine
+    from megatron_rl.engines.http_engine import HttpEngine
     from megatron_rl.weight_sync.syncer import WeightSyncer
     from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, WeightTransport
 

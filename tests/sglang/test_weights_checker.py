@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.engine import EngineRequestError
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.protocol import UpdateWeightsFromDiskRequest
-from megatron_rl.rollout.sglang_engine import SGLangEngine
+from megatron_rl.engines.engine import EngineRequestError
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.protocol import UpdateWeightsFromDiskRequest
+from megatron_rl.engines.sglang_engine import SGLangEngine
 
 NO_DRIVER = "Found no NVIDIA driver on your system"
 SKIPPED = "embed_tokens"

@@ -4,14 +4,14 @@ Each backticked span of the doc (fenced blocks left out, whitespace runs read as
 classified and resolved with ``ast``, importing no module it names (the recipe schema is
 imported: it loads no Megatron):
 
-- path: a span like ``rollout/sglang_cpu.py``, ``tests/e2e/``, ``recipes/x.yaml`` or ``.ci/run``
+- path: a span like ``engines/sglang_cpu.py``, ``tests/e2e/``, ``recipes/x.yaml`` or ``.ci/run``
   whose first part is a top-level entry of the repo or a megatron_rl package; it exists under the
   repo root or megatron_rl/. ``path::test_name`` also names a test of that file, and
   ``package/module.symbol`` (``config/checks._check_sglang_on_cpu``) a symbol of that module.
   A bare ``name.py`` (or ``.sh``, ``.sbatch``, ``.c``) is some file of the repo's code folders.
 - recipe field: a dotted name whose first part is a recipe section (``rollout.max_total_tokens``,
   also as ``field: value``, ``field=value`` or ``field > 1``) is a field of the schema; if it is
-  none (``rollout.protocol``, ``parallel.device``), it must resolve as a symbol.
+  none (``engines.protocol``, ``parallel.device``), it must resolve as a symbol.
 - symbol: a dotted name whose first part is a megatron_rl module or package name
   (``weight_sync.syncer.WeightSyncer``, ``engine.RolloutEngine``) or a class
   (``HttpEngine.abort``): a module whose dotted path ends with the leading parts defines the rest
@@ -56,9 +56,9 @@ from pytest import MonkeyPatch
 
 from megatron_rl.cli import build_parser
 from megatron_rl.config.schema import RunConfig
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.protocol import GenerateRequest, SamplingParams
 from megatron_rl.rollout.engine_pool import EnginePool
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
 from tests.unit.test_import_rules import ALLOWED, COMPAT_MODULES, NEVER
 from tests.unit.test_start_refusals import SCANNED
 
@@ -308,9 +308,9 @@ def classify(span: str) -> tuple[str, bool | None]:
 @pytest.mark.parametrize(
     ("span", "kind", "resolved"),
     [
-        ("rollout/sglang_cpu.py", "path", True),
+        ("engines/sglang_cpu.py", "path", True),
         ("rollout/run_placement.py", "path", False),
-        ("rollout/sglang_cpu.cpu_engine_environment", "path", True),
+        ("engines/sglang_cpu.cpu_engine_environment", "path", True),
         ("config/checks._no_such_check", "path", False),
         ("tests/e2e/test_exact_resume.py::test_no_such_test", "path", False),
         ("weight_sync.syncer.WeightSyncer", "symbol", True),
@@ -377,7 +377,7 @@ def layout_table() -> dict[str, tuple[set[str] | None, set[str]]]:
 
 
 def _reachable(package: str) -> set[str]:
-    """The packages ``package`` may reach through ALLOWED (a rule ``weight_sync.fp8_blocks`` counts as its package)."""
+    """The packages ``package`` may reach through ALLOWED (a rule ``wire.fp8_blocks`` counts as its package)."""
     seen, stack = set(), [package]
     while stack:
         if (current := stack.pop()) not in seen:

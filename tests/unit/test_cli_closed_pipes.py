@@ -2,7 +2,7 @@
 
 The run held out from the suite (the tiny SGLang recipe, 150 steps) died at step 125 with exit status 141: the CLI
 had put SIGPIPE at its default action for every command, so a write to a kept-alive connection the engine had just
-closed killed ``train`` instead of raising the BrokenPipeError that ``rollout/http_engine.py`` resends on.
+closed killed ``train`` instead of raising the BrokenPipeError that ``engines/http_engine.py`` resends on.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.weight_sync.dense_buckets import aligned_runs, dense_layout, empty_bucket, pack
+from megatron_rl.wire.dense_buckets import aligned_runs, dense_layout, empty_bucket, pack
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:

@@ -9,6 +9,9 @@ import pytest
 
 from megatron_rl.config import RecipeError, load_recipe
 from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.engines import ReferenceEngine, SGLangEngine
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.server_process import ServerProcess
 from megatron_rl.orchestration.engine_host import EngineSpec, build_engine, first_visible_index
 from megatron_rl.orchestration.placement_group import (
     PlacementError,
@@ -20,9 +23,6 @@ from megatron_rl.orchestration.placement_group import (
 )
 from megatron_rl.orchestration.resources import check_engines_beside_feeders, feeders_of_engines
 from megatron_rl.plan.placement import ActorResources, plan_run_placement
-from megatron_rl.rollout import ReferenceEngine, SGLangEngine
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.server_process import ServerProcess
 from megatron_rl.weight_sync.engine_feeds import colocated_feeds, engine_feeders
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -16,7 +16,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
 from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
 from megatron_rl.config.fp8_checkpoint import checkpoint_block, quantization_config, sglang_block_problems
 from megatron_rl.config.hf_config import parse_hf_config
-from megatron_rl.weight_sync.fp8_blocks import (
+from megatron_rl.wire.fp8_blocks import (
     FP8_DTYPE,
     dequantize_blocks,
     is_quantized,

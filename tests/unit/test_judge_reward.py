@@ -13,6 +13,8 @@ from transformers import AutoTokenizer
 from megatron_rl.config import RunConfig, judge_layout, load_recipe
 from megatron_rl.config.loading import RecipeError
 from megatron_rl.config.schema import JudgeConfig
+from megatron_rl.engines.protocol import GenerateRequest, SamplingParams
+from megatron_rl.engines.reference.engine import ReferenceEngine
 from megatron_rl.parallel.local_launch import free_port
 from megatron_rl.plan.placement import plan_judge_placement
 from megatron_rl.plan.report import judge_section
@@ -23,8 +25,6 @@ from megatron_rl.rollout.judge_reward import (
     judge_question,
     parse_verdict,
 )
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference.engine import ReferenceEngine
 from tests.judge_model import CORRECT, MAX_NEW_TOKENS, TEMPLATE, WRONG, judge_overrides, save_tiny_judge
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.backend import ReferenceBackend
 from tests.multi_turn_cases import MAX_TURNS, STOPS, RecordingEngine, response_pieces, run_episodes, tool_calls
 from tests.reference_servers import serving
 from tests.tiny_checkpoints import save_tiny_moe

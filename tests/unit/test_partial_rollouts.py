@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_rl.data import PromptItem
+from megatron_rl.engines.protocol import FinishReason, GenerateResult, SamplingParams
 from megatron_rl.rollout.partial import (
     PartialGroup,
     PartialSample,
@@ -12,7 +13,6 @@ from megatron_rl.rollout.partial import (
     continuation_requests,
     continuation_seed,
 )
-from megatron_rl.rollout.protocol import FinishReason, GenerateResult, SamplingParams
 
 LENGTH, STOP = FinishReason("length"), FinishReason("stop", matched=2)
 

@@ -30,10 +30,10 @@ import pytest
 import torch
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.generator import INVALID_PROBABILITIES, RequestState, sample_rows
-from megatron_rl.rollout.reference.invariant_ops import (
+from megatron_rl.engines.protocol import GenerateRequest, SamplingParams
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.generator import INVALID_PROBABILITIES, RequestState, sample_rows
+from megatron_rl.engines.reference.invariant_ops import (
     ROWS_PER_CALL,
     in_fixed_row_calls,
     needs_fixed_row_calls,
@@ -41,7 +41,7 @@ from megatron_rl.rollout.reference.invariant_ops import (
     row_invariant_linear,
     slot_attention,
 )
-from megatron_rl.rollout.reference.slot_model import SlotModel
+from megatron_rl.engines.reference.slot_model import SlotModel
 
 CONTEXT = 64
 DEVICE = torch.device(os.environ.get("MEGATRON_RL_TEST_DEVICE", "cpu"))

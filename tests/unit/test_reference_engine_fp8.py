@@ -12,16 +12,16 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
-from megatron_rl.rollout.engine import EngineRequestError
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.protocol import GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.engine import ReferenceEngine
-from megatron_rl.rollout.reference.server import fp8_block_of, load_model
-from megatron_rl.rollout.reference.weights import resolve_weight
-from megatron_rl.weight_sync.fp8_blocks import dequantize_blocks, is_quantized, quantize_blocks
+from megatron_rl.engines.engine import EngineRequestError
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.protocol import GenerateRequest, SamplingParams
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.engine import ReferenceEngine
+from megatron_rl.engines.reference.server import fp8_block_of, load_model
+from megatron_rl.engines.reference.weights import resolve_weight
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
+from megatron_rl.wire.fp8_blocks import dequantize_blocks, is_quantized, quantize_blocks
 from tests.reference_servers import reference_process, serving
 from tests.tiny_checkpoints import save_tiny_moe
 

@@ -26,9 +26,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.rollout.engine import EngineRequestError
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.engine import EngineRequestError
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.protocol import (
     FLUSH_CACHE_FAILED,
     FLUSH_CACHE_OK,
     FORWARD_SECONDS_METRIC,
@@ -39,10 +39,10 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromTensorRequest,
     metric_samples,
 )
-from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.backend import ReferenceBackend
 from megatron_rl.weight_sync.syncer import WeightSyncer
-from megatron_rl.weight_sync.tensor_serialization import serialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
+from megatron_rl.wire.tensor_serialization import serialize_named_tensors
 from tests.reference_servers import serving
 from tests.tiny_checkpoints import save_tiny_moe
 

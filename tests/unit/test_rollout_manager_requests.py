@@ -14,9 +14,9 @@ import pytest
 
 from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig
 from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.engines.engine import RolloutEngine
+from megatron_rl.engines.protocol import FinishReason, GenerateRequest, GenerateResult
 from megatron_rl.rollout.partial import continuation_seed, sample_seeds
-from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, GenerateResult
 from tests.rollout_managers import build_manager
 
 N = 4

@@ -23,11 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_rl.config.schema import ClusterConfig, RolloutConfig
 from megatron_rl.config.sglang_env import SGLANG_PYTHON_ENV
-from megatron_rl.orchestration.engine_host import EngineHost, EngineSpec, free_ports
-from megatron_rl.orchestration.network import NetworkError, RunNetwork, interface_address
-from megatron_rl.parallel.local_launch import free_port
-from megatron_rl.parallel.stores import rendezvous_store
-from megatron_rl.rollout import (
+from megatron_rl.engines import (
     EngineRequestError,
     GenerateRequest,
     HttpEngine,
@@ -36,11 +32,15 @@ from megatron_rl.rollout import (
     SGLangPlacement,
     build_sglang_command,
 )
-from megatron_rl.rollout.access import API_KEY_ENV, check_listen_host, is_authorized, new_api_key
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.engine import build_reference_command
-from megatron_rl.rollout.reference.server import build_server
-from megatron_rl.rollout.server_process import ServerProcess
+from megatron_rl.engines.access import API_KEY_ENV, check_listen_host, is_authorized, new_api_key
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.engine import build_reference_command
+from megatron_rl.engines.reference.server import build_server
+from megatron_rl.engines.server_process import ServerProcess
+from megatron_rl.orchestration.engine_host import EngineHost, EngineSpec, free_ports
+from megatron_rl.orchestration.network import NetworkError, RunNetwork, interface_address
+from megatron_rl.parallel.local_launch import free_port
+from megatron_rl.parallel.stores import rendezvous_store
 from tests.tiny_checkpoints import save_tiny_moe
 
 Address = namedtuple("Address", "family address netmask broadcast ptp")

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from megatron_rl.rollout.access import API_KEY_ENV, UNAUTHORIZED_BODY
+from megatron_rl.engines.access import API_KEY_ENV, UNAUTHORIZED_BODY
 from megatron_rl.tools.python_tool import LIMITS, python
 from megatron_rl.tools.sandbox import SandboxLimits, SandboxResult, StopReason
 from megatron_rl.tools.sandbox_service import (
@@ -246,8 +246,8 @@ def test_the_tools_recipes_episodes_run_their_code_on_the_server(
     from megatron_rl.config import load_recipe
     from megatron_rl.config.schema import DynamicSamplingConfig, OverlongConfig, RolloutConfig, ToolSandboxConfig
     from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+    from megatron_rl.engines.reference.backend import ReferenceBackend
     from megatron_rl.rollout.episodes import build_episode
-    from megatron_rl.rollout.reference.backend import ReferenceBackend
     from megatron_rl.tools.calls import render_tool_responses
     from tests.multi_turn_cases import RecordingEngine
     from tests.qwen3_chat import build_qwen3_like_tokenizer

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_rl.config.fp8_checkpoint import quantization_config
-from megatron_rl.weight_sync.fp8_blocks import FP8_DTYPE, dequantize_blocks, quantize_blocks
+from megatron_rl.wire.fp8_blocks import FP8_DTYPE, dequantize_blocks, quantize_blocks
 
 needs_sglang = pytest.mark.skipif(
     importlib.util.find_spec("sglang") is None, reason="sglang 0.5.23 not installed (see module docstring)"

@@ -18,7 +18,7 @@ a CUDA tensor's device UUID where its patched ``rebuild_cuda_tensor`` looks),
 and the weight-update group: engine ranks built with SGLang's own
 ``init_custom_process_group`` (gloo, in spawned processes with a default
 group of their own, as SGLang's TP workers have) receive every tensor of a
-tiny Qwen3-MoE broadcast by our trainer side (``weight_sync.weight_group``)
+tiny Qwen3-MoE broadcast by our trainer side (``wire.weight_group``)
 bit for bit, the way its ``receive_weights_from_distributed`` receives them; and
 ``--api-key``: our command's private config file read by SGLang's own config merger,
 and the reference server answering a table of requests (no key, wrong key, wrong
@@ -45,9 +45,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from megatron_rl.config.schema import RolloutConfig
-from megatron_rl.parallel.local_launch import free_port, run_local_ranks
-from megatron_rl.rollout.partial import sample_seeds
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.protocol import (
     AbortRequest,
     BeginWeightUpdateRequest,
     CheckWeightsRequest,
@@ -65,18 +63,20 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.generator import SampleOutput
-from megatron_rl.rollout.sglang_engine import SGLangEngine, SGLangPlacement, build_sglang_command, write_private_config
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.generator import SampleOutput
+from megatron_rl.engines.sglang_engine import SGLangEngine, SGLangPlacement, build_sglang_command, write_private_config
+from megatron_rl.parallel.local_launch import free_port, run_local_ranks
+from megatron_rl.rollout.partial import sample_seeds
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
-from megatron_rl.weight_sync.dense_buckets import aligned_runs, pack
-from megatron_rl.weight_sync.tensor_serialization import (
+from megatron_rl.wire.dense_buckets import aligned_runs, pack
+from megatron_rl.wire.tensor_serialization import (
     flattened_bucket,
     rebuild_args_with_uuid,
     serialize_flattened_bucket,
     serialize_named_tensors,
 )
-from megatron_rl.weight_sync.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
+from megatron_rl.wire.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
 from tests.api_key_cases import API_KEY, KEY_CASES, raw_request
 from tests.fake_engines import PartialEngine
 from tests.ipc_payloads import cuda_payload, cuda_rebuild_args
@@ -507,7 +507,7 @@ def _sglang_http(hf_dir: Path, dp_size: int = 1):
     """(HttpEngine, backend) with SGLang's FastAPI app in front of a reference backend (tests/sglang_http_standin.py)."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.rollout.http_engine import HttpEngine
+    from megatron_rl.engines.http_engine import HttpEngine
     from tests.sglang_http_standin import serve_sglang_http
 
     backend = ReferenceBackend(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), dp_size=dp_size)
@@ -524,7 +524,7 @@ def sglang_http(tiny_moe_dir):
 
 @needs_sglang
 def test_flush_cache_through_sglangs_http_layer_is_plain_text(sglang_http):
-    from megatron_rl.rollout.protocol import FLUSH_CACHE_OK
+    from megatron_rl.engines.protocol import FLUSH_CACHE_OK
 
     engine, _ = sglang_http
     assert engine.request("/flush_cache", {}) == FLUSH_CACHE_OK  # SGLang's text, not JSON
@@ -533,7 +533,7 @@ def test_flush_cache_through_sglangs_http_layer_is_plain_text(sglang_http):
 
 @needs_sglang
 def test_weight_update_session_through_sglangs_http_layer(sglang_http):
-    from megatron_rl.rollout.engine import EngineRequestError
+    from megatron_rl.engines.engine import EngineRequestError
 
     engine, backend = sglang_http
     update = UpdateWeightsFromTensorRequest(
@@ -564,7 +564,7 @@ def test_generate_pause_and_abort_through_sglangs_http_layer(sglang_http):
 
 def _sync_as_trainer(port: int, kind: str, named: list, version: str) -> None:
     """A trainer process: one WeightSyncer of transport ``kind`` into the engine at ``port``."""
-    from megatron_rl.rollout.http_engine import HttpEngine
+    from megatron_rl.engines.http_engine import HttpEngine
     from megatron_rl.weight_sync.syncer import WeightSyncer
     from megatron_rl.weight_sync.transports import DistributedTransport, TensorTransport, WeightTransport
 
@@ -597,7 +597,7 @@ def test_syncers_through_sglangs_http_layer_are_bit_exact(sglang_http, kind):
 
 @needs_sglang
 def test_weight_update_with_dp_2_fails_sglangs_assertion_through_its_http_layer(tiny_moe_dir):
-    from megatron_rl.rollout.engine import EngineRequestError
+    from megatron_rl.engines.engine import EngineRequestError
 
     for engine, _ in _sglang_http(tiny_moe_dir, dp_size=2):
         engine.begin_weight_update()
@@ -640,7 +640,7 @@ def servers_with_key(tiny_moe_dir) -> Iterator[tuple[int, int]]:
     """(port of SGLang's app behind its --api-key middleware, port of our reference server with the same key)."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.rollout.reference.server import build_server
+    from megatron_rl.engines.reference.server import build_server
     from tests.sglang_http_standin import serve_sglang_http
 
     def backend() -> ReferenceBackend:
@@ -671,8 +671,8 @@ def test_the_reference_server_checks_the_api_key_as_sglang_does(servers_with_key
 def test_our_client_sends_the_key_sglang_requires(tiny_moe_dir):
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.rollout.engine import EngineRequestError
-    from megatron_rl.rollout.http_engine import HttpEngine
+    from megatron_rl.engines.engine import EngineRequestError
+    from megatron_rl.engines.http_engine import HttpEngine
     from tests.sglang_http_standin import serve_sglang_http
 
     backend = ReferenceBackend(AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32))

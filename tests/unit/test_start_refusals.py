@@ -23,7 +23,7 @@ from tests.hf_configs import QWEN3_30B_A3B_CONFIG_FILE
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl"
 RECIPES = PACKAGE.parent / "recipes"
-SCANNED = ("actor", "models", "rollout", "weight_sync", "orchestration", "parallel", "tools")
+SCANNED = ("actor", "models", "engines", "rollout", "wire", "weight_sync", "orchestration", "parallel", "tools")
 TINY = "tiny_moe_cpu_dapo.yaml"
 QWEN_30B = "qwen3_30b_a3b_dapo.yaml"
 DENSE = "model.random_init.architectures=[Qwen3ForCausalLM]"
@@ -132,17 +132,17 @@ START_REFUSALS = (
         "rollout.ep",
     ),
     Refusal(
-        "rollout/reference/server.py", "no config.json", ("model.random_init=null", "model.path={empty}"), "model.path"
+        "engines/reference/server.py", "no config.json", ("model.random_init=null", "model.path={empty}"), "model.path"
     ),
-    Refusal("rollout/reference/backend.py", "TP rank(s); got", ("rollout.tp=2",), "rollout.tp"),
+    Refusal("engines/reference/backend.py", "TP rank(s); got", ("rollout.tp=2",), "rollout.tp"),
     Refusal(
-        "rollout/reference/backend.py",
+        "engines/reference/backend.py",
         "longer than the model's context length",
         ("rollout.max_prompt_length=64",),
         "rollout.max_response_length",
     ),
     Refusal(
-        "rollout/reference/backend.py",
+        "engines/reference/backend.py",
         "exceeds the model's maximum context length",
         ("rollout.max_response_length=60",),
         "rollout.max_response_length",
@@ -150,9 +150,9 @@ START_REFUSALS = (
     Refusal(
         "rollout/scoring.py", "num_workers must be >= 1", ("data.reward_num_workers=0",), "data.reward_num_workers"
     ),
-    Refusal("rollout/sglang_engine.py", "an engine spanning nodes", ("rollout.tp=12",), "rollout.tp", QWEN_30B),
+    Refusal("engines/sglang_engine.py", "an engine spanning nodes", ("rollout.tp=12",), "rollout.tp", QWEN_30B),
     Refusal(
-        "rollout/sglang_engine.py",
+        "engines/sglang_engine.py",
         "needs rollout.max_total_tokens",
         ("rollout.engine=sglang",),
         "rollout.max_total_tokens",
@@ -210,28 +210,28 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("rollout/manager.py", "generation batch"): "the driver sizes the sampler from train.prompts_per_step",
     ("rollout/engine_pool.py", "failures[0][1]"): "an engine crash at run time, re-raised by a pool without recovery",
     ("rollout/manager.py", "RolloutExhaustedError"): "runtime outcome of dynamic sampling (algorithm.dynamic_sampling)",
-    ("rollout/reference/backend.py", "EngineStateError"): "engine state at request time",
-    ("rollout/reference/backend.py", "state.error"): "a decode step that failed at run time, re-raised to its request",
-    ("rollout/reference/generator.py", "INVALID_PROBABILITIES"): "non-finite logits of a decode step at run "
+    ("engines/reference/backend.py", "EngineStateError"): "engine state at request time",
+    ("engines/reference/backend.py", "state.error"): "a decode step that failed at run time, re-raised to its request",
+    ("engines/reference/generator.py", "INVALID_PROBABILITIES"): "non-finite logits of a decode step at run "
     "time, refused as torch.multinomial refuses them (the step's requests fail)",
-    ("rollout/reference/slot_model.py", ""): "the model's config.json, which config/hf_config.py refuses first "
+    ("engines/reference/slot_model.py", ""): "the model's config.json, which config/hf_config.py refuses first "
     "(RoPE scaling, sliding windows, activations other than SiLU)",
-    ("rollout/reference/backend.py", "names, dtypes and shapes"): "wire-format contract of a weight update",
-    ("rollout/reference/backend.py", "seeds a request, not each sample"): "request contract: the rollout manager "
+    ("engines/reference/backend.py", "names, dtypes and shapes"): "wire-format contract of a weight update",
+    ("engines/reference/backend.py", "seeds a request, not each sample"): "request contract: the rollout manager "
     "sends per-sample seeds to SGLang engines only",
-    ("rollout/reference/backend.py", "Unknown load_format"): "wire-format contract of a weight update (our "
+    ("engines/reference/backend.py", "Unknown load_format"): "wire-format contract of a weight update (our "
     "transports send None or flattened_bucket)",
-    ("rollout/reference/backend.py", "no *.safetensors"): "disk weight update contents, written by the trainer",
-    ("rollout/reference/backend.py", "weight elements"): "disk weight update contents, written by the trainer",
-    ("rollout/reference/backend.py", "WeightUpdateRefused"): "the weight-update protocol's state at request time "
+    ("engines/reference/backend.py", "no *.safetensors"): "disk weight update contents, written by the trainer",
+    ("engines/reference/backend.py", "weight elements"): "disk weight update contents, written by the trainer",
+    ("engines/reference/backend.py", "WeightUpdateRefused"): "the weight-update protocol's state at request time "
     "(session, groups, flush), as SGLang refuses it",
-    ("rollout/reference/server.py", "timeout must be >= 0"): "a request argument of /flush_cache",
-    ("rollout/reference/backend.py", "tp_rank"): "node rank and count of an engine spanning nodes, set by its host "
+    ("engines/reference/server.py", "timeout must be >= 0"): "a request argument of /flush_cache",
+    ("engines/reference/backend.py", "tp_rank"): "node rank and count of an engine spanning nodes, set by its host "
     "from the placement (engine_node_slots), not the recipe",
-    ("rollout/reference/engine.py", "node_rank"): "node rank and count of an engine spanning nodes, set by its host "
+    ("engines/reference/engine.py", "node_rank"): "node rank and count of an engine spanning nodes, set by its host "
     "from the placement, not the recipe",
-    ("rollout/reference/engine.py", "needs dist_init_addr"): "the meeting address node 0's host picks at each start",
-    ("rollout/reference/node_group.py", ""): "the launch contract of an engine spanning nodes (node rank, "
+    ("engines/reference/engine.py", "needs dist_init_addr"): "the meeting address node 0's host picks at each start",
+    ("engines/reference/node_group.py", ""): "the launch contract of an engine spanning nodes (node rank, "
     "dist_init_addr), filled in by its hosts from the placement",
     ("actor/step_data.py", "mini_batch_sizes"): "internal contract of StepData",
     ("actor/step_data.py", "must have shape"): "internal contract of StepData",
@@ -253,19 +253,19 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("weight_sync/transports.py", "feeds no engine"): "call order inside the syncer (it sends no rank that feeds none)",
     ("weight_sync/transports.py", "in formats"): "internal: an engine's feeders export the same buckets",
     ("weight_sync/transports.py", "failed to load"): "an engine failing a weight update at run time",
-    ("weight_sync/dense_buckets.py", ""): "wire-format contract of a flattened distributed update (the sender "
+    ("wire/dense_buckets.py", ""): "wire-format contract of a flattened distributed update (the sender "
     "packs aligned runs of tensors it holds)",
     ("weight_sync/bucket_buffers.py", "not in the bucket being sent"): "internal: the exporter sends every "
     "tensor it allocated in its bucket",
     ("orchestration/trainer_group.py", "shards for"): "the driver shards by the group's own DP size",
     ("orchestration/trainer_group.py", "trained on other samples"): "a delivery check at run time",
-    ("rollout/reference/weight_checker.py", ""): "a /weights_checker request's answer (SGLang's check), at request "
+    ("engines/reference/weight_checker.py", ""): "a /weights_checker request's answer (SGLang's check), at request "
     "time",
-    ("rollout/reference/weights.py", ""): "weight update contents, written by the trainer's exporter",
-    ("rollout/reference/fp8_weights.py", ""): "weight update contents: one recipe makes both the engines' FP8 "
+    ("engines/reference/weights.py", ""): "weight update contents, written by the trainer's exporter",
+    ("engines/reference/fp8_weights.py", ""): "weight update contents: one recipe makes both the engines' FP8 "
     "checkpoint and the trainer's FP8 syncs (rollout.quantization, rollout.fp8_block_size)",
-    ("weight_sync/fp8_blocks.py", ""): "internal: only the 2-D projection weights are quantised",
-    ("rollout/protocol.py", ""): "wire-format checks of engine requests and responses",
+    ("wire/fp8_blocks.py", ""): "internal: only the 2-D projection weights are quantised",
+    ("engines/protocol.py", ""): "wire-format checks of engine requests and responses",
     ("rollout/judge_reward.py", "JudgeRewardError"): "the judge's answer at run time, caught: the response scores "
     "as failed",
     ("rollout/judge_reward.py", "at least one judge engine"): "internal: the run starts judge.num_engines >= 1 "
@@ -301,21 +301,21 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "tool's fixed limits",
     ("tools/sandbox_init.py", ""): "a libc call of the sandbox's set-up, reported as SandboxUnavailableError "
     "naming the step",
-    ("rollout/http_engine.py", ""): "engine failures and timeouts at run time",
-    ("rollout/server_process.py", ""): "platform (Linux) and process state",
-    ("rollout/sglang_engine.py", "must be"): "ports and GPU ids come from the placement, not the recipe",
-    ("rollout/sglang_engine.py", "no SGLang installation"): "the machine: where SGLang is installed (validate "
+    ("engines/http_engine.py", ""): "engine failures and timeouts at run time",
+    ("engines/server_process.py", ""): "platform (Linux) and process state",
+    ("engines/sglang_engine.py", "must be"): "ports and GPU ids come from the placement, not the recipe",
+    ("engines/sglang_engine.py", "no SGLang installation"): "the machine: where SGLang is installed (validate "
     "checks it too, naming rollout.engine)",
-    ("rollout/sglang_cpu.py", ""): "the machine: a C compiler for the driver stand-in, or a GPU where a CPU engine "
+    ("engines/sglang_cpu.py", ""): "the machine: a C compiler for the driver stand-in, or a GPU where a CPU engine "
     "was asked for (the recipe's cluster.gpus_per_node decides)",
-    ("rollout/sglang_engine.py", "control character"): "the run's API key (drawn by the run, or "
+    ("engines/sglang_engine.py", "control character"): "the run's API key (drawn by the run, or "
     "MEGATRON_RL_ENGINE_API_KEY), not a recipe field",
-    ("rollout/access.py", "refusing to listen"): "engine addresses come from the run's network (127.0.0.1 or "
+    ("engines/access.py", "refusing to listen"): "engine addresses come from the run's network (127.0.0.1 or "
     "the address of cluster.network_interface), never a wildcard",
     ("orchestration/network.py", "no IPv4 address"): "the machine: how the node's interface is configured",
     ("weight_sync/syncer.py", ""): "the trainer worker always passes master_address, disk_dir and hf_config_dir",
-    ("weight_sync/weight_group.py", ""): "internal: rank and backend come from the transport",
-    ("weight_sync/tensor_serialization.py", ""): "payload contents at run time",
+    ("wire/weight_group.py", ""): "internal: rank and backend come from the transport",
+    ("wire/tensor_serialization.py", ""): "payload contents at run time",
     ("orchestration/batch_assembly.py", ""): "internal contract between rollout manager and driver",
     ("orchestration/validation.py", ""): "checked first: eval's --sets against the recipe's sets (cli), and a set "
     "training runs without prompts by validate (validation.sets.<name>.files)",

@@ -13,7 +13,7 @@ from torch.multiprocessing import reductions
 
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
 from megatron_rl.weight_sync.buckets import BucketFiller
-from megatron_rl.weight_sync.tensor_serialization import (
+from megatron_rl.wire.tensor_serialization import (
     FLATTENED_BUCKET,
     REBUILD_DEVICE_ARG,
     UnsafePayloadError,

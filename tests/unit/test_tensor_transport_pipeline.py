@@ -21,13 +21,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.rollout.protocol import UpdateWeightsFromTensorRequest
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
+from megatron_rl.engines.protocol import UpdateWeightsFromTensorRequest
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.weight_sync.buckets import BucketFiller
 from megatron_rl.weight_sync.syncer import WeightSyncer
-from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, serialize_named_tensors
 from megatron_rl.weight_sync.transports import TensorTransport
+from megatron_rl.wire.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, serialize_named_tensors
 from tests.fake_engines import PartialEngine
 from tests.tiny_checkpoints import save_tiny_moe
 
@@ -286,8 +286,8 @@ def test_the_reference_engine_refuses_a_session_fed_by_two_processes(backend, tm
     import multiprocessing
     import os
 
-    from megatron_rl.rollout.reference.backend import WeightUpdateRefused
-    from megatron_rl.weight_sync.tensor_serialization import shared_memory_owners
+    from megatron_rl.engines.reference.backend import WeightUpdateRefused
+    from megatron_rl.wire.tensor_serialization import shared_memory_owners
 
     name, tensor = next(iter(backend.params.items()))
     context = multiprocessing.get_context("spawn")

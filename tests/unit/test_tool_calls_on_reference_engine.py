@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rollout.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.backend import ReferenceBackend
 from tests.reference_servers import serving
 from tests.two_call_turn import check_two_call_samples, run_two_call_episodes, two_call_case, two_call_rollout
 

@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.checkpoint.fp8_convert import convert_hf_to_fp8
-from megatron_rl.rollout.engine import EngineRequestError
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.node_group import NodeGroup
-from megatron_rl.rollout.reference.server import answer, fp8_block_of, load_model
+from megatron_rl.engines.engine import EngineRequestError
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.node_group import NodeGroup
+from megatron_rl.engines.reference.server import answer, fp8_block_of, load_model
 from megatron_rl.weight_sync.syncer import WeightSyncer
 from megatron_rl.weight_sync.transports import TensorTransport
 from tests.reference_servers import serving

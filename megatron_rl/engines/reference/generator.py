@@ -1,7 +1,7 @@
 """Decoding of the requests in flight, batched: one forward pass per step for all of them.
 
 A request (:class:`RequestState`) = one prompt and ``n`` samples; each sample holds a cache
-slot of the :class:`~megatron_rl.rollout.reference.slot_model.SlotModel`. Per step
+slot of the :class:`~megatron_rl.engines.reference.slot_model.SlotModel`. Per step
 (:func:`decode_step`), every running sample feeds the tokens its slot has not cached yet (the
 prompt at its first step, shared by its ``n`` samples: fed once and copied; then the token
 sampled last; after a cache flush, everything again), all requests in one forward call. Then
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megatron_rl.rollout.protocol import FinishReason, GenerateRequest, SamplingParams
-from megatron_rl.rollout.reference.slot_model import SlotModel
+from megatron_rl.engines.protocol import FinishReason, GenerateRequest, SamplingParams
+from megatron_rl.engines.reference.slot_model import SlotModel
 
 
 @dataclass

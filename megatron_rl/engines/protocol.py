@@ -3,8 +3,8 @@
 Each request dataclass maps to one endpoint and one SGLang request type (in
 ``sglang/srt/managers/io_struct.py``, 0.5.23); :meth:`to_json` gives the JSON
 body, with field names and meanings identical to SGLang's. The SGLang client
-(:mod:`~megatron_rl.rollout.http_engine`) sends these bodies and the reference
-server (:mod:`~megatron_rl.rollout.reference.server`) parses them with the
+(:mod:`~megatron_rl.engines.http_engine`) sends these bodies and the reference
+server (:mod:`~megatron_rl.engines.reference.server`) parses them with the
 same classes, so the client code that drives production engines is the code
 under test.
 
@@ -238,7 +238,7 @@ class DestroyWeightsUpdateGroupRequest(_Body):
 class UpdateWeightsFromDistributedRequest(_Body):
     """``POST /update_weights_from_distributed``: the engine receives one ``broadcast(src=0)`` per name, in order,
     or with ``load_format="flattened_bucket"`` one broadcast of them all packed back to back
-    (:mod:`~megatron_rl.weight_sync.dense_buckets`).
+    (:mod:`~megatron_rl.wire.dense_buckets`).
 
     ``dtypes`` are torch dtype names without the ``torch.`` prefix (``"float32"``, ``"bfloat16"``).
     """

@@ -41,10 +41,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from megatron_rl.rollout.protocol import CheckWeightsRequest
-from megatron_rl.rollout.reference.fp8_weights import Fp8Weights
-from megatron_rl.rollout.reference.weights import holding_parameter, load_named_tensors
-from megatron_rl.weight_sync.fp8_blocks import SCALE_SUFFIX, dequantize_blocks
+from megatron_rl.engines.protocol import CheckWeightsRequest
+from megatron_rl.engines.reference.fp8_weights import Fp8Weights
+from megatron_rl.engines.reference.weights import holding_parameter, load_named_tensors
+from megatron_rl.wire.fp8_blocks import SCALE_SUFFIX, dequantize_blocks
 
 SUCCESS = "Success."
 """SGLang's message of a successful check (with its full stop, unlike the weight-update endpoints')."""

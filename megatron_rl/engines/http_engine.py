@@ -15,7 +15,7 @@ failures, timeouts, error statuses and answers the protocol does not allow
 (malformed JSON, missing fields) raise the :mod:`engine` errors with the
 endpoint, the URL and, when the engine process has died, its exit code and
 log tail. With an API key every request carries ``Authorization: Bearer <key>``
-(:mod:`~megatron_rl.rollout.access`); a 401 says the engine refused it.
+(:mod:`~megatron_rl.engines.access`); a 401 says the engine refused it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_rl.rollout.access import UNAUTHORIZED_STATUS, authorization_header
-from megatron_rl.rollout.engine import (
+from megatron_rl.engines.access import UNAUTHORIZED_STATUS, authorization_header
+from megatron_rl.engines.engine import (
     EngineRequestError,
     EngineResponseError,
     EngineStartupError,
@@ -39,7 +39,7 @@ from megatron_rl.rollout.engine import (
     EngineUnavailableError,
     RolloutEngine,
 )
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.protocol import (
     AbortRequest,
     BeginWeightUpdateRequest,
     CheckWeightsRequest,
@@ -55,7 +55,7 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.server_process import ServerProcess
+from megatron_rl.engines.server_process import ServerProcess
 
 CONNECTION_LOSS_SETTLE_S = 2.0
 """Seconds to wait, after a dropped connection, for a dying engine process to report its exit."""

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from megatron_rl.rollout.access import REDACTED
+from megatron_rl.engines.access import REDACTED
 
 LOG_TAIL_LINES = 40
 LOG_TAIL_MAX_CHARS = 8000

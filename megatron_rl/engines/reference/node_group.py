@@ -44,10 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.protocol import GenerateRequest
-from megatron_rl.rollout.reference.backend import ReferenceBackend
-from megatron_rl.rollout.reference.server import TextReply
-from megatron_rl.rollout.reference.weight_checker import merge_rank_checksums
+from megatron_rl.engines.protocol import GenerateRequest
+from megatron_rl.engines.reference.backend import ReferenceBackend
+from megatron_rl.engines.reference.server import TextReply
+from megatron_rl.engines.reference.weight_checker import merge_rank_checksums
 
 logger = logging.getLogger(__name__)
 

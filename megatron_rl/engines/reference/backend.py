@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.protocol import (
     MEMORY_TAGS,
     CheckWeightsRequest,
     FinishReason,
@@ -55,16 +55,16 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     encode_routed_experts,
 )
-from megatron_rl.rollout.reference.fp8_weights import Fp8Weights
-from megatron_rl.rollout.reference.generator import RequestState, decode_step, eos_ids
-from megatron_rl.rollout.reference.shared_buffers import SharedBufferMappings
-from megatron_rl.rollout.reference.slot_model import SlotModel
-from megatron_rl.rollout.reference.weight_checker import WeightChecker
-from megatron_rl.rollout.reference.weights import load_named_tensors, resolve_weight
-from megatron_rl.weight_sync.dense_buckets import empty_bucket
-from megatron_rl.weight_sync.fp8_blocks import SCALE_SUFFIX
-from megatron_rl.weight_sync.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, shared_memory_owners
-from megatron_rl.weight_sync.weight_group import (
+from megatron_rl.engines.reference.fp8_weights import Fp8Weights
+from megatron_rl.engines.reference.generator import RequestState, decode_step, eos_ids
+from megatron_rl.engines.reference.shared_buffers import SharedBufferMappings
+from megatron_rl.engines.reference.slot_model import SlotModel
+from megatron_rl.engines.reference.weight_checker import WeightChecker
+from megatron_rl.engines.reference.weights import load_named_tensors, resolve_weight
+from megatron_rl.wire.dense_buckets import empty_bucket
+from megatron_rl.wire.fp8_blocks import SCALE_SUFFIX
+from megatron_rl.wire.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, shared_memory_owners
+from megatron_rl.wire.weight_group import (
     WeightGroup,
     broadcast_from_trainer,
     create_weight_group,
@@ -74,7 +74,7 @@ from megatron_rl.weight_sync.weight_group import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from megatron_rl.rollout.reference.generator import SampleOutput
+    from megatron_rl.engines.reference.generator import SampleOutput
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class ReferenceBackend:
     SGLang started from an FP8 checkpoint (:class:`Fp8Weights`): each update's FP8 weights and
     scales are kept and the model computes with their product. ``tp_rank`` of ``tp_size``: this
     process's rank in an engine of several node processes, one rank each
-    (:mod:`~megatron_rl.rollout.reference.node_group`): it joins weight groups at
+    (:mod:`~megatron_rl.engines.reference.node_group`): it joins weight groups at
     ``rank_offset + tp_rank`` and takes payload ``tp_rank`` of a tensor update, as SGLang's TP ranks do.
     """
 
@@ -583,7 +583,7 @@ class ReferenceBackend:
             return (resolve_weight(self.params, name) if held is None else held)[:truncate_size].float().tolist()
 
     def check_weights(self, request: CheckWeightsRequest) -> dict[str, Any]:
-        """SGLang's ``/weights_checker`` answer (:mod:`~megatron_rl.rollout.reference.weight_checker`), between
+        """SGLang's ``/weights_checker`` answer (:mod:`~megatron_rl.engines.reference.weight_checker`), between
         decode steps as SGLang's scheduler runs it; WeightCheckFailed (HTTP 400) with SGLang's message."""
         with self._model_lock:
             return self.weight_checker.handle(request)

@@ -17,7 +17,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,

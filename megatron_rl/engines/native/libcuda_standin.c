@@ -4,7 +4,7 @@
  * so fail to load where no driver is installed. This library satisfies the link: every entry
  * point they (and the CUDA runtime, when it probes the driver) look up answers
  * CUDA_ERROR_NO_DEVICE, so nothing can run on a GPU and torch reports none. Built by
- * megatron_rl/rollout/sglang_cpu.py and put on LD_LIBRARY_PATH of CPU engine processes only.
+ * megatron_rl/engines/sglang_cpu.py and put on LD_LIBRARY_PATH of CPU engine processes only.
  * The entry points take no declared parameters: on x86-64 and aarch64 the caller owns its
  * arguments, so a callee that ignores them is safe.
  */

@@ -1,6 +1,6 @@
 """The reference engine's HTTP server: SGLang's RL subset, same JSON shapes, plain PyTorch behind it.
 
-Run ``python -m megatron_rl.rollout.reference.server --model-path DIR --port P``
+Run ``python -m megatron_rl.engines.reference.server --model-path DIR --port P``
 (binds 127.0.0.1 unless ``--host`` names another address; a wildcard such as
 ``0.0.0.0`` is refused). An engine of several node processes takes SGLang's
 ``--nnodes N --node-rank k --dist-init-addr HOST:PORT`` (:mod:`node_group`; only
@@ -11,7 +11,7 @@ their weights from the trainer.
 API key: with ``--api-key KEY`` or, as our launcher passes it (a command line is
 readable by anyone on the node), the environment variable
 ``MEGATRON_RL_ENGINE_API_KEY``, requests are checked exactly as SGLang 0.5.23
-checks them with ``--api-key`` (:func:`megatron_rl.rollout.access.is_authorized`):
+checks them with ``--api-key`` (:func:`megatron_rl.engines.access.is_authorized`):
 ``/health*`` (and ``/ready*``, ``/metrics*``) open, every other path, unknown
 ones included, needs ``Authorization: Bearer KEY``; otherwise 401 with
 ``{"error":"Unauthorized"}``, before the body is parsed or the route looked up.
@@ -21,7 +21,7 @@ Status codes and bodies follow SGLang 0.5.23 (``srt/entrypoints/http_server.py``
 one the current state refuses; 400 with ``{"success": false, "message"}`` for a
 refused weight-update request (outside a session, a second session, an
 unknown group, an update whose flush was refused) and for a failed ``/weights_checker``
-action (:mod:`~megatron_rl.rollout.reference.weight_checker`); ``/flush_cache`` in plain
+action (:mod:`~megatron_rl.engines.reference.weight_checker`); ``/flush_cache`` in plain
 text without a Content-Type (200 ``FLUSH_CACHE_OK``, 400 ``FLUSH_CACHE_FAILED``;
 ``?timeout=S`` waits up to S seconds for idle); 500 ``Internal Server Error`` in
 plain text for an unexpected failure, the ``dp_size == 1`` assertion included
@@ -49,15 +49,14 @@ from urllib.parse import parse_qs
 import torch
 
 from megatron_rl.config.fp8_checkpoint import checkpoint_block
-from megatron_rl.parallel.device import select_device
-from megatron_rl.rollout.access import (
+from megatron_rl.engines.access import (
     API_KEY_ENV,
     UNAUTHORIZED_BODY,
     UNAUTHORIZED_STATUS,
     check_listen_host,
     is_authorized,
 )
-from megatron_rl.rollout.protocol import (
+from megatron_rl.engines.protocol import (
     FLUSH_CACHE_FAILED,
     FLUSH_CACHE_OK,
     FORWARD_SECONDS_METRIC,
@@ -76,14 +75,15 @@ from megatron_rl.rollout.protocol import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
 )
-from megatron_rl.rollout.reference.backend import (
+from megatron_rl.engines.reference.backend import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     EngineStateError,
     ReferenceBackend,
     WeightUpdateRefused,
 )
-from megatron_rl.rollout.reference.fault_injection import exit_at_start_if_asked, exit_if_asked
-from megatron_rl.rollout.reference.weight_checker import WeightCheckFailed
+from megatron_rl.engines.reference.fault_injection import exit_at_start_if_asked, exit_if_asked
+from megatron_rl.engines.reference.weight_checker import WeightCheckFailed
+from megatron_rl.parallel.device import select_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -296,7 +296,7 @@ def build_server(
 
     ``api_key``: requests need it as SGLang's ``--api-key`` does (module docstring); None: no check.
     ``router``: what answers requests (default :func:`answer` on ``backend``; an engine of several
-    nodes passes its :meth:`~megatron_rl.rollout.reference.node_group.NodeGroup.answer`).
+    nodes passes its :meth:`~megatron_rl.engines.reference.node_group.NodeGroup.answer`).
     Raises ValueError for a wildcard ``host`` (every interface).
     """
     route = router or functools.partial(answer, backend)
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         backend.update_from_disk(args.model_path, version=None)
     router = None
     if args.nnodes > 1:
-        from megatron_rl.rollout.reference import node_group  # imports this module: only engines of several nodes
+        from megatron_rl.engines.reference import node_group  # imports this module: only engines of several nodes
 
         node_group.join_nodes(args.dist_init_addr, args.nnodes, args.node_rank)
         if args.node_rank > 0:

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.rollout.access import API_KEY_ENV, check_listen_host
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.server_process import ServerProcess
+from megatron_rl.engines.access import API_KEY_ENV, check_listen_host
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.server_process import ServerProcess
 
 
 def build_reference_command(
@@ -27,14 +27,14 @@ def build_reference_command(
     dist_init_addr: str | None = None,
     python: str = sys.executable,
 ) -> list[str]:
-    """``python -m megatron_rl.rollout.reference.server ...`` for one engine (ValueError for a wildcard host;
+    """``python -m megatron_rl.engines.reference.server ...`` for one engine (ValueError for a wildcard host;
     ``num_threads``: torch intra-op threads). ``nnodes``/``node_rank``/``dist_init_addr``: one node process
-    of an engine spanning nodes, SGLang's flags (:mod:`~megatron_rl.rollout.reference.node_group`);
+    of an engine spanning nodes, SGLang's flags (:mod:`~megatron_rl.engines.reference.node_group`);
     ValueError for a node rank outside [0, nnodes) or several nodes without ``dist_init_addr``.
 
-    Never carries an API key: the key goes through the environment (:data:`~megatron_rl.rollout.access.API_KEY_ENV`).
+    Never carries an API key: the key goes through the environment (:data:`~megatron_rl.engines.access.API_KEY_ENV`).
     """
-    command = [python, "-m", "megatron_rl.rollout.reference.server", "--model-path", str(model_path)]
+    command = [python, "-m", "megatron_rl.engines.reference.server", "--model-path", str(model_path)]
     command += ["--host", check_listen_host(host), "--port", str(port), "--load-format", load_format, "--dtype", dtype]
     command += ["--seed", str(seed), "--num-threads", str(num_threads)]
     if device is not None:
@@ -49,7 +49,7 @@ def build_reference_command(
 
 
 class ReferenceEngine(HttpEngine):
-    """A reference server process on ``host:port`` (see :mod:`megatron_rl.rollout.reference.server`).
+    """A reference server process on ``host:port`` (see :mod:`megatron_rl.engines.reference.server`).
 
     ``routed_experts_shape`` = (num_hidden_layers, num_experts_per_tok) decodes routing in results;
     ``num_threads``: the server's torch intra-op threads on CPU (its forward passes and weight loads);

@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
-from megatron_rl.rollout.access import check_listen_host
-from megatron_rl.rollout.http_engine import HttpEngine
-from megatron_rl.rollout.server_process import ServerProcess
-from megatron_rl.rollout.sglang_cpu import CPU_FLAGS, cpu_engine_environment
+from megatron_rl.engines.access import check_listen_host
+from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.server_process import ServerProcess
+from megatron_rl.engines.sglang_cpu import CPU_FLAGS, cpu_engine_environment
 
 CONFIG_FILE_NAME = "server.yaml"
 """The private ``--config`` file of an engine with an API key (SGLang accepts only .yaml/.yml)."""
@@ -63,7 +63,7 @@ class SGLangPlacement:
     """Where one engine runs: ``base_gpu_id`` is its first local GPU; ports must be free on its node.
 
     ``dist_init_addr``/``nnodes``/``node_rank`` are for an engine spanning nodes (None/1/0 otherwise).
-    ``device="cpu"``: SGLang's CPU path on a machine without a GPU (:mod:`~megatron_rl.rollout.sglang_cpu`).
+    ``device="cpu"``: SGLang's CPU path on a machine without a GPU (:mod:`~megatron_rl.engines.sglang_cpu`).
     """
 
     base_gpu_id: int
@@ -165,7 +165,7 @@ class SGLangEngine(HttpEngine):
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
     ``api_key``: the server's ``--api-key``, given through a private config file (module docstring);
     this client sends it. ``env``: more environment variables for the server (e.g. ``NCCL_SOCKET_IFNAME``);
-    a CPU placement adds :func:`~megatron_rl.rollout.sglang_cpu.cpu_engine_environment`.
+    a CPU placement adds :func:`~megatron_rl.engines.sglang_cpu.cpu_engine_environment`.
     """
 
     def __init__(

@@ -3,7 +3,7 @@
 SGLang 0.5.23 builds each quantised projection of an FP8 checkpoint as two parameters, ``weight``
 (``float8_e4m3fn``) and ``weight_scale_inv`` (float32 per block), each loaded on its own by name. The
 reference engine computes in its model's dtype, so it keeps the last FP8 weight and the last scales
-of every projection and writes their product (:func:`~megatron_rl.weight_sync.fp8_blocks.dequantize_blocks`)
+of every projection and writes their product (:func:`~megatron_rl.wire.fp8_blocks.dequantize_blocks`)
 into the model whenever either changes: the tokens it samples are the FP8 model's.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.weight_sync.fp8_blocks import FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks, is_quantized
+from megatron_rl.wire.fp8_blocks import FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks, is_quantized
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_rl.rollout.reference.invariant_ops import rms_norm, rotary, row_invariant_linear, slot_attention
+from megatron_rl.engines.reference.invariant_ops import rms_norm, rotary, row_invariant_linear, slot_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
