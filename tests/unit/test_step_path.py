@@ -141,7 +141,7 @@ def test_the_trainer_group_runs_the_workers_step_on_every_rank() -> None:
 def test_the_worker_group_calls_the_method_on_the_ranks_directly() -> None:
     dispatch = method("orchestration/worker_group.py", "RankWorkerGroup", "call_per_rank")
     called = {dotted(call.func) for call in calls_reached("orchestration/worker_group.py", dispatch, "RankWorkerGroup")}
-    assert "host.call.remote" in called
+    assert "host.call" in called  # ActorHandle.call: the Ray call of _RankHost.call on each rank
 
 
 def test_the_trainer_worker_calls_the_step_module_not_the_actor() -> None:
