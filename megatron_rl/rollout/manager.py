@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_rl.engines.engine import EngineUnavailableError, RolloutEngine
-from megatron_rl.engines.protocol import FinishReason, GenerateResult
+from megatron_rl.engines.protocol import GenerateResult
 from megatron_rl.rollout.engine_pool import EnginePool
 from megatron_rl.rollout.episodes import EnvironmentReply, Episode, SingleTurn
 from megatron_rl.rollout.group_assembler import GroupAssembler
@@ -350,52 +350,34 @@ class _Round:
 
     def _answered(self, future: Future[list[GenerateResult]]) -> None:
         position, request = self._generating.pop(future)
-        window = self._windows[position]
-        window.outstanding -= 1
         try:
             results = future.result()
         except EngineUnavailableError as error:
             self._crashed.setdefault(position, (request.engine, error))
             results = []
-        if any(result.aborted for result in results):
-            window.aborted = True
-        elif results and not self._abandoned(position):
-            window.add(request, results, self._max_response_length)
-            for sample in request.samples:
-                self._ask_episode(position, sample)
+        window = self._windows[position]
+        for sample in window.answered(request, results, self._max_response_length, kept=not self._abandoned(position)):
+            self._ask_episode(position, sample)
         self._window_ended(position)
 
     def _ask_episode(self, position: int, sample: int) -> None:
         """After a model turn of ``sample`` that ended at a stop token, ask the episode for its reply."""
-        state = self._windows[position].samples[sample]
-        if not state.finished or state.finish_reason is None or state.finish_reason.type != "stop":
-            return
-        item = self._windows[position].submission.group.item
-        reply = self._episode.reply(item, state.output_ids[state.turn_start :], state.turns)
+        window = self._windows[position]
+        state = window.samples[sample]
+        reply = self._episode.reply(window.submission.group.item, state.output_ids[state.turn_start :], state.turns)
         if reply is not None:
-            self._windows[position].outstanding += 1
+            window.reply_asked()
             self._replying[reply] = (position, sample)
 
     def _replied(self, future: Future[EnvironmentReply]) -> None:
         """Append the environment's reply and send the model's next turn (when the window has tokens left)."""
         position, sample = self._replying.pop(future)
         window = self._windows[position]
-        window.outstanding -= 1
-        reply = future.result()
-        if not self._abandoned(position) and not window.aborted:
-            state = window.samples[sample]
-            for tool, failure in reply.calls():
-                state.tools = state.tools.after(tool, failure)
-            if len(state.output_ids) + len(reply.ids) >= self._max_response_length:
-                # No room for the model's next turn: the response ends at its budget, the reply left out
-                # (so every token trained on was fed to the engine and has its routing).
-                state.finish_reason = FinishReason("length")
-            else:
-                state.append_reply(reply.ids)
-                request = self._planner.follow_up(window, sample)
-                if request is not None:
-                    window.outstanding += 1
-                    self._request(position, request)
+        kept = not self._abandoned(position)
+        if window.replied(sample, future.result(), self._max_response_length, kept=kept):
+            request = self._planner.follow_up(window, sample)
+            if request is not None:
+                self._request(position, request)
         self._window_ended(position)
 
     def _abandoned(self, position: int) -> bool:
@@ -408,7 +390,7 @@ class _Round:
         (a continued group an engine aborted, or past the cutoff, stays as it was; a new one is discarded).
         A window with a crashed request stays undecided (:meth:`_generate` returns it)."""
         window = self._windows[position]
-        if window.outstanding or position in self._crashed:
+        if not window.done or position in self._crashed:
             return
         del self._windows[position]
         sub = window.submission

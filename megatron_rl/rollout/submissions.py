@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_rl.engines.engine import RolloutEngine
-from megatron_rl.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from megatron_rl.engines.protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 from megatron_rl.rollout.partial import (
     PartialGroup,
     PartialSample,
@@ -30,6 +30,7 @@ from megatron_rl.rollout.partial import (
 if TYPE_CHECKING:
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
+    from megatron_rl.rollout.episodes import EnvironmentReply
 
 SEED_STRIDE = 1 << 32
 """Request seeds are ``seed * SEED_STRIDE + serial``: distinct per prompt for any run of fewer than 2**32 prompts."""
@@ -71,7 +72,8 @@ class Submission:
 class WindowProgress:
     """A window while it runs: the group's samples with the answers so far (copies), the model tokens each
     sampled in this window (``used``), the later turns each started in it (``follow_ups``), the requests and
-    replies still ``outstanding``, and whether an engine aborted one of its requests."""
+    replies still ``outstanding``, and whether an engine aborted one of its requests. Only its methods change
+    it, each for one event of the window."""
 
     submission: Submission
     samples: list[PartialSample]
@@ -80,16 +82,63 @@ class WindowProgress:
     outstanding: int
     aborted: bool = False
 
-    def add(self, request: Request, results: list[GenerateResult], max_response_length: int) -> None:
-        """Append a request's answers (one per sample it fills) to those samples."""
+    @property
+    def done(self) -> bool:
+        """No request or reply of the window is outstanding."""
+        return self.outstanding == 0
+
+    def answered(
+        self, request: Request, results: list[GenerateResult], max_response_length: int, *, kept: bool
+    ) -> list[int]:
+        """``request`` came back with ``results`` (empty: its engine was gone). An aborted answer marks the window
+        aborted; otherwise, when the window is ``kept`` (it will be used), each answer is appended to its sample.
+        Returns the samples of ``request`` whose turn ended at a stop token: the episode's reply is asked for them."""
+        self.outstanding -= 1
+        if any(result.aborted for result in results):
+            self.aborted = True
+            return []
+        if not results or not kept:
+            return []
         for sample, result in zip(request.samples, results, strict=True):
             self.samples[sample].extend(result, capped=request.capped, max_response_length=max_response_length)
             self.used[sample] += len(result.output_ids)
+        return [sample for sample in request.samples if self._ended_at_stop(sample)]
+
+    def reply_asked(self) -> None:
+        """The episode's reply to one of the window's samples is on its way."""
+        self.outstanding += 1
+
+    def replied(self, sample: int, reply: EnvironmentReply, max_response_length: int, *, kept: bool) -> bool:
+        """The episode's ``reply`` to ``sample`` came back: its tool calls are counted and its ids appended, or,
+        when they leave no room for the model's next turn, the response ends at its budget with the reply left out
+        (so every token trained on was fed to the engine and has its routing). Nothing changes when the window is
+        not ``kept`` or was aborted. Returns whether the model's next turn is to be asked for."""
+        self.outstanding -= 1
+        if not kept or self.aborted:
+            return False
+        state = self.samples[sample]
+        for tool, failure in reply.calls():
+            state.tools = state.tools.after(tool, failure)
+        if len(state.output_ids) + len(reply.ids) >= max_response_length:
+            state.finish_reason = FinishReason("length")
+            return False
+        state.append_reply(reply.ids)
+        return True
+
+    def follow_up_sent(self, sample: int) -> int:
+        """The model's next turn of ``sample`` is sent in this window; returns its number k (the k-th later turn)."""
+        self.follow_ups[sample] += 1
+        self.outstanding += 1
+        return self.follow_ups[sample]
 
     def group(self) -> PartialGroup:
         """The group after this window (a new :class:`PartialGroup`; the submission's is unchanged)."""
         old = self.submission.group
         return PartialGroup(old.item, old.uid, old.first_seed, self.samples, old.windows + 1)
+
+    def _ended_at_stop(self, sample: int) -> bool:
+        state = self.samples[sample]
+        return state.finished and state.finish_reason is not None and state.finish_reason.type == "stop"
 
 
 class SubmissionPlanner:
@@ -144,8 +193,7 @@ class SubmissionPlanner:
         max_new, capped = self.windows.budget(len(state.output_ids), group.windows, progress.used[sample])
         if max_new <= 0:
             return None
-        progress.follow_ups[sample] += 1
-        turn = progress.follow_ups[sample]
+        turn = progress.follow_up_sent(sample)
         seed = None if group.first_seed is None else continuation_seed(group.first_seed, sample, group.windows, turn)
         request = GenerateRequest(
             list(group.item.prompt_ids) + state.output_ids,
