@@ -48,7 +48,7 @@ from megatron_rl.orchestration.placement_group import create_rank_slots
 from megatron_rl.orchestration.resources import start_ray
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import ShardReceipt
-from megatron_rl.orchestration.worker_group import RankWorkerGroup
+from megatron_rl.orchestration.worker_group import RankWorkerGroup, WorkerSpec
 from megatron_rl.rollout.groups import RolloutGroup, RolloutSample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,7 +221,7 @@ def main() -> None:
     placement, slots = create_rank_slots(shapes.dp, num_gpus=0, num_cpus=0.01, name="data-plane")
     # ReceivingRank stands in for TrainerWorker in the calls TrainerGroup makes (ranks look methods up by name)
     trainers = TrainerGroup(
-        RankWorkerGroup(ReceivingRank, placement, slots, num_gpus=0, num_cpus=0.01, args=(shapes.dp,))  # type: ignore[arg-type]
+        RankWorkerGroup(WorkerSpec(ReceivingRank, shapes.dp), placement, slots, num_gpus=0, num_cpus=0.01)  # type: ignore[arg-type]
     )
     try:
         rows = [run_step(trainers, shapes, n) for n in counts]

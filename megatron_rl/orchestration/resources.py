@@ -60,7 +60,7 @@ from megatron_rl.orchestration.preemption import handlers_kept_through_ray_init
 from megatron_rl.orchestration.trainer_group import TrainerGroup
 from megatron_rl.orchestration.trainer_worker import RankPaths, TrainerWorker
 from megatron_rl.orchestration.validation import ValidationSet, build_validation_sets
-from megatron_rl.orchestration.worker_group import RankWorkerGroup
+from megatron_rl.orchestration.worker_group import RankWorkerGroup, WorkerSpec
 from megatron_rl.plan.placement import PlacementError, RunPlacementPlan, plan_judge_placement, plan_run_placement
 from megatron_rl.rollout.engine_pool import EnginePool, Recovery
 from megatron_rl.rollout.episodes import Episode, build_episode
@@ -504,12 +504,11 @@ def start_trainers(
     """
     on_cpu = cfg.cluster.gpus_per_node == 0
     ranks = RankWorkerGroup(
-        TrainerWorker,
+        WorkerSpec(TrainerWorker, cfg, RankPaths.of(cfg, hf_dir), api_key),
         placement,
         slots,
         num_gpus=plan.trainer.num_gpus,
         num_cpus=plan.trainer.num_cpus,
-        args=(cfg, RankPaths.of(cfg, hf_dir), api_key),
         env={"OMP_NUM_THREADS": "1"} if on_cpu else None,
         network=network or RunNetwork.of_run(cfg),
     )

@@ -54,17 +54,34 @@ class _RankHost:
             port = sock.getsockname()[1]
         return address, port
 
-    def start(self, env: dict[str, str], worker_cls: type, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    def start(self, env: dict[str, str], worker: WorkerSpec[Any]) -> int:
         if sys.platform == "linux":
             # Processes a rank forks (Megatron's checkpoint writers) inherit its sockets: alive after the
             # rank died, they would keep Ray and the process group from seeing the death.
             os.register_at_fork(after_in_child=kill_when_parent_dies)
         os.environ.update(env)
-        self._worker = worker_cls(*args, **kwargs)
+        self._worker = worker.build()
         return os.getpid()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._worker, method)(*args, **kwargs)
+
+
+class WorkerSpec[W]:
+    """How each rank builds its worker, written as the constructor call: ``WorkerSpec(TrainerWorker, cfg, paths)``;
+    the type checker holds the arguments to ``cls``'s constructor. Sent to every rank (picklable when they are)."""
+
+    def __init__[**P](self, cls: Callable[P, W], *args: P.args, **kwargs: P.kwargs) -> None:
+        self.cls, self.args, self.kwargs = cls, args, kwargs
+
+    @property
+    def name(self) -> str:
+        """The worker class's name."""
+        return str(getattr(self.cls, "__name__", self.cls))
+
+    def build(self) -> W:
+        """The worker (on the rank, after its launcher environment is set)."""
+        return self.cls(*self.args, **self.kwargs)
 
 
 class RankArgs[**P]:
@@ -85,7 +102,7 @@ _RemoteRankHost = ray.remote(_RankHost)  # not a class decorator: type checkers 
 
 
 class RankWorkerGroup[W]:
-    """``len(slots)`` ranks of ``worker_cls``, rank ``i`` on ``slots[i]`` of ``placement``.
+    """``len(slots)`` ranks of ``worker``, rank ``i`` on ``slots[i]`` of ``placement``.
 
     Calls name the worker's method itself (``group.call(Worker.method, *args)``), so an editor and the type
     checker follow them to the method and check its arguments and result.
@@ -96,19 +113,17 @@ class RankWorkerGroup[W]:
 
     def __init__(
         self,
-        worker_cls: type[W],
+        worker: WorkerSpec[W],
         placement: PlacementGroup,
         slots: Sequence[RankSlot],
         *,
         num_gpus: float,
         num_cpus: float,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         network: RunNetwork | None = None,
     ) -> None:
         network = network or RunNetwork()
-        self._worker_cls = worker_cls
+        self._worker = worker
         self._node_ips = [slot.node_ip for slot in slots]
         self._hosts = [
             ActorHandle.start(
@@ -133,9 +148,7 @@ class RankWorkerGroup[W]:
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
                 },
-                worker_cls,
-                list(args),
-                kwargs or {},
+                worker,
             )
             for rank, host in enumerate(self._hosts)
         ]
@@ -180,8 +193,8 @@ class RankWorkerGroup[W]:
     def _method_name(self, method: Callable[..., Any]) -> str:
         """The name the ranks dispatch on; TypeError when the worker class has no method of that name."""
         name = getattr(method, "__name__", "")
-        if not callable(getattr(self._worker_cls, name, None)):
-            raise TypeError(f"{self._worker_cls.__name__}, the ranks' worker class, has no method {name or method!r}")
+        if not callable(getattr(self._worker.cls, name, None)):
+            raise TypeError(f"{self._worker.name}, the ranks' worker class, has no method {name or method!r}")
         return name
 
     def _gather(self, refs: list[ray.ObjectRef[Any]], method: str) -> list[Any]:

@@ -38,7 +38,7 @@ from megatron_rl.orchestration.resources import (
     start_ray,
     start_trainers,
 )
-from megatron_rl.orchestration.worker_group import RankWorkerGroup
+from megatron_rl.orchestration.worker_group import RankWorkerGroup, WorkerSpec
 from megatron_rl.plan.memory import stage_plan
 from megatron_rl.plan.param_count import synced_model_bytes
 from megatron_rl.plan.placement import RunPlacementPlan, plan_run_placement
@@ -183,13 +183,11 @@ class ClusterSteps:
         plan = plan_run_placement(cfg)
         assert run.placement is not None
         return RankWorkerGroup(
-            DeviceProbe,
+            WorkerSpec(DeviceProbe, cfg, joins_groups=joins_groups),
             run.placement,
             slots,
             num_gpus=plan.trainer.num_gpus,
             num_cpus=plan.trainer.num_cpus,
-            args=(cfg,),
-            kwargs={"joins_groups": joins_groups},
             env={"OMP_NUM_THREADS": "1"} if cfg.cluster.gpus_per_node == 0 else None,
             network=run.network,
         )

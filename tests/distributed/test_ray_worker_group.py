@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.orchestration.placement_group import PlacementError, create_rank_slots
-from megatron_rl.orchestration.worker_group import RankArgs, RankWorkerGroup
+from megatron_rl.orchestration.worker_group import RankArgs, RankWorkerGroup, WorkerSpec
 
 pytestmark = pytest.mark.distributed
 
@@ -42,7 +42,7 @@ def local_ray() -> Iterator[None]:
 
 def test_ranks_get_launcher_env_and_all_reduce(local_ray: None) -> None:
     group_pg, slots = create_rank_slots(2, num_gpus=0, num_cpus=1)
-    group = RankWorkerGroup(_AllReduceWorker, group_pg, slots, num_gpus=0, num_cpus=1, args=(1,))
+    group = RankWorkerGroup(WorkerSpec(_AllReduceWorker, 1), group_pg, slots, num_gpus=0, num_cpus=1)
     try:
         assert group.call(_AllReduceWorker.environment) == [(0, 2, 0), (1, 2, 1)]
         assert group.call(_AllReduceWorker.all_reduce_rank) == [3.0, 3.0]

@@ -1,6 +1,6 @@
 """Calls that cross a process are type-checked against the method they name, in one mypy run over two snippets:
-mypy rejects a wrong argument in a ``RankWorkerGroup.call`` and in one rank's ``RankArgs`` of ``call_per_rank``,
-and a wrong argument, result or method in an engine host's ``ActorHandle.call``; it accepts the right ones."""
+mypy rejects a wrong argument in a ``RankWorkerGroup.call``, in one rank's ``RankArgs`` of ``call_per_rank`` and in
+the ranks' ``WorkerSpec`` (the worker's constructor), and a wrong argument, result or method in an engine host's ``ActorHandle.call``; it accepts the right ones."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 RANK_CALLS = """
-from megatron_rl.orchestration.worker_group import RankArgs, RankWorkerGroup
+from megatron_rl.orchestration.worker_group import RankArgs, RankWorkerGroup, WorkerSpec
 
 
 class Worker:
+    def __init__(self, size: int, *, name: str = "") -> None:
+        self.size = size
+
     def echo(self, x: int, tag: str = "") -> int:
         return x
 
@@ -25,9 +28,13 @@ def calls(group: RankWorkerGroup[Worker]) -> list[int]:
 
 
 def wrong_calls(group: RankWorkerGroup[Worker]) -> None:
-    group.call(Worker.echo, "one")  # line 16
-    group.call_per_rank(Worker.echo, [RankArgs(1), RankArgs("two")])  # line 17
-    group.call_per_rank(Worker.echo, [RankArgs(1, tag=2)])  # line 18
+    group.call(Worker.echo, "one")  # line 19
+    group.call_per_rank(Worker.echo, [RankArgs(1), RankArgs("two")])  # line 20
+    group.call_per_rank(Worker.echo, [RankArgs(1, tag=2)])  # line 21
+
+
+def specs() -> list[WorkerSpec[Worker]]:
+    return [WorkerSpec(Worker, 2, name="a"), WorkerSpec(Worker, "2"), WorkerSpec(Worker, 2, size=3)]  # line 25
 """
 
 HOST_CALLS = """
@@ -85,9 +92,11 @@ def _lines(errors: list[str]) -> list[int]:
 
 def test_mypy_holds_rank_calls_to_the_method_they_name(mypy_errors: dict[str, list[str]]) -> None:
     errors = mypy_errors["rank_calls.py"]
-    assert _lines(errors) == [16, 17, 18], errors
+    assert _lines(errors) == [19, 20, 21, 25, 25], errors
     assert 'incompatible type "str"; expected "int"' in errors[0] and 'incompatible type "str"' in errors[1]
     assert 'incompatible type "int"; expected "str"' in errors[2]
+    assert 'Argument 2 to "WorkerSpec" has incompatible type "str"; expected "int"' in errors[3]
+    assert '"WorkerSpec" gets multiple values for keyword argument "size"' in errors[4]
 
 
 def test_mypy_holds_engine_host_calls_to_the_method_they_name(mypy_errors: dict[str, list[str]]) -> None:
