@@ -124,6 +124,21 @@ def engine_slot(arch: QwenArchitecture, lora: LoRAConfig, rollout: RolloutConfig
     return sum((layer_adapter(arch, i, lora, parallel, targets) for i in range(arch.num_layers)), start=ParamCount())
 
 
+def largest_adapter_tensor(arch: QwenArchitecture, lora: LoRAConfig) -> int:
+    """Elements of the adapter's largest tensor as a sync sends it (whole): an A or a B, or with
+    ``experts_shared_outer`` a 3-D per-expert B (gate/up) or A (down) of all a layer's experts."""
+    sizes = []
+    for target in lora.target_modules:
+        for layer in range(arch.num_layers):
+            moe = bool(arch.moe_layer_pattern[layer])
+            ffn = arch.moe_ffn_hidden_size if moe else arch.ffn_hidden_size
+            a, b = _a_b(arch, target, ffn, lora.rank, 1, arch.num_query_groups)
+            if moe and lora.experts_shared_outer and target in MLP_TARGETS:
+                a, b = (a * arch.num_experts, b) if target == "down_proj" else (a, b * arch.num_experts)
+            sizes += [a, b]
+    return max(sizes)
+
+
 def adapter_tensor_counts(arch: QwenArchitecture, lora: LoRAConfig) -> tuple[int, int]:
     """(dense, expert) tensors of the PEFT adapter as a sync sends them: an A and a B per target and layer; in a
     MoE layer, per routed expert (expert tensors), or with ``experts_shared_outer`` one 3-D A and one 3-D B per

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import engine_layout, trainer_layout
 from megatron_rl.config.schema import ParallelConfig, RunConfig, TrainConfig
-from megatron_rl.plan.lora_count import engine_slot, stage_adapter
+from megatron_rl.plan.lora_count import engine_slot, largest_adapter_tensor, stage_adapter
 from megatron_rl.plan.param_count import (
     ParamCount,
     chunk_layers,
@@ -331,8 +331,17 @@ def largest_gathered_bytes(arch: QwenArchitecture, parallel: ParallelConfig) -> 
     return padded_vocab_size(arch.vocab_size, parallel.tp) * arch.hidden_size * 2
 
 
+def _largest_synced_bytes(cfg: RunConfig, arch: QwenArchitecture) -> int:
+    """bf16 bytes of the largest tensor a sync of ``cfg`` sends: the vocabulary table, or with ``lora:`` the
+    adapter's largest tensor."""
+    if cfg.lora is None:
+        return largest_gathered_bytes(arch, cfg.parallel)
+    return largest_adapter_tensor(arch, cfg.lora) * 2
+
+
 def sync_staging(cfg: RunConfig, arch: QwenArchitecture) -> tuple[Amount, ...]:
-    """What a weight sync holds on a GPU beyond the trainer parameters and the engine weights (module docstring).
+    """What a weight sync holds on a GPU beyond the trainer parameters and the engine weights (module docstring);
+    the largest tensor is the vocabulary table, or with ``lora:`` the adapter's largest.
 
     Tensor transport (every trainer rank assembles the whole model, so every GPU holds this): the two
     device bucket buffers, each up to ``2 x max(bucket, largest tensor)``; the gathered full tensors of
@@ -340,7 +349,7 @@ def sync_staging(cfg: RunConfig, arch: QwenArchitecture) -> tuple[Amount, ...]:
     bucket); the largest tensor assembled and its all-gather shards, both alive when the tensor that
     does not fit sends that bucket. Other transports: one bucket and the largest gathered tensor.
     """
-    largest = largest_gathered_bytes(arch, cfg.parallel)
+    largest = _largest_synced_bytes(cfg, arch)
     bucket = cfg.weight_sync.bucket_size_mb * 2**20
     if cfg.weight_sync.resolved(cfg.rollout.placement) != "tensor":
         return (Amount("bucket + largest gathered tensor (bf16)", bucket + largest),)

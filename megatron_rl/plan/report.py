@@ -87,10 +87,10 @@ def lora_section(cfg: RunConfig, arch: QwenArchitecture, plan: MemoryPlan) -> li
         "",
         f"LoRA (lora:): rank {lora.rank}, alpha {lora.alpha:g}, {', '.join(lora.target_modules)}; experts {experts}",
         f"  adapter: {whole:,} parameters ({whole / base:.2%} of the base's {_billions(base)}); "
-        f"per trainer GPU: {per_rank}",
+        f"per trainer rank: {per_rank}",
         "  base frozen: no gradient, no fp32 main parameter, no Adam state; the distributed optimizer holds the "
         "adapter only; the KL reference is the base with the adapter off (no copy)",
-        f"  each weight sync sends the adapter alone: {whole * 2 / 1e6:,.1f} MB (bf16)",
+        f"  each weight sync sends the adapter alone: {whole * 2 / 1e6:,.1f} MB ({whole * 2:,} bytes, bf16)",
     ]
     if plan.engine is not None:
         lines.append(

@@ -19,6 +19,7 @@ from megatron_rl.plan.lora_count import (
     adapter_tensor_counts,
     engine_adapter,
     engine_slot,
+    largest_adapter_tensor,
     layer_adapter,
     stage_adapter,
     whole_adapter,
@@ -178,6 +179,9 @@ def test_adapter_counts_of_qwen3_30b_a3b_by_hand() -> None:
     assert per_gpu.total == 223_739_904
     shared = whole_adapter(ARCH_30B, LoRAConfig(rank=r, experts_shared_outer=True))
     assert shared.total == 48 * (557_056 + 3 * r * 2048 + 128 * 3 * r * 768) == 489_160_704
+    # the largest tensor a sync sends: q_proj's B or o_proj's A (4096 x r); shared outer, a 3-D per-expert part
+    assert largest_adapter_tensor(ARCH_30B, lora) == 4096 * r
+    assert largest_adapter_tensor(ARCH_30B, LoRAConfig(rank=r, experts_shared_outer=True)) == 128 * 768 * r
 
 
 def test_engine_slots_stack_q_k_v_and_gate_up_as_sglang_does() -> None:
@@ -201,5 +205,5 @@ def test_plan_of_the_30b_recipe_with_lora_on_one_node(capsys: pytest.CaptureFixt
     assert [a.nbytes for a in stage.state[1:]] == [a.nbytes for a in state_amounts(adapter, lora.train, 2, 1)]
     assert main(["plan", str(QWEN_30B), *ONE_NODE, "lora.rank=32"]) == 0
     out = capsys.readouterr().out
-    assert "each weight sync sends the adapter alone: 3,375.4 MB (bf16)" in out
+    assert "each weight sync sends the adapter alone: 3,375.4 MB (3,375,366,144 bytes, bf16)" in out
     assert "~ weight sync of the LoRA adapter (tensor):" in out and "FITS" in out
