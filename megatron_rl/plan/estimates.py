@@ -76,7 +76,7 @@ from typing import Any
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.layout import trainer_world_size
-from megatron_rl.config.schema import ParallelConfig, RunConfig
+from megatron_rl.config.schema import LoRAConfig, ParallelConfig, RunConfig
 from megatron_rl.plan.lora_count import adapter_tensor_counts, engine_adapter, stage_adapter, whole_adapter
 from megatron_rl.plan.param_count import (
     engine_gpu_weights,
@@ -314,11 +314,10 @@ def sync_refusal(cfg: RunConfig, transport: str) -> str | None:
 
 @dataclass(frozen=True)
 class SyncPayload:
-    """What one sync moves (module docstring): ``what`` (the model or the LoRA adapter), its bytes as sent
-    (``sent_bytes``) and in bf16 before any quantisation (``bf16_bytes``), the bytes one trainer GPU gathers
-    of it, one engine GPU's share of it, the tensors every trainer rank exports and those an engine rank loads."""
+    """What one sync moves (module docstring), the model or the LoRA adapter: its bytes as sent (``sent_bytes``)
+    and in bf16 before any quantisation (``bf16_bytes``), the bytes one trainer GPU gathers of it, one engine
+    GPU's share of it, the tensors every trainer rank exports and those an engine rank loads."""
 
-    what: str
     sent_bytes: int
     bf16_bytes: int
     gathered_bytes: int
@@ -333,7 +332,6 @@ def _model_payload(cfg: RunConfig, arch: QwenArchitecture) -> SyncPayload:
     if fp8_block(cfg) is not None:  # and each projection's scales
         loaded += fp8_dense_projections(arch) + expert_tensors // cfg.rollout.ep
     return SyncPayload(
-        what="model",
         sent_bytes=synced_model_bytes(arch, fp8_block(cfg)),
         bf16_bytes=model_params(arch).total * BF16_BYTES,
         gathered_bytes=gathered_bytes_per_gpu(arch, cfg.parallel),
@@ -343,28 +341,25 @@ def _model_payload(cfg: RunConfig, arch: QwenArchitecture) -> SyncPayload:
     )
 
 
-def adapter_gathered_bytes(cfg: RunConfig, arch: QwenArchitecture) -> int:
+def adapter_gathered_bytes(arch: QwenArchitecture, lora: LoRAConfig, parallel: ParallelConfig) -> int:
     """bf16 bytes one trainer GPU receives to assemble its stage's whole adapter: the stage's adapter at one rank
     less the rank's own share (replicated A or B need no gathering), the largest over the stages."""
-    assert cfg.lora is not None, "only with lora:"
-    whole_rank = cfg.parallel.model_copy(update={"tp": 1, "ep": 1, "etp": 1})
+    whole_rank = parallel.model_copy(update={"tp": 1, "ep": 1, "etp": 1})
     lacking = [
-        stage_adapter(arch, cfg.lora, whole_rank, p).total - stage_adapter(arch, cfg.lora, cfg.parallel, p).total
-        for p in range(cfg.parallel.pp)
+        stage_adapter(arch, lora, whole_rank, p).total - stage_adapter(arch, lora, parallel, p).total
+        for p in range(parallel.pp)
     ]
     return max(lacking) * BF16_BYTES
 
 
-def _adapter_payload(cfg: RunConfig, arch: QwenArchitecture) -> SyncPayload:
-    assert cfg.lora is not None, "only with lora:"
-    dense_tensors, expert_tensors = adapter_tensor_counts(arch, cfg.lora)
-    nbytes = whole_adapter(arch, cfg.lora).total * BF16_BYTES
+def _adapter_payload(cfg: RunConfig, arch: QwenArchitecture, lora: LoRAConfig) -> SyncPayload:
+    dense_tensors, expert_tensors = adapter_tensor_counts(arch, lora)
+    nbytes = whole_adapter(arch, lora).total * BF16_BYTES
     return SyncPayload(
-        what="LoRA adapter",
         sent_bytes=nbytes,
         bf16_bytes=nbytes,
-        gathered_bytes=adapter_gathered_bytes(cfg, arch),
-        engine_share_bytes=engine_adapter(arch, cfg.lora, cfg.rollout).total * BF16_BYTES,
+        gathered_bytes=adapter_gathered_bytes(arch, lora, cfg.parallel),
+        engine_share_bytes=engine_adapter(arch, lora, cfg.rollout).total * BF16_BYTES,
         exported_tensors=dense_tensors + expert_tensors,
         loaded_tensors=dense_tensors + expert_tensors // cfg.rollout.ep,
     )
@@ -372,7 +367,7 @@ def _adapter_payload(cfg: RunConfig, arch: QwenArchitecture) -> SyncPayload:
 
 def sync_payload(cfg: RunConfig, arch: QwenArchitecture) -> SyncPayload:
     """What a sync of ``cfg`` moves: the LoRA adapter with ``lora:``, else the whole model."""
-    return _model_payload(cfg, arch) if cfg.lora is None else _adapter_payload(cfg, arch)
+    return _model_payload(cfg, arch) if cfg.lora is None else _adapter_payload(cfg, arch, cfg.lora)
 
 
 def _tensor_sync(cfg: RunConfig, payload: SyncPayload, assumed: Assumptions) -> SyncEstimate:

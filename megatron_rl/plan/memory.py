@@ -56,8 +56,8 @@ Engines (SGLang): weights per GPU from :func:`~megatron_rl.plan.param_count.engi
 SGLang sizes its KV pool at start (on an empty GPU: the engines start before the trainer) as
 ``mem_fraction x GPU - weights`` (less, with ``lora:``, SGLang's LoRA memory pool:
 ``lora.max_loras_per_batch`` slots of :func:`~megatron_rl.plan.lora_count.engine_slot` in bf16, taken
-from the KV share, an assumption about SGLang's start-up order); KV bytes per token per GPU ``2 x layers x kv_heads_per_gpu x
-head_dim x 2`` (bf16 cache). Colocated peaks (``orchestration/memory_handover.py``): training
+from the KV share, an assumption about SGLang's start-up order); KV bytes per token per GPU
+``2 x layers x kv_heads_per_gpu x head_dim x 2`` (bf16 cache). Colocated peaks (``orchestration/memory_handover.py``): training
 (engines released), weight sync (trainer parameters, engine weights and :func:`sync_staging`: the
 largest gathered tensor and a bucket; with the tensor transport, on every GPU since every trainer
 rank assembles the whole model, its two device bucket buffers, each up to twice the larger of a
