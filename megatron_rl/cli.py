@@ -164,11 +164,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megatron_rl.orchestration.driver import train
+    from megatron_rl.orchestration.driver import refuse_unbuilt, train
     from megatron_rl.rollout.episodes import check_episode
 
     try:
         cfg, warnings = load_recipe(args.recipe, args.overrides)
+        refuse_unbuilt(cfg)
         machine_problems = check_episode(cfg.rollout)  # before any GPU or Ray: a tool that cannot run here
     except (RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

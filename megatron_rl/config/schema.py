@@ -494,6 +494,62 @@ class JudgeConfig(Section):
         return pattern
 
 
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""A module LoRA adapts, by its Hugging Face / PEFT name. The MLP names cover whatever MLP a layer has: the dense
+MLP of a dense layer, every routed expert of a MoE layer (PEFT matches ``experts.<e>.gate_proj`` by its suffix,
+and SGLang 0.5.23 wraps a layer's FusedMoE under the same ``gate_up_proj``/``down_proj`` targets)."""
+LORA_TARGETS: tuple[LoRATarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(Section):
+    """Low-rank adapters trained on a frozen base (issue 40): only the adapters get gradients, optimizer state and
+    weight syncs; the engines serve the base with the adapter (SGLang's --enable-lora).
+
+    Cross-field checks (what SGLang 0.5.23 can serve) are in :func:`megatron_rl.config.checks._check_lora`.
+    """
+
+    rank: PositiveInt = Field(description="Rank r of every adapter (A: r x in, B: out x r).")
+    # A fixed alpha, not one that grows with the rank: the update is scaled by alpha / r, so with a fixed alpha the
+    # best learning rate barely moves with the rank ("LoRA Without Regret", Thinking Machines 2025, which used 32 and
+    # found RL at ~10x the full fine-tuning learning rate); PEFT and SGLang read lora_alpha as given.
+    alpha: PositiveFloat = Field(
+        32.0, description="LoRA alpha: the adapter's update B A x is scaled by alpha / rank (PEFT's lora_alpha)."
+    )
+    target_modules: list[LoRATarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="Modules with an adapter, by Hugging Face name: attention q_proj, k_proj, v_proj, o_proj; "
+        "gate_proj, up_proj, down_proj of the dense MLP in a dense layer and of every routed expert in a MoE "
+        "layer. Default: all seven (PEFT's all-linear without lm_head).",
+    )
+    experts_shared_outer: bool = Field(
+        False,
+        description="MoE layers: one gate_proj/up_proj A and one down_proj B shared by all experts of a layer, the "
+        "per-expert B (gate/up) and A (down) their own (SGLang's --experts-shared-outer-loras); false: every expert "
+        "has its own A and B.",
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="LoRA dropout; must stay 0 for RL (a recipe check): the engines sample without dropout, so the "
+        "trainer's log-probs must be those of the same deterministic adapter.",
+    )
+    max_loras_per_batch: PositiveInt = Field(
+        1,
+        description="SGLang's --max-loras-per-batch: adapter slots each engine GPU allocates. Every request of a "
+        "step carries the policy's one adapter and syncs run between generations, so 1 suffices; each slot costs "
+        "an adapter's bytes per GPU (`plan` counts them).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _no_repeats(cls, targets: list[LoRATarget]) -> list[LoRATarget]:
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"{targets} names a module twice")
+        return targets
+
+
 class DataConfig(Section):
     """Prompt datasets and the reward."""
 
@@ -739,6 +795,9 @@ class RunConfig(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     judge: JudgeConfig | None = Field(None, description="The judge model, required with data.reward: judge.")
+    lora: LoRAConfig | None = Field(
+        None, description="Train low-rank adapters on a frozen base instead of every parameter; None: full training."
+    )
 
     @property
     def run_dir(self) -> str:

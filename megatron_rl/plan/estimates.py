@@ -40,6 +40,12 @@ tensor when colocated, distributed otherwise); its seconds are the sum of its te
 - ``disk``: every byte is written to the shared filesystem, then (after a barrier, no overlap)
   every node reads all of it: model bytes / :data:`FS_WRITE_GBPS` + model bytes / :data:`FS_READ_GBPS`.
 
+With ``lora:`` a sync sends the adapter alone (:func:`sync_payload`): its bf16 bytes
+(:func:`~megatron_rl.plan.lora_count.whole_adapter`), never quantised (FP8 rollouts keep their FP8 base);
+the tensor transport's terms are the same with the adapter's all-gathers (the bytes a rank lacks of its
+stage's adapter), its engine shard (:func:`~megatron_rl.plan.lora_count.engine_adapter`) and its tensors
+(:func:`~megatron_rl.plan.lora_count.adapter_tensor_counts`).
+
 Not modelled: the all-gathers' launch latency (for Qwen3-30B-A3B at TP 4 x EP 8, 98 TP gathers and
 one EP gather per local expert tensor, 2,304, per rank) and their lower bandwidth at small
 messages, per-bucket request round trips and the engines' post-processing. The tensor terms
@@ -70,7 +76,8 @@ from typing import Any
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.layout import trainer_world_size
-from megatron_rl.config.schema import ParallelConfig, RunConfig
+from megatron_rl.config.schema import LoRAConfig, ParallelConfig, RunConfig
+from megatron_rl.plan.lora_count import adapter_tensor_counts, engine_adapter, stage_adapter, whole_adapter
 from megatron_rl.plan.param_count import (
     engine_gpu_weights,
     fp8_dense_projections,
@@ -305,22 +312,75 @@ def sync_refusal(cfg: RunConfig, transport: str) -> str | None:
     return None
 
 
-def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int, assumed: Assumptions) -> SyncEstimate:
+@dataclass(frozen=True)
+class SyncPayload:
+    """What one sync moves (module docstring), the model or the LoRA adapter: its bytes as sent (``sent_bytes``)
+    and in bf16 before any quantisation (``bf16_bytes``), the bytes one trainer GPU gathers of it, one engine
+    GPU's share of it, the tensors every trainer rank exports and those an engine rank loads."""
+
+    sent_bytes: int
+    bf16_bytes: int
+    gathered_bytes: int
+    engine_share_bytes: int
+    exported_tensors: int
+    loaded_tensors: int
+
+
+def _model_payload(cfg: RunConfig, arch: QwenArchitecture) -> SyncPayload:
+    dense_tensors, expert_tensors = hf_tensor_counts(arch)
+    loaded = dense_tensors + expert_tensors // cfg.rollout.ep  # an engine rank is fed only its experts
+    if fp8_block(cfg) is not None:  # and each projection's scales
+        loaded += fp8_dense_projections(arch) + expert_tensors // cfg.rollout.ep
+    return SyncPayload(
+        sent_bytes=synced_model_bytes(arch, fp8_block(cfg)),
+        bf16_bytes=model_params(arch).total * BF16_BYTES,
+        gathered_bytes=gathered_bytes_per_gpu(arch, cfg.parallel),
+        engine_share_bytes=engine_gpu_weights(arch, cfg.rollout).nbytes(cfg.rollout.quantization),
+        exported_tensors=dense_tensors + expert_tensors,
+        loaded_tensors=loaded,
+    )
+
+
+def adapter_gathered_bytes(arch: QwenArchitecture, lora: LoRAConfig, parallel: ParallelConfig) -> int:
+    """bf16 bytes one trainer GPU receives to assemble its stage's whole adapter: the stage's adapter at one rank
+    less the rank's own share (replicated A or B need no gathering), the largest over the stages."""
+    whole_rank = parallel.model_copy(update={"tp": 1, "ep": 1, "etp": 1})
+    lacking = [
+        stage_adapter(arch, lora, whole_rank, p).total - stage_adapter(arch, lora, parallel, p).total
+        for p in range(parallel.pp)
+    ]
+    return max(lacking) * BF16_BYTES
+
+
+def _adapter_payload(cfg: RunConfig, arch: QwenArchitecture, lora: LoRAConfig) -> SyncPayload:
+    dense_tensors, expert_tensors = adapter_tensor_counts(arch, lora)
+    nbytes = whole_adapter(arch, lora).total * BF16_BYTES
+    return SyncPayload(
+        sent_bytes=nbytes,
+        bf16_bytes=nbytes,
+        gathered_bytes=adapter_gathered_bytes(arch, lora, cfg.parallel),
+        engine_share_bytes=engine_adapter(arch, lora, cfg.rollout).total * BF16_BYTES,
+        exported_tensors=dense_tensors + expert_tensors,
+        loaded_tensors=dense_tensors + expert_tensors // cfg.rollout.ep,
+    )
+
+
+def sync_payload(cfg: RunConfig, arch: QwenArchitecture) -> SyncPayload:
+    """What a sync of ``cfg`` moves: the LoRA adapter with ``lora:``, else the whole model."""
+    return _model_payload(cfg, arch) if cfg.lora is None else _adapter_payload(cfg, arch, cfg.lora)
+
+
+def _tensor_sync(cfg: RunConfig, payload: SyncPayload, assumed: Assumptions) -> SyncEstimate:
     """The per-GPU colocated path (module docstring); ValueError where :func:`sync_refusal` refuses it."""
     refusal = sync_refusal(cfg, "tensor")
     if refusal is not None:
         raise ValueError(refusal)
     nvlink = assumed.nvlink.value.scaled(1e9)
-    gathered = gathered_bytes_per_gpu(arch, cfg.parallel)
-    share = engine_gpu_weights(arch, cfg.rollout).nbytes(cfg.rollout.quantization)
-    dense_tensors, expert_tensors = hf_tensor_counts(arch)
-    tensors = dense_tensors + expert_tensors
-    loaded = dense_tensors + expert_tensors // cfg.rollout.ep  # an engine rank is fed only its experts
-    if fp8_block(cfg) is not None:  # and each projection's scales
-        loaded += fp8_dense_projections(arch) + expert_tensors // cfg.rollout.ep
+    gathered, share = payload.gathered_bytes, payload.engine_share_bytes
+    tensors, loaded = payload.exported_tensors, payload.loaded_tensors
     stages = cfg.parallel.pp
-    bf16_bytes = model_params(arch).total * BF16_BYTES  # stages broadcast the export, before any quantisation
-    broadcast = bf16_bytes * (stages - 1) // stages  # the other stages' layers, over the node's pipeline group
+    # the other stages' layers, over the node's pipeline group: stages broadcast the export, before any quantisation
+    broadcast = payload.bf16_bytes * (stages - 1) // stages
     terms = (
         SyncTerm(f"all-gathers ({gathered / 1e9:.2f} GB)", _exactly(gathered).per(nvlink)),
         *([SyncTerm(f"pipeline broadcast ({broadcast / 1e9:.2f} GB)", _exactly(broadcast).per(nvlink))] * (stages > 1)),
@@ -331,7 +391,7 @@ def _tensor_sync(cfg: RunConfig, arch: QwenArchitecture, model_bytes: int, assum
     link = "per GPU at the NVLink rate, all GPUs at once"
     link_bytes = gathered + broadcast + share
     used = (assumed.nvlink, assumed.export_per_tensor, assumed.load_per_tensor)
-    return SyncEstimate("tensor", model_bytes, link, link_bytes, terms, used)
+    return SyncEstimate("tensor", payload.sent_bytes, link, link_bytes, terms, used)
 
 
 def estimate_sync(
@@ -344,13 +404,14 @@ def estimate_sync(
     Raises ValueError for an unknown transport, and for tensor at ``parallel.pp`` > 1.
     """
     kind = transport or cfg.weight_sync.resolved(cfg.rollout.placement)
-    model_bytes = synced_model_bytes(arch, fp8_block(cfg))
+    payload = sync_payload(cfg, arch)
+    model_bytes = payload.sent_bytes
     if transport is None and assumptions.sync is not None and sync_refusal(cfg, kind) is None:
         measured = (SyncTerm("measured sync", _exactly(model_bytes).per(assumptions.sync.value.scaled(1e9))),)
         link = "into the engines at the rate preflight measured"
         return SyncEstimate(kind, model_bytes, link, model_bytes, measured, (assumptions.sync,))
     if kind == "tensor":
-        return _tensor_sync(cfg, arch, model_bytes, assumptions)
+        return _tensor_sync(cfg, payload, assumptions)
     model = _exactly(model_bytes)
     if kind == "distributed":
         broadcast = (SyncTerm("broadcast", model.per(assumptions.network.value.scaled(1e9))),)

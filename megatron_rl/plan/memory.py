@@ -14,6 +14,11 @@ Exact (from :mod:`megatron_rl.plan.param_count` and the dtypes the code configur
   says (``actor/reference_policy.py``): on the host, parameter bytes of pinned host memory per
   rank and no GPU bytes; on the device, parameter bytes more per GPU (exact). A reference pass
   exchanges it with the parameters through one parameter-sized scratch tensor.
+- with ``lora:`` (issue 40's design; the trainer is not built yet): the base is frozen in the
+  parameter dtype with no gradient, no main parameter and no Adam state; the adapters
+  (:mod:`megatron_rl.plan.lora_count`) have parameters, fp32 gradients and the distributed
+  optimizer's state, sharded as above. The reference policy is the base with the adapters off:
+  no copy anywhere.
 
 Estimated (labelled so in the report):
 
@@ -49,8 +54,10 @@ Estimated (labelled so in the report):
 
 Engines (SGLang): weights per GPU from :func:`~megatron_rl.plan.param_count.engine_gpu_weights`;
 SGLang sizes its KV pool at start (on an empty GPU: the engines start before the trainer) as
-``mem_fraction x GPU - weights``; KV bytes per token per GPU ``2 x layers x kv_heads_per_gpu x
-head_dim x 2`` (bf16 cache). Colocated peaks (``orchestration/memory_handover.py``): training
+``mem_fraction x GPU - weights`` (less, with ``lora:``, SGLang's LoRA memory pool:
+``lora.max_loras_per_batch`` slots of :func:`~megatron_rl.plan.lora_count.engine_slot` in bf16, taken
+from the KV share, an assumption about SGLang's start-up order); KV bytes per token per GPU
+``2 x layers x kv_heads_per_gpu x head_dim x 2`` (bf16 cache). Colocated peaks (``orchestration/memory_handover.py``): training
 (engines released), weight sync (trainer parameters, engine weights and :func:`sync_staging`: the
 largest gathered tensor and a bucket; with the tensor transport, on every GPU since every trainer
 rank assembles the whole model, its two device bucket buffers, each up to twice the larger of a
@@ -67,6 +74,7 @@ from dataclasses import dataclass
 from megatron_rl.config.hf_config import QwenArchitecture, padded_vocab_size
 from megatron_rl.config.layout import engine_layout, trainer_layout
 from megatron_rl.config.schema import ParallelConfig, RunConfig, TrainConfig
+from megatron_rl.plan.lora_count import engine_slot, largest_adapter_tensor, stage_adapter
 from megatron_rl.plan.param_count import (
     ParamCount,
     chunk_layers,
@@ -117,6 +125,24 @@ def state_amounts(params: ParamCount, train: TrainConfig, dp: int, expert_dp: in
         Amount("gradients (fp32 main grads)", params.total * 4),
         Amount(
             f"optimizer (Adam, /dp {dp}, experts /edp {expert_dp})", optimizer_state_bytes(params, train, dp, expert_dp)
+        ),
+    ]
+
+
+def lora_state_amounts(
+    base: ParamCount, adapter: ParamCount, train: TrainConfig, dp: int, expert_dp: int
+) -> list[Amount]:
+    """The frozen ``base`` (parameters only) and the trainable ``adapter`` (parameters, fp32 gradients, optimizer
+    state) of one rank (exact)."""
+    param_bytes = 4 if train.precision == "fp32" else 2
+    dtype = "fp32" if train.precision == "fp32" else "bf16"
+    return [
+        Amount(f"frozen base parameters ({dtype}; no grads, no optimizer)", base.total * param_bytes),
+        Amount(f"LoRA adapter parameters ({dtype})", adapter.total * param_bytes),
+        Amount("LoRA adapter gradients (fp32 main grads)", adapter.total * 4),
+        Amount(
+            f"LoRA adapter optimizer (Adam, /dp {dp}, experts /edp {expert_dp})",
+            optimizer_state_bytes(adapter, train, dp, expert_dp),
         ),
     ]
 
@@ -184,18 +210,17 @@ class StagePlan:
     """One pipeline stage's ranks: their parameters and their peak training memory per GPU.
 
     ``state``: parameters, gradients and optimizer state (exact; offloaded when colocated);
-    ``working``: activations, log-prob working set and runtime reserve (estimates).
+    ``working``: activations, log-prob working set and runtime reserve (estimates);
+    ``parameter_bytes``: the parameters alone (with ``lora:``, the frozen base and the adapter), what stays
+    on the GPU through a weight sync; ``adapter``: the rank's LoRA adapter elements (``lora:`` only).
     """
 
     pp_rank: int
     params: ParamCount
     state: tuple[Amount, ...]
     working: tuple[Amount, ...]
-
-    @property
-    def parameter_bytes(self) -> float:
-        """Bytes of the parameters alone (what a weight sync reads)."""
-        return self.state[0].nbytes
+    parameter_bytes: float
+    adapter: ParamCount | None = None
 
     @property
     def state_bytes(self) -> float:
@@ -213,8 +238,15 @@ def stage_plan(arch: QwenArchitecture, cfg: RunConfig, pp_rank: int, reserves: i
     parallel, train = cfg.parallel, cfg.train
     layout = trainer_layout(parallel, cfg.cluster, cfg.rollout)
     params = stage_params(arch, parallel, pp_rank)
-    state = state_amounts(params, train, layout.dp * parallel.cp, layout.expert_dp)
-    if cfg.algorithm.use_kl_loss and cfg.algorithm.reference_placement == "device":
+    dp, adapter = layout.dp * parallel.cp, None
+    if cfg.lora is None:
+        state = state_amounts(params, train, dp, layout.expert_dp)
+        parameter_bytes = state[0].nbytes
+    else:  # the reference is the base with the adapters off: no copy
+        adapter = stage_adapter(arch, cfg.lora, parallel, pp_rank)
+        state = lora_state_amounts(params, adapter, train, dp, layout.expert_dp)
+        parameter_bytes = state[0].nbytes + state[1].nbytes
+    if cfg.algorithm.use_kl_loss and cfg.algorithm.reference_placement == "device" and cfg.lora is None:
         state.append(Amount("reference weights (algorithm.reference_placement=device)", state[0].nbytes))
     recompute = f"recompute {train.recompute}, {train.max_tokens_per_micro_batch} tokens/micro-batch"
     working = [Amount(f"activations ({recompute})", activation_bytes(arch, parallel, train, pp_rank), exact=False)]
@@ -223,7 +255,7 @@ def stage_plan(arch: QwenArchitecture, cfg: RunConfig, pp_rank: int, reserves: i
             Amount("log-prob working set (logits + fp32 softmax)", logprob_bytes(arch, parallel, train), exact=False)
         )
     working.append(_reserve(reserves))
-    return StagePlan(pp_rank, params, tuple(state), tuple(working))
+    return StagePlan(pp_rank, params, tuple(state), tuple(working), parameter_bytes, adapter)
 
 
 def _reserve(processes: int) -> Amount:
@@ -232,7 +264,8 @@ def _reserve(processes: int) -> Amount:
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """One engine: GPU count, weights and KV cache per GPU, and tokens of KV cache vs one generation batch."""
+    """One engine: GPU count, weights (and with ``lora:`` the LoRA pool) and KV cache per GPU, and tokens of KV
+    cache vs one generation batch."""
 
     num_engines: int
     gpus: int
@@ -242,6 +275,15 @@ class EnginePlan:
     tokens_fit: int
     tokens_needed: int
     sequence_tokens: int
+    lora_pool_bytes: int = 0
+
+
+def lora_pool_bytes(arch: QwenArchitecture, cfg: RunConfig) -> int:
+    """bf16 bytes of SGLang's LoRA memory pool on one engine GPU: ``lora.max_loras_per_batch`` adapter slots
+    (0 without ``lora:``)."""
+    if cfg.lora is None:
+        return 0
+    return cfg.lora.max_loras_per_batch * engine_slot(arch, cfg.lora, cfg.rollout).total * 2
 
 
 def engine_plan(arch: QwenArchitecture, cfg: RunConfig, gpu_bytes: float) -> EnginePlan:
@@ -252,7 +294,8 @@ def engine_plan(arch: QwenArchitecture, cfg: RunConfig, gpu_bytes: float) -> Eng
     rollout = cfg.rollout
     layout = engine_layout(cfg.cluster, rollout)
     weight_bytes = engine_gpu_weights(arch, rollout).nbytes(rollout.quantization)
-    kv_pool = rollout.mem_fraction * gpu_bytes - weight_bytes
+    pool = lora_pool_bytes(arch, cfg)
+    kv_pool = rollout.mem_fraction * gpu_bytes - weight_bytes - pool
     kv_per_token = 2 * arch.num_layers * engine_kv_heads_per_gpu(arch, rollout.tp) * arch.head_dim * KV_CACHE_BYTES
     sequence = rollout.max_prompt_length + rollout.max_response_length
     prompts = min(math.ceil(cfg.train.prompts_per_step / max(layout.num_engines, 1)), rollout.max_concurrent_requests)
@@ -265,6 +308,7 @@ def engine_plan(arch: QwenArchitecture, cfg: RunConfig, gpu_bytes: float) -> Eng
         tokens_fit=rollout.dp * max(0, int(kv_pool // kv_per_token)),
         tokens_needed=prompts * rollout.n_samples_per_prompt * sequence,
         sequence_tokens=sequence,
+        lora_pool_bytes=pool,
     )
 
 
@@ -287,8 +331,17 @@ def largest_gathered_bytes(arch: QwenArchitecture, parallel: ParallelConfig) -> 
     return padded_vocab_size(arch.vocab_size, parallel.tp) * arch.hidden_size * 2
 
 
+def _largest_synced_bytes(cfg: RunConfig, arch: QwenArchitecture) -> int:
+    """bf16 bytes of the largest tensor a sync of ``cfg`` sends: the vocabulary table, or with ``lora:`` the
+    adapter's largest tensor."""
+    if cfg.lora is None:
+        return largest_gathered_bytes(arch, cfg.parallel)
+    return largest_adapter_tensor(arch, cfg.lora) * 2
+
+
 def sync_staging(cfg: RunConfig, arch: QwenArchitecture) -> tuple[Amount, ...]:
-    """What a weight sync holds on a GPU beyond the trainer parameters and the engine weights (module docstring).
+    """What a weight sync holds on a GPU beyond the trainer parameters and the engine weights (module docstring);
+    the largest tensor is the vocabulary table, or with ``lora:`` the adapter's largest.
 
     Tensor transport (every trainer rank assembles the whole model, so every GPU holds this): the two
     device bucket buffers, each up to ``2 x max(bucket, largest tensor)``; the gathered full tensors of
@@ -296,7 +349,7 @@ def sync_staging(cfg: RunConfig, arch: QwenArchitecture) -> tuple[Amount, ...]:
     bucket); the largest tensor assembled and its all-gather shards, both alive when the tensor that
     does not fit sends that bucket. Other transports: one bucket and the largest gathered tensor.
     """
-    largest = largest_gathered_bytes(arch, cfg.parallel)
+    largest = _largest_synced_bytes(cfg, arch)
     bucket = cfg.weight_sync.bucket_size_mb * 2**20
     if cfg.weight_sync.resolved(cfg.rollout.placement) != "tensor":
         return (Amount("bucket + largest gathered tensor (bf16)", bucket + largest),)
@@ -310,8 +363,12 @@ def sync_staging(cfg: RunConfig, arch: QwenArchitecture) -> tuple[Amount, ...]:
 
 def _sync_peak(cfg: RunConfig, arch: QwenArchitecture, stage: StagePlan, engine: EnginePlan) -> tuple[Amount, ...]:
     return (
-        Amount(f"trainer {stage.state[0].label}", stage.parameter_bytes),
+        Amount(
+            "trainer base + LoRA adapter parameters" if cfg.lora else f"trainer {stage.state[0].label}",
+            stage.parameter_bytes,
+        ),
         Amount("engine weights", engine.weight_bytes),
+        *([Amount("engine LoRA pool", engine.lora_pool_bytes)] if engine.lora_pool_bytes else []),
         *sync_staging(cfg, arch),
         _reserve(2),
     )
@@ -330,7 +387,11 @@ def _host_bytes_per_node(cfg: RunConfig, stages: tuple[StagePlan, ...]) -> float
     """Pinned host memory per node of offloaded trainer state (colocated) and reference weights (KL loss)."""
     per_rank = max(
         (stage.state_bytes if cfg.rollout.placement == "colocated" else 0)
-        + (stage.parameter_bytes if cfg.algorithm.use_kl_loss and cfg.algorithm.reference_placement == "host" else 0)
+        + (
+            stage.parameter_bytes
+            if cfg.algorithm.use_kl_loss and cfg.algorithm.reference_placement == "host" and cfg.lora is None
+            else 0
+        )
         for stage in stages
     )
     return per_rank * min(cfg.cluster.gpus_per_node, trainer_layout(cfg.parallel, cfg.cluster, cfg.rollout).world_size)

@@ -20,6 +20,7 @@ from megatron_rl.plan.estimates import (
     estimate_throughput,
     sync_refusal,
 )
+from megatron_rl.plan.lora_count import whole_adapter
 from megatron_rl.plan.memory import GIB, Amount, EnginePlan, MemoryPlan, StagePlan, stage_layers
 from megatron_rl.plan.param_count import model_params
 
@@ -73,6 +74,32 @@ def parameter_section(cfg: RunConfig, arch: QwenArchitecture, stages: Sequence[S
     return lines
 
 
+def lora_section(cfg: RunConfig, arch: QwenArchitecture, plan: MemoryPlan) -> list[str]:
+    """With ``lora:``: the adapter's size whole and per trainer GPU, the frozen base, the engines' LoRA pool and
+    the bytes each sync sends (nothing without ``lora:``)."""
+    lora = cfg.lora
+    if lora is None:
+        return []
+    whole, base = whole_adapter(arch, lora).total, model_params(arch).total
+    experts = "shared outer A/B" if lora.experts_shared_outer else "per expert"
+    per_rank = ", ".join(f"stage {s.pp_rank} {s.adapter.total:,}" for s in plan.stages if s.adapter is not None)
+    lines = [
+        "",
+        f"LoRA (lora:): rank {lora.rank}, alpha {lora.alpha:g}, {', '.join(lora.target_modules)}; experts {experts}",
+        f"  adapter: {whole:,} parameters ({whole / base:.2%} of the base's {_billions(base)}); "
+        f"per trainer rank: {per_rank}",
+        "  base frozen: no gradient, no fp32 main parameter, no Adam state; the distributed optimizer holds the "
+        "adapter only; the KL reference is the base with the adapter off (no copy)",
+        f"  each weight sync sends the adapter alone: {whole * 2 / 1e6:,.1f} MB ({whole * 2:,} bytes, bf16)",
+    ]
+    if plan.engine is not None:
+        lines.append(
+            f"  engine LoRA pool per GPU: {_gib(plan.engine.lora_pool_bytes)} GiB "
+            f"({lora.max_loras_per_batch} slot(s), --max-loras-per-batch)"
+        )
+    return lines
+
+
 def _amount_rows(stages: Sequence[StagePlan]) -> list[tuple[str, bool, list[Amount | None]]]:
     labels: dict[str, bool] = {}
     for stage in reversed(stages):  # the last stage has every row (the log-prob working set too)
@@ -112,7 +139,7 @@ def engine_section(cfg: RunConfig, arch: QwenArchitecture, engine: EnginePlan, g
         f"({engine.gpus} GPUs each{nodes}), {rollout.placement}, {dtype}",
         f"    weights per GPU                 {_gib(engine.weight_bytes):>10} GiB",
         f"    KV cache per GPU                {_gib(engine.kv_pool_bytes):>10} GiB "
-        f"= {rollout.mem_fraction} x {_gib(gpu_bytes)} GiB - weights",
+        f"= {rollout.mem_fraction} x {_gib(gpu_bytes)} GiB - weights" + (" - LoRA pool" if cfg.lora else ""),
         f"    KV bytes per token per GPU      {engine.kv_bytes_per_token:>10,} "
         f"= 2 (K,V) x {arch.num_layers} layers x {kv_heads} KV head(s) x {arch.head_dim} x 2 B",
         f"    KV tokens per engine            {engine.tokens_fit:>10,} "
@@ -260,7 +287,7 @@ def estimates_section(cfg: RunConfig, arch: QwenArchitecture, *, assumptions: As
     lines = [
         "",
         f"estimated GPU figures (~ modelled from exact counts and {rates})",
-        *_sync_lines(sync),
+        *_sync_lines(sync, "weight sync of the LoRA adapter" if cfg.lora else "weight sync"),
         *(line for m in modelled for line in _sync_lines(m, "weight sync modelled")),
         "  ~ other transports: "
         + ", ".join(f"{o.transport} {_range((o.seconds.low, o.seconds.high), 2)} s" for o in others)
@@ -305,7 +332,7 @@ def render_plan(
     assumptions: Assumptions = ASSUMED,
 ) -> str:
     """The whole report as text (no trailing newline); the GPU figures at ``assumptions``."""
-    lines = [*model_section(cfg, arch), *parameter_section(cfg, arch, plan.stages)]
+    lines = [*model_section(cfg, arch), *parameter_section(cfg, arch, plan.stages), *lora_section(cfg, arch, plan)]
     if plan.engine is None:
         state = ", ".join(f"{a.label} {a.nbytes / 2**20:.2f}" for a in max(plan.stages, key=lambda s: s.total).state)
         cpu = f"CPU recipe, no GPU memory to check; trainer state per rank (MiB): {state}"
