@@ -31,6 +31,7 @@ from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.pipeline_split import pipeline_split
 from megatron_rl.config.schema import JUDGE_REWARD, REMOTE_REWARD, RunConfig
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
+from megatron_rl.config.sglang_pin import SGLANG_VERSION
 
 
 @dataclass(frozen=True)
@@ -150,19 +151,19 @@ def _check_sglang_on_cpu(cfg: RunConfig) -> Iterator[Finding]:
     if rollout.quantization is not None:
         yield _error(
             "rollout.quantization",
-            f"SGLang 0.5.23 serves {rollout.quantization} on CPU only with AMX kernels that no registry wheel carries "
+            f"SGLang {SGLANG_VERSION} serves {rollout.quantization} on CPU only with AMX kernels that no registry wheel carries "
             "(Fp8LinearMethod asserts them); use rollout.engine=reference for FP8 rollouts on CPU",
         )
     if rollout.deterministic_inference:
         yield _error(
             "rollout.deterministic_inference",
-            "SGLang 0.5.23 refuses --enable-deterministic-inference with its CPU attention backend (torch_native), and "
+            f"SGLang {SGLANG_VERSION} refuses --enable-deterministic-inference with its CPU attention backend (torch_native), and "
             "its batch-invariant ops need CUDA; set it false on CPU (the reference engine is always deterministic)",
         )
     if cfg.algorithm.routing_replay:
         yield _error(
             "algorithm.routing_replay",
-            "SGLang 0.5.23 on CPU cannot return routed experts (its capture buffer is registered with CUDA, "
+            f"SGLang {SGLANG_VERSION} on CPU cannot return routed experts (its capture buffer is registered with CUDA, "
             "srt/state_capturer/base.py); use rollout.engine=reference for routing replay on CPU",
         )
 
@@ -173,7 +174,7 @@ def _check_engine_layout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Fin
         dense = [i for i, sparse in enumerate(arch.moe_layer_pattern) if not sparse]
         yield _error(
             "rollout.engine",
-            f"the model's layers {dense} are dense (mlp_only_layers / decoder_sparse_step), but SGLang 0.5.23 builds "
+            f"the model's layers {dense} are dense (mlp_only_layers / decoder_sparse_step), but SGLang {SGLANG_VERSION} builds "
             "every Qwen3-MoE layer as MoE (srt/models/qwen3_moe.py, stage_facts) and would serve them with "
             "uninitialised experts; use rollout.engine=reference for this model",
         )
@@ -247,7 +248,7 @@ def _check_engine_spanning_nodes(cfg: RunConfig, engine_gpus: int) -> Iterator[F
     if rollout.dp > 1:
         yield _error(
             "rollout.dp",
-            f"{rollout.dp}: SGLang 0.5.23 refuses data-parallel replicas in an engine spanning nodes "
+            f"{rollout.dp}: SGLang {SGLANG_VERSION} refuses data-parallel replicas in an engine spanning nodes "
             "(srt/arg_groups/validation_hook.py: 'multi-node data-parallel replicas are not supported'); set "
             "rollout.dp=1 and let rollout.tp span the nodes",
         )
@@ -388,7 +389,7 @@ def _check_weight_sync(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
     if rollout.dp > 1:
         yield _error(
             "rollout.dp",
-            f"{rollout.dp}: SGLang 0.5.23 asserts dp_size == 1 for every weight update "
+            f"{rollout.dp}: SGLang {SGLANG_VERSION} asserts dp_size == 1 for every weight update "
             "(update_weights_from_tensor, update_weights_from_distributed, init_weights_update_group; "
             "srt/managers/tokenizer_control_mixin.py), so an engine with data-parallel replicas cannot receive the "
             "trainer's weights; set rollout.dp=1 (the rollout GPUs then hold more engines of rollout.tp GPUs each)",
@@ -692,14 +693,14 @@ def _check_fp8_rollout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
     if cfg.cluster.gpu_arch == "blackwell":
         yield _error(
             "rollout.quantization",
-            "fp8 rollouts send float32 block scales; on Blackwell SGLang 0.5.23 re-quantises them to UE8M0 for "
+            f"fp8 rollouts send float32 block scales; on Blackwell SGLang {SGLANG_VERSION} re-quantises them to UE8M0 for "
             "DeepGEMM once, after the first load (requant_block_scale_ue8m0_for_deepgemm, then format_ue8m0), so "
             "every later sync's float32 scales would be read as UE8M0; use them on Hopper (cluster.gpu_arch=hopper)",
         )
     for problem in sglang_block_problems(arch, rollout.tp, rollout.ep, rollout.fp8_block):
         yield _error(
             "rollout.fp8_block_size",
-            f"{list(rollout.fp8_block_size)}: {problem}, so SGLang 0.5.23 refuses to load it; pick a block that "
+            f"{list(rollout.fp8_block_size)}: {problem}, so SGLang {SGLANG_VERSION} refuses to load it; pick a block that "
             "divides the model's projection sizes",
         )
     if rollout.fp8_checkpoint is None:

@@ -12,11 +12,13 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_rl.config.sglang_pin import SGLANG_VERSION
+
 SGLANG_PYTHON_ENV = "MEGATRON_RL_SGLANG_PYTHON"
 """Environment variable naming the Python executable to run ``sglang.launch_server`` with."""
 SGLANG_VENV = Path(__file__).resolve().parents[2] / ".venv-sglang"
 """The environment ``./launch/setup.sh --sglang`` creates (a checkout's root; absent for a wheel install)."""
-INSTALL_HINT = "run ./launch/setup.sh --sglang, or set MEGATRON_RL_SGLANG_PYTHON to a Python with sglang 0.5.23"
+INSTALL_HINT = f"run ./launch/setup.sh --sglang, or set {SGLANG_PYTHON_ENV} to a Python with sglang {SGLANG_VERSION}"
 
 
 def sglang_python() -> str | None:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron_rl.config.sglang_pin import SGLANG_VERSION
 from megatron_rl.engines.access import UNAUTHORIZED_STATUS, authorization_header
 from megatron_rl.engines.engine import (
     EngineRequestError,
@@ -66,7 +67,7 @@ KEY_REFUSED = (
     "with another --api-key, listens at that address"
 )
 NOT_THE_PROTOCOL = (
-    "check that an SGLang 0.5.23 server (or the reference engine) is what listens there "
+    f"check that an SGLang {SGLANG_VERSION} server (or the reference engine) is what listens there "
     "(rollout.engine, and the engine's log)"
 )
 

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23 on a machine without a GPU: the engine process's environment and extra flags.
+"""SGLang 0.5.23 on a machine without a GPU: the engine process's environment (flags: ``sglang_pin.CPU_FLAGS``).
 
 SGLang serves on CPU through its torch-native paths (attention, MoE, norms, top-k) once
 ``SGLANG_USE_CPU_ENGINE=1`` is set (without it SGLang imports ``vllm``) and ``sgl_kernel`` can be
@@ -19,13 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_rl.config.sglang_pin import CPU_ENGINE_ENV
+
 STANDIN_SOURCE = Path(__file__).with_name("native") / "libcuda_standin.c"
 STANDIN_LIBRARY = "libcuda.so.1"
-CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle", "--disable-radix-cache")
-"""Flags of a CPU engine: SGLang's CPU device, its torch-native attention (the CPU backends need AMX
-kernels), an idle scheduler that waits on its sockets instead of spinning a core the trainer needs, and no
-prefix cache, so a weight sync has nothing to flush (a CPU flush is a ``gc.collect()`` of about 0.5 s; RL
-reuses no prefix across weight versions, and a group's samples are prefilled together)."""
 
 
 def default_build_root() -> Path:
@@ -80,4 +77,4 @@ def cpu_engine_environment() -> dict[str, str]:
         )
     inherited = [path for path in os.environ.get("LD_LIBRARY_PATH", "").split(":") if path]
     library_path = [str(driver_standin_dir()), *inherited]
-    return {"SGLANG_USE_CPU_ENGINE": "1", "LD_LIBRARY_PATH": ":".join(library_path)}
+    return {CPU_ENGINE_ENV: "1", "LD_LIBRARY_PATH": ":".join(library_path)}

@@ -46,13 +46,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
+from megatron_rl.config.sglang_pin import (
+    CONFIG_API_KEY,
+    CONFIG_FILE_NAME,
+    CONFIG_FLAG,
+    CPU_FLAGS,
+    DETERMINISTIC_INFERENCE_FLAG,
+    MEMORY_SAVER_FLAGS,
+    ROUTED_EXPERTS_FLAG,
+)
 from megatron_rl.engines.access import check_listen_host
 from megatron_rl.engines.http_engine import HttpEngine
 from megatron_rl.engines.server_process import ServerProcess
-from megatron_rl.engines.sglang_cpu import CPU_FLAGS, cpu_engine_environment
-
-CONFIG_FILE_NAME = "server.yaml"
-"""The private ``--config`` file of an engine with an API key (SGLang accepts only .yaml/.yml)."""
+from megatron_rl.engines.sglang_cpu import cpu_engine_environment
 
 if TYPE_CHECKING:  # the recipe schema imports models.hf_config; rollout stays import-free of it
     from megatron_rl.config.schema import RolloutConfig
@@ -134,15 +140,15 @@ def build_sglang_command(
         command += ["--dist-init-addr", str(placement.dist_init_addr)]
         command += ["--nnodes", str(placement.nnodes), "--node-rank", str(placement.node_rank)]
     if config.placement == "colocated" and placement.device == "cuda":  # the memory saver needs CUDA
-        command += ["--enable-memory-saver", "--disable-prefill-cuda-graph"]
+        command += MEMORY_SAVER_FLAGS
     if routing_replay:
-        command.append("--enable-return-routed-experts")
+        command.append(ROUTED_EXPERTS_FLAG)
     if config.quantization is not None:
         command += ["--quantization", config.quantization]
     if config.deterministic_inference:
-        command.append("--enable-deterministic-inference")
+        command.append(DETERMINISTIC_INFERENCE_FLAG)
     if config_file is not None:
-        command += ["--config", str(config_file)]
+        command += [CONFIG_FLAG, str(config_file)]
     return command
 
 
@@ -215,7 +221,7 @@ class SGLangEngine(HttpEngine):
                 os.mkdir(self._private_dir, 0o700)
             self.discard_start_secrets()
             assert self._api_key is not None, "the private folder exists for the API key only"
-            write_private_config(self._private_dir, {"api-key": self._api_key})
+            write_private_config(self._private_dir, {CONFIG_API_KEY: self._api_key})
         super().start()
 
     def discard_start_secrets(self) -> None:

@@ -122,7 +122,7 @@ class TrainerWorker:
             cfg.weight_sync,
             cfg.rollout.placement,
             self._clients,
-            flush_cache=not cfg.sglang_on_cpu,  # SGLang's CPU engines keep no prefix cache (sglang_cpu.CPU_FLAGS)
+            flush_cache=not cfg.sglang_on_cpu,  # SGLang's CPU engines keep no prefix cache (sglang_pin.CPU_FLAGS)
             fp8_block=cfg.rollout.fp8_block if cfg.rollout.quantization == "fp8" else None,
             engine_world_sizes=[cfg.engine_tp_ranks] * len(self._clients),
             engine_ep_size=cfg.rollout.ep,

@@ -20,6 +20,7 @@ import torch
 import megatron_rl
 from megatron_rl.config.schema import RunConfig, TrainConfig
 from megatron_rl.config.sglang_env import INSTALL_HINT, SGLANG_PYTHON_ENV, sglang_python
+from megatron_rl.config.sglang_pin import SGLANG_VERSION
 from megatron_rl.parallel.device import TRANSFORMER_ENGINE_INSTALL_HINT
 from megatron_rl.preflight.report import StepFailure, StepOutcome
 
@@ -28,7 +29,6 @@ ROOT = Path(megatron_rl.__file__).resolve().parents[1]
 CPU_LOCK, GPU_LOCK = ROOT / "launch" / "requirements.lock", ROOT / "launch" / "requirements-gpu.lock"
 PINNED = ("torch", "megatron-core", "transformers", "ray", "safetensors", "pydantic")
 """The packages whose version the run's behaviour depends on, compared with the lock."""
-SGLANG_VERSION = "0.5.23"
 SGLANG_IMPORT_TIMEOUT_S = 300.0
 """Importing sglang takes seconds to a minute (it imports torch and its kernels); past this it is hung."""
 FP8_RECIPE_CLASSES = {
@@ -160,7 +160,8 @@ def check_transformer_engine(train: TrainConfig) -> str:
 
 def check_sglang() -> tuple[str, str]:
     """(python, version) of the interpreter SGLang engines run under, once ``import sglang`` there reports
-    :data:`SGLANG_VERSION`; StepFailure otherwise (none found, the import fails or hangs, another version)."""
+    :data:`~megatron_rl.config.sglang_pin.SGLANG_VERSION`; StepFailure otherwise (none found, the import fails or
+    hangs, another version)."""
     python = sglang_python()
     fix = f"{INSTALL_HINT} (or set rollout.engine=reference)"
     if python is None:

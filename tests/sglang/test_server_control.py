@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from megatron_rl.config.sglang_pin import CONFIG_FILE_NAME
 from megatron_rl.engines.engine import EngineRequestError, EngineStartupError, EngineUnavailableError
 from megatron_rl.engines.protocol import FLUSH_CACHE_OK, GenerateRequest, SamplingParams
-from megatron_rl.engines.sglang_engine import CONFIG_FILE_NAME
 from tests.api_key_cases import API_KEY, KEY_CASES, raw_request
 from tests.sglang.conftest import start_sglang
 

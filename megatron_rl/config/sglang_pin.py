@@ -1,0 +1,38 @@
+"""The facts about the one SGLang version megatron-rl is pinned to, each with the reason the code depends on it.
+
+Every name here is SGLang 0.5.23's (``srt/server_args.py``, ``srt/entrypoints/http_server.py``); a new pin
+rechecks them: ``tests/unit/test_sglang_protocol.py`` holds the flags to SGLang's own argument parser, and
+``tests/sglang/`` runs a real server. It lives in ``config`` (it imports nothing) so that the recipe checks,
+preflight and the engine driver all read the same facts.
+"""
+
+from __future__ import annotations
+
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release the engines run (pyproject's ``gpu`` extra, ``launch/requirements-sglang.lock``); preflight
+refuses another, since the protocol, flags and refusals below are this release's."""
+
+CONFIG_FLAG = "--config"
+"""A YAML file SGLang merges into its arguments (``ConfigArgumentMerger``): the API key goes there, off the command
+line every user of the node can read."""
+CONFIG_FILE_NAME = "server.yaml"
+"""The private ``--config`` file of an engine with an API key (SGLang accepts only .yaml/.yml)."""
+CONFIG_API_KEY = "api-key"
+"""``--api-key`` as a key of that file: SGLang takes the key as this flag only, with no environment variable."""
+
+MEMORY_SAVER_FLAGS = ("--enable-memory-saver", "--disable-prefill-cuda-graph")
+"""Colocated engines on CUDA: release/resume of weights and KV cache around training; the memory saver needs the
+prefill CUDA graph off (slime does the same)."""
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""Routing replay (R3): the engine returns each token's routed experts with the generation."""
+DETERMINISTIC_INFERENCE_FLAG = "--enable-deterministic-inference"
+"""Batch-invariant kernels and the seeded sampler: the only mode in which SGLang reads a request's
+``sampling_seed`` (``srt/sampling/sampling_batch_info.py``)."""
+
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle", "--disable-radix-cache")
+"""Flags of a CPU engine: SGLang's CPU device, its torch-native attention (the CPU backends need AMX
+kernels), an idle scheduler that waits on its sockets instead of spinning a core the trainer needs, and no
+prefix cache, so a weight sync has nothing to flush (a CPU flush is a ``gc.collect()`` of about 0.5 s; RL
+reuses no prefix across weight versions, and a group's samples are prefilled together)."""
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+"""Set to ``1`` for a CPU engine: SGLang's CPU path (without it SGLang imports ``vllm``)."""
