@@ -1,0 +1,125 @@
+"""LoRA adapters on Megatron (CPU, gloo, fp32) vs transformers + ``peft``'s ``PeftModel``.
+
+A random adapter (every A and B nonzero) on all seven targets is written as a PEFT adapter, loaded into the
+Megatron model (each rank taking its shard) and into ``PeftModel.from_pretrained``; logits must agree on
+the valid positions, and the Megatron export must give back the adapter bit for bit.
+
+Model: the tiny Qwen3-MoE with every layer sparse. PEFT 0.21 on transformers v5 maps the MLP targets of a
+MoE model to the fused experts' parameters only (``_convert_peft_config_moe`` drops gate/up/down_proj from
+``target_modules``), so it would leave a dense layer's MLP (``mlp_only_layers``) unadapted; the dense
+Qwen3 model covers the dense MLP's adapter instead.
+
+Tolerance: ATOL = 1e-5 is asserted (the issue asks for 1e-4). The adapter adds one rank-r product per
+projection to the same fp32 arithmetic whose base logits agree within 1.7e-6 (``test_qwen3_parity``);
+with B ~ 0.1 the update moves the logits by O(1) (asserted > 0.1), so the rounding stays of the same order.
+Observed max |logit diff| (2026-12, CPU): 1.1e-6 (MoE TP2 x EP2), 9.5e-7 (MoE PP2), 1.7e-6 (dense TP2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import PeftModel
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from megatron_rl.config.hf_config import load_hf_config, parse_hf_config
+from megatron_rl.config.schema import LoRAConfig
+from megatron_rl.models.builder import build_model_chunks
+from megatron_rl.models.forward import forward_logits
+from megatron_rl.models.lora import apply_lora
+from megatron_rl.models.lora_peft import lora_state_to_peft, peft_adapter_config, peft_to_lora_state
+from megatron_rl.models.megatron_config import build_transformer_config
+from megatron_rl.models.weight_transfer import load_hf_weights
+from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
+from tests.distributed_utils import run_distributed
+from tests.lora_adapters import random_peft_adapter
+from tests.tiny_checkpoints import VOCAB, save_tiny_dense, save_tiny_moe
+
+ATOL = 1e-5
+LENGTHS = (8, 5, 3, 7)
+SEQ = 8
+LORA = LoRAConfig(rank=4, alpha=8.0)
+
+LAYOUTS = [
+    pytest.param(ParallelSizes(tp=2, ep=2, etp=1), 4, "moe", id="moe-tp2-ep2"),
+    pytest.param(ParallelSizes(pp=2), 2, "moe", id="moe-pp2"),
+    pytest.param(ParallelSizes(tp=2), 2, "dense", id="dense-tp2"),
+]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    dirs = {"moe": save_tiny_moe(root / "moe", all_sparse=True), "dense": save_tiny_dense(root / "dense")}
+    for hf_dir in dirs.values():
+        adapter = hf_dir / "adapter"
+        adapter.mkdir()
+        arch = parse_hf_config(load_hf_config(hf_dir))
+        save_file(random_peft_adapter(arch, LORA, seed=1), adapter / "adapter_model.safetensors")
+        (adapter / "adapter_config.json").write_text(json.dumps(peft_adapter_config(LORA, str(hf_dir))))
+    return dirs
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, VOCAB, (len(LENGTHS), SEQ), generator=generator)
+    mask = torch.arange(SEQ) < torch.tensor(LENGTHS).unsqueeze(1)
+    return input_ids.masked_fill(~mask, 0), mask
+
+
+def _megatron_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path, input_ids: torch.Tensor) -> dict:
+    from megatron.core import parallel_state
+    from safetensors.torch import load_file
+
+    initialize_parallel(sizes)
+    arch = parse_hf_config(load_hf_config(hf_dir))
+    chunks = build_model_chunks(arch, build_transformer_config(arch, sizes, params_dtype=torch.float32))
+    apply_lora(chunks, arch, LORA)
+    load_hf_weights(chunks, arch, hf_dir)  # the base weights' map sees through the LoRA wrappers
+    peft_to_lora_state(chunks, load_file(hf_dir / "adapter" / "adapter_model.safetensors"), arch.num_experts)
+    outputs = forward_logits(chunks, [input_ids])
+    result: dict = {"export": lora_state_to_peft(chunks)}
+    if outputs:
+        local = outputs[0]
+        group = parallel_state.get_tensor_model_parallel_group()
+        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        result["logits"] = torch.cat(shards, dim=-1)[..., :VOCAB]
+    destroy_parallel()
+    return result
+
+
+def _peft_logits(hf_dir: Path, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base, hf_dir / "adapter").eval()
+    with torch.no_grad():
+        return model(input_ids, attention_mask=mask.long()).logits.float()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sizes, world_size, model", LAYOUTS)
+def test_megatron_lora_matches_peft_and_exports_the_adapter(sizes, world_size, model, adapters):
+    from safetensors.torch import load_file
+
+    input_ids, mask = _batch()
+    hf_dir = adapters[model]
+    per_rank = run_distributed(_megatron_rank, world_size, sizes, hf_dir, input_ids)
+    reference = _peft_logits(hf_dir, input_ids, mask)
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        base_logits = base(input_ids, attention_mask=mask.long()).logits
+    assert (reference - base_logits)[mask].abs().max() > 0.1, "the adapter must move the logits"
+    last_stage = [r["logits"] for r in per_rank if "logits" in r]
+    assert last_stage
+    for logits in last_stage:
+        diff = (logits - reference)[mask].abs().max().item()
+        assert diff < ATOL, f"max |logit diff| {diff:.2e} >= {ATOL}"
+    written = load_file(hf_dir / "adapter" / "adapter_model.safetensors")
+    for result in per_rank:
+        assert set(result["export"]) == set(written)
+        assert all(torch.equal(result["export"][n], written[n]) for n in written)
