@@ -13,6 +13,10 @@ Tolerance: ATOL = 1e-5 is asserted (the issue asks for 1e-4). The adapter adds o
 projection to the same fp32 arithmetic whose base logits agree within 1.7e-6 (``test_qwen3_parity``);
 with B ~ 0.1 the update moves the logits by O(1) (asserted > 0.1), so the rounding stays of the same order.
 Observed max |logit diff| (2026-12, CPU): 1.1e-6 (MoE TP2 x EP2), 9.5e-7 (MoE PP2), 1.7e-6 (dense TP2).
+
+Gradients (TP2 x EP2, sequence parallel): GRAD_RTOL = 1e-5 of the largest gradient is asserted; observed
+2.9e-5 on a largest gradient of 82 (3.5e-7 relative). Leaving out the TP all-reduce of the
+``sequence_parallel`` factors (what ``finalize_model_grads`` does) gives 11.7: the check has teeth.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import PeftModel
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.config.hf_config import load_hf_config, parse_hf_config
@@ -32,7 +36,12 @@ from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.models.builder import build_model_chunks
 from megatron_rl.models.forward import forward_logits
 from megatron_rl.models.lora import apply_lora
-from megatron_rl.models.lora_peft import lora_state_to_peft, peft_adapter_config, peft_to_lora_state
+from megatron_rl.models.lora_peft import (
+    lora_state_to_peft,
+    peft_adapter_config,
+    peft_to_lora_state,
+    unfuse_peft_experts,
+)
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.weight_transfer import load_hf_weights
 from megatron_rl.parallel.distributed import ParallelSizes, destroy_parallel, initialize_parallel
@@ -41,12 +50,14 @@ from tests.lora_adapters import random_peft_adapter
 from tests.tiny_checkpoints import VOCAB, save_tiny_dense, save_tiny_moe
 
 ATOL = 1e-5
+GRAD_RTOL = 1e-5
 LENGTHS = (8, 5, 3, 7)
 SEQ = 8
 LORA = LoRAConfig(rank=4, alpha=8.0)
 
 LAYOUTS = [
     pytest.param(ParallelSizes(tp=2, ep=2, etp=1), 4, "moe", id="moe-tp2-ep2"),
+    pytest.param(ParallelSizes(tp=2, ep=2, etp=2), 4, "moe", id="moe-tp2-ep2-etp2"),
     pytest.param(ParallelSizes(pp=2), 2, "moe", id="moe-pp2"),
     pytest.param(ParallelSizes(tp=2), 2, "dense", id="dense-tp2"),
 ]
@@ -72,9 +83,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids.masked_fill(~mask, 0), mask
 
 
-def _megatron_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path, input_ids: torch.Tensor) -> dict:
-    from megatron.core import parallel_state
-    from safetensors.torch import load_file
+def _adapted_model(sizes: ParallelSizes, hf_dir: Path) -> list:
+    """This rank's chunks at ``sizes`` with the checkpoint's base weights and ``hf_dir/adapter``'s adapter."""
 
     initialize_parallel(sizes)
     arch = parse_hf_config(load_hf_config(hf_dir))
@@ -82,6 +92,13 @@ def _megatron_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Pat
     apply_lora(chunks, arch, LORA)
     load_hf_weights(chunks, arch, hf_dir)  # the base weights' map sees through the LoRA wrappers
     peft_to_lora_state(chunks, load_file(hf_dir / "adapter" / "adapter_model.safetensors"), arch.num_experts)
+    return chunks
+
+
+def _megatron_rank(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path, input_ids: torch.Tensor) -> dict:
+    from megatron.core import parallel_state
+
+    chunks = _adapted_model(sizes, hf_dir)
     outputs = forward_logits(chunks, [input_ids])
     result: dict = {"export": lora_state_to_peft(chunks)}
     if outputs:
@@ -104,7 +121,6 @@ def _peft_logits(hf_dir: Path, input_ids: torch.Tensor, mask: torch.Tensor) -> t
 @pytest.mark.distributed
 @pytest.mark.parametrize("sizes, world_size, model", LAYOUTS)
 def test_megatron_lora_matches_peft_and_exports_the_adapter(sizes, world_size, model, adapters):
-    from safetensors.torch import load_file
 
     input_ids, mask = _batch()
     hf_dir = adapters[model]
@@ -123,3 +139,52 @@ def test_megatron_lora_matches_peft_and_exports_the_adapter(sizes, world_size, m
     for result in per_rank:
         assert set(result["export"]) == set(written)
         assert all(torch.equal(result["export"][n], written[n]) for n in written)
+
+
+def _loss_weights(shape: tuple[int, ...], mask: torch.Tensor) -> torch.Tensor:
+    """Fixed random weights of a loss linear in the logits, zero on padded positions."""
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    return weights * mask.unsqueeze(-1)
+
+
+def _megatron_grads(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path, input_ids, mask) -> dict:
+    from megatron.core import parallel_state
+
+    chunks = _adapted_model(sizes, hf_dir)
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    local = chunks[0](input_ids, positions, None)
+    tp_rank, width = parallel_state.get_tensor_model_parallel_rank(), local.shape[-1]
+    weights = torch.zeros_like(local)
+    start = tp_rank * width
+    whole = _loss_weights((*input_ids.shape, VOCAB), mask)
+    weights[..., : max(0, min(width, VOCAB - start))] = whole[..., start : start + width]
+    (local * weights).sum().backward()
+    group = parallel_state.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        for param in chunks[0].parameters():
+            if param.requires_grad:
+                if getattr(param, "sequence_parallel", False):  # as finalize_model_grads does
+                    dist.all_reduce(param.grad, group=group)
+                param.copy_(param.grad)
+    grads = lora_state_to_peft(chunks)
+    destroy_parallel()
+    return grads
+
+
+@pytest.mark.distributed
+def test_adapter_gradients_match_peft_at_tp2_ep2(adapters):
+    """The adapters' gradients of a loss linear in the logits, gathered whole, are PEFT's (the backward of the
+    TP mappings on the low-rank activation, with SP, is exact)."""
+    input_ids, mask = _batch()
+    hf_dir = adapters["moe"]
+    megatron, *_ = run_distributed(_megatron_grads, 4, ParallelSizes(tp=2, ep=2, etp=1), hf_dir, input_ids, mask)
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base, hf_dir / "adapter", is_trainable=True)
+    logits = model(input_ids, attention_mask=mask.long()).logits
+    (logits * _loss_weights(tuple(logits.shape), mask)).sum().backward()
+    named = {n.replace(".default.", "."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    reference = unfuse_peft_experts(named, parse_hf_config(load_hf_config(hf_dir)).num_experts)
+    assert set(megatron) == set(reference)
+    scale = max(g.abs().max().item() for g in reference.values())
+    diff = max((megatron[n] - reference[n]).abs().max().item() for n in reference)
+    assert diff < GRAD_RTOL * scale, f"max |grad diff| {diff:.2e} vs max |grad| {scale:.2e}"
