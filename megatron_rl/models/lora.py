@@ -14,9 +14,10 @@ the tensor-parallel communication (Megatron's mappings), so forward and backward
 
 - dense column-parallel: gathered from the sequence-parallel region (SP) or copied to the TP region;
 - dense row-parallel: reduce-scattered to the sequence-parallel region (SP) or all-reduced;
-- experts: none. Their tokens are gathered and their outputs reduced by the token dispatcher, as the base
-  linear's are. With expert TP > 1 the whole ``A`` (fc1) and ``B`` (fc2) then get partial gradients on
-  each expert-TP rank, to be summed over that group by the optimizer wiring.
+- experts: none on the activation: the token dispatcher gathers their tokens over expert TP and reduces
+  their outputs, as for the base linear. The whole ``A`` (fc1) and ``B`` (fc2) pass through
+  ``copy_to_tensor_model_parallel_region`` over expert TP instead (identity forward, all-reduce backward):
+  each expert-TP rank's gradient of them covers only its share of the output (fc1) or of the input (fc2).
 
 Parameter attributes follow Megatron's linears: the split factor carries ``tensor_model_parallel`` and its
 ``partition_dim``; expert factors copy the base weight's ``allreduce`` (False: reduced over expert DP). Under
@@ -150,8 +151,15 @@ class LoRALinear(nn.Module):
             return output, bias
         return output + self._delta(args[0]), bias
 
+    def _whole(self, factor: torch.Tensor) -> torch.Tensor:
+        """An expert's whole factor, its gradient summed over expert TP (module docstring)."""
+        if not self.expert or self.size == 1:
+            return factor
+        summed: torch.Tensor = copy_to_tensor_model_parallel_region(factor, group=self.group)
+        return summed
+
     def _low_rank(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        h = x @ a.t()
+        h = x @ (a if self.row_parallel else self._whole(a)).t()
         if self.expert or self.size == 1:
             return h
         if self.row_parallel:
@@ -169,11 +177,12 @@ class LoRALinear(nn.Module):
         return gathered
 
     def _delta(self, x: torch.Tensor) -> torch.Tensor:
-        parts = []
+        parts: list[torch.Tensor | None] = []
         for proj in self.projections:
             if proj.target in self.lora_A:
                 h = self._low_rank(x, self.lora_A[proj.target])
-                parts.append((h @ self.lora_B[proj.target].t()) * self.scaling)
+                b = self.lora_B[proj.target]
+                parts.append((h @ (self._whole(b) if self.row_parallel else b).t()) * self.scaling)
             else:
                 parts.append(None)
         shapes = [p.shape for p in parts if p is not None]

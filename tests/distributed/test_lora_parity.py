@@ -14,9 +14,11 @@ projection to the same fp32 arithmetic whose base logits agree within 1.7e-6 (``
 with B ~ 0.1 the update moves the logits by O(1) (asserted > 0.1), so the rounding stays of the same order.
 Observed max |logit diff| (2026-12, CPU): 1.1e-6 (MoE TP2 x EP2), 9.5e-7 (MoE PP2), 1.7e-6 (dense TP2).
 
-Gradients (TP2 x EP2, sequence parallel): GRAD_RTOL = 1e-5 of the largest gradient is asserted; observed
-2.9e-5 on a largest gradient of 82 (3.5e-7 relative). Leaving out the TP all-reduce of the
-``sequence_parallel`` factors (what ``finalize_model_grads`` does) gives 11.7: the check has teeth.
+Gradients (TP2 x EP2 at expert TP 1 and 2, sequence parallel, each DP rank running its rows):
+GRAD_RTOL = 1e-5 of the largest gradient is asserted; observed 2.7e-5 (ETP 1) and 2.5e-5 (ETP 2) on a
+largest gradient of 82 (3e-7 relative). Leaving out the TP all-reduce of the ``sequence_parallel``
+factors gives 11.7, and leaving out the expert-TP sum of the experts' whole factors 8.1: the check has
+teeth.
 """
 
 from __future__ import annotations
@@ -148,23 +150,31 @@ def _loss_weights(shape: tuple[int, ...], mask: torch.Tensor) -> torch.Tensor:
 
 
 def _megatron_grads(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Path, input_ids, mask) -> dict:
-    from megatron.core import parallel_state
+    """Whole adapter gradients of ``sum(logits * weights)`` over the batch, each DP rank running its rows.
+
+    Reduced as ``finalize_model_grads`` does, without its loss scaling: summed over the parameter's DP group
+    (expert DP for experts) and, for the ``sequence_parallel`` factors, over TP.
+    """
+    from megatron.core import parallel_state as ps
 
     chunks = _adapted_model(sizes, hf_dir)
-    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-    local = chunks[0](input_ids, positions, None)
-    tp_rank, width = parallel_state.get_tensor_model_parallel_rank(), local.shape[-1]
+    rows = input_ids.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+    first = ps.get_data_parallel_rank() * rows.shape[0]
+    local = chunks[0](rows, torch.arange(rows.shape[1]).expand_as(rows), None)
+    start, width = ps.get_tensor_model_parallel_rank() * local.shape[-1], local.shape[-1]
+    whole = _loss_weights((*input_ids.shape, VOCAB), mask)[first : first + rows.shape[0]]
     weights = torch.zeros_like(local)
-    start = tp_rank * width
-    whole = _loss_weights((*input_ids.shape, VOCAB), mask)
     weights[..., : max(0, min(width, VOCAB - start))] = whole[..., start : start + width]
     (local * weights).sum().backward()
-    group = parallel_state.get_tensor_model_parallel_group()
     with torch.no_grad():
         for param in chunks[0].parameters():
             if param.requires_grad:
-                if getattr(param, "sequence_parallel", False):  # as finalize_model_grads does
-                    dist.all_reduce(param.grad, group=group)
+                expert = not getattr(param, "allreduce", True)
+                dist.all_reduce(
+                    param.grad, group=ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+                )
+                if getattr(param, "sequence_parallel", False):
+                    dist.all_reduce(param.grad, group=ps.get_tensor_model_parallel_group())
                 param.copy_(param.grad)
     grads = lora_state_to_peft(chunks)
     destroy_parallel()
@@ -172,12 +182,13 @@ def _megatron_grads(rank: int, world_size: int, sizes: ParallelSizes, hf_dir: Pa
 
 
 @pytest.mark.distributed
-def test_adapter_gradients_match_peft_at_tp2_ep2(adapters):
+@pytest.mark.parametrize("etp", [1, 2])
+def test_adapter_gradients_match_peft_at_tp2_ep2(etp, adapters):
     """The adapters' gradients of a loss linear in the logits, gathered whole, are PEFT's (the backward of the
-    TP mappings on the low-rank activation, with SP, is exact)."""
+    TP mappings on the low-rank activation, with SP, is exact; with expert TP 2 so are the experts')."""
     input_ids, mask = _batch()
     hf_dir = adapters["moe"]
-    megatron, *_ = run_distributed(_megatron_grads, 4, ParallelSizes(tp=2, ep=2, etp=1), hf_dir, input_ids, mask)
+    megatron, *_ = run_distributed(_megatron_grads, 4, ParallelSizes(tp=2, ep=2, etp=etp), hf_dir, input_ids, mask)
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     model = PeftModel.from_pretrained(base, hf_dir / "adapter", is_trainable=True)
     logits = model(input_ids, attention_mask=mask.long()).logits
