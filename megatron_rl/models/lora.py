@@ -1,9 +1,10 @@
-"""LoRA adapters on this rank's Megatron GPTModel chunks, and their PEFT form.
+"""LoRA adapters on this rank's Megatron GPTModel chunks (their PEFT files: :mod:`~megatron_rl.models.lora_peft`).
 
 :func:`apply_lora` wraps the adapted linears of every decoder layer in :class:`LoRALinear` and freezes
 everything else: attention ``linear_qkv`` (q_proj, k_proj, v_proj), ``linear_proj`` (o_proj), and the
 ``linear_fc1`` (gate_proj, up_proj) and ``linear_fc2`` (down_proj) of a dense MLP or of each local expert
-of a ``SequentialMLP`` (the CPU spec; Transformer Engine's grouped experts are not adapted yet).
+of a ``SequentialMLP``: the local (CPU) spec. The Transformer Engine spec (norm-fused linears, grouped
+experts) is refused for now.
 
 Each Hugging Face projection has its own ``A [r, in]`` and ``B [out, r]``, as PEFT's; the update is
 ``(alpha / r) B A x``. Sharding follows :mod:`megatron_rl.plan.lora_count`: on a column-parallel linear ``A``
@@ -227,6 +228,10 @@ def _wrap_layer(layer: Any, arch: QwenArchitecture, lora: LoRAConfig) -> list[Lo
     prefix = f"model.layers.{index}"
     targets = set(lora.target_modules)
     attention = layer.self_attention
+    if hasattr(attention.linear_qkv, "layer_norm_weight"):
+        # Transformer Engine's spec fuses the input norm into linear_qkv (and the pre-MLP norm into fc1): the
+        # adapter would read the un-normalised input
+        raise NotImplementedError("LoRA on the Transformer Engine spec (norm-fused linears) is not built yet")
     wrapped: list[LoRALinear] = []
     if targets & {"q_proj", "k_proj", "v_proj"}:
         attention.linear_qkv = LoRALinear(
