@@ -1,7 +1,7 @@
 """The adapters of :mod:`megatron_rl.models.lora` as a PEFT adapter, and back.
 
-Export names are PEFT's for a Qwen3 / Qwen3-MoE ``PeftModel`` saved with transformers v4 module names
-(what SGLang and ``PeftModel.from_pretrained`` read): ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``,
+Export names are PEFT's for a Qwen3 / Qwen3-MoE ``PeftModel`` saved with transformers v4 module names (what
+SGLang and ``PeftModel.from_pretrained`` read): ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``,
 ``...mlp.gate_proj.lora_B.weight`` for a dense MLP and ``...mlp.experts.{e}.down_proj.lora_A.weight`` for a
 routed expert. PEFT 0.21 on transformers v5 loads those into its fused-expert wrappers and saves them fused
 (``...mlp.experts.base_layer.lora_{A,B}.weight`` for gate/up, ``...mlp.experts.lora_{A,B}.weight`` for down,
