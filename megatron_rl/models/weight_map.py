@@ -11,6 +11,10 @@ spec flavours are understood:
   (``linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``),
   grouped experts as ``mlp.experts.linear_fc{1,2}.weight{e}``.
 
+With LoRA (:mod:`~megatron_rl.models.lora`) a wrapped linear's weight is ``<linear>.base.weight``, mapped as
+``<linear>.weight``; the adapters (``lora_A``/``lora_B``) are not base weights and are not yielded (their
+Hugging Face/PEFT names are :mod:`~megatron_rl.models.lora_peft`'s).
+
 Layer indices are global (``layer.layer_number - 1``, so PP/VPP chunks map to
 the right Hugging Face layer) and expert indices are global
 (``ep_rank * local_experts + e``).
@@ -87,6 +91,7 @@ _EXPERT_RULES: dict[str, tuple[tuple[str, ...], Layout]] = {
 }
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_ADAPTER = re.compile(r"\.lora_[AB]\.")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 _GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
 
@@ -162,7 +167,7 @@ def _top_level_mapping(name: str, arch: QwenArchitecture) -> ParamMapping:
 def iter_param_mappings(
     chunks: Sequence[GPTModel], arch: QwenArchitecture
 ) -> Iterator[tuple[ParamMapping, torch.nn.Parameter]]:
-    """Yield (mapping, parameter) for every parameter of this rank's chunks, in model order.
+    """Yield (mapping, parameter) for every base parameter of this rank's chunks, in model order (not LoRA's).
 
     The order is identical on all ranks with the same pipeline stage, so
     collectives issued per parameter line up across TP / expert-TP groups.
@@ -170,7 +175,9 @@ def iter_param_mappings(
     for chunk in chunks:
         layers = chunk.decoder.layers
         for name, param in chunk.named_parameters():
-            match = _LAYER.fullmatch(name)
+            if _ADAPTER.search(name):
+                continue
+            match = _LAYER.fullmatch(name.replace(".base.", "."))
             if match is None:
                 yield _top_level_mapping(name, arch), param
                 continue
