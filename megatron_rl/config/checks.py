@@ -26,7 +26,7 @@ from megatron_rl.config.fp8_checkpoint import checkpoint_block, sglang_block_pro
 from megatron_rl.config.hf_config import INDEX_FILE, SINGLE_FILE, QwenArchitecture
 from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.layout import trainer_layout
-from megatron_rl.config.lora_checks import lora_errors, lora_warnings
+from megatron_rl.config.lora_checks import SGLangEngineShape, lora_errors, lora_warnings
 from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.pipeline_split import pipeline_split
 from megatron_rl.config.schema import JUDGE_REWARD, REMOTE_REWARD, RunConfig
@@ -730,7 +730,9 @@ def _check_fp8_rollout(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Findi
 def _check_lora(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     if cfg.lora is None:
         return
-    yield from (_error(field, message) for field, message in lora_errors(cfg.lora, arch))
+    rollout = cfg.rollout
+    sglang = SGLangEngineShape(rollout.dp, cfg.cluster.gpus_per_node == 0) if rollout.engine == "sglang" else None
+    yield from (_error(field, message) for field, message in lora_errors(cfg.lora, arch, sglang))
     yield from (_warning(field, message) for field, message in lora_warnings(cfg.lora, arch))
 
 

@@ -14,21 +14,38 @@ Each rule cites the SGLang source it follows (paths under ``sglang/srt/`` of the
   LoRA wrapper only when both ``gate_up_proj`` and ``down_proj`` are targets; otherwise its experts are
   served without the adapter.
 
+- ``managers/tokenizer_control_mixin.py`` ``load_lora_adapter`` (and the tensor and unload variants): an
+  adapter is loaded into a running engine only without data-parallel replicas (``dp_size == 1`` asserted),
+  and a run loads each new adapter version so.
+- ``lora/layers.py`` ``FusedMoEWithLoRA``: a MoE layer with LoRA runs its experts through the Triton MoE
+  runner (``MoeRunnerBackend.TRITON``, ``fused_moe_lora``), which SGLang's CPU device does not have, so an
+  engine on CPU serves LoRA on attention (and dense MLPs) only.
+
 Not refused, because SGLang 0.5.23 serves it: FP8 rollouts with LoRA (``lora/layers.py``
 ``FusedMoEWithLoRA`` runs on the base layer's quant method, ``Fp8MoEMethod.get_triton_quant_info``, and
 the linear LoRA wrappers call ``base_layer.quant_method.apply``); engine EP (``lora/mem_pool.py`` keeps
-the local experts' slots); ``--dp-size`` replicas (the DP-attention limits of ``lora_manager.py`` do not
-apply: the engines do not enable DP attention). The rank cannot exceed the engines' ``--max-lora-rank``:
-the run starts them with ``lora.rank``.
+the local experts' slots). The rank cannot exceed the engines' ``--max-lora-rank``: the run starts them
+with ``lora.rank``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.schema import LoRAConfig
 
 Problem = tuple[str, str]
 """(dotted field, message with the fix)."""
+
+
+@dataclass(frozen=True)
+class SGLangEngineShape:
+    """What the LoRA rules need of SGLang rollout engines: data-parallel replicas per engine, and whether they run
+    on CPU."""
+
+    dp: int
+    on_cpu: bool
 
 
 def _attention_problems(targets: set[str], listed: list[str]) -> list[Problem]:
@@ -70,9 +87,33 @@ def _mlp_problems(targets: set[str], listed: list[str], arch: QwenArchitecture) 
     return []
 
 
-def lora_errors(lora: LoRAConfig, arch: QwenArchitecture) -> list[Problem]:
+def _sglang_engine_problems(lora: LoRAConfig, arch: QwenArchitecture, engine: SGLangEngineShape) -> list[Problem]:
+    problems: list[Problem] = []
+    if engine.dp > 1:
+        problems.append(
+            (
+                "rollout.dp",
+                f"{engine.dp}: SGLang 0.5.23 loads a LoRA adapter into a running engine only without data-parallel "
+                "replicas (managers/tokenizer_control_mixin.py asserts dp_size == 1), and each sync loads a new "
+                "one; set rollout.dp=1 and rollout.num_engines to the replicas you want",
+            )
+        )
+    experts = sorted(set(lora.target_modules) & {"gate_proj", "up_proj", "down_proj"})
+    if engine.on_cpu and arch.is_moe and experts:
+        problems.append(
+            (
+                "lora.target_modules",
+                f"{experts} on the routed experts: SGLang 0.5.23 runs MoE LoRA through its Triton MoE runner "
+                "(lora/layers.py FusedMoEWithLoRA), which its CPU device lacks; on CPU adapt attention only "
+                "(q_proj, k_proj, v_proj, o_proj) or use rollout.engine=reference",
+            )
+        )
+    return problems
+
+
+def lora_errors(lora: LoRAConfig, arch: QwenArchitecture, sglang: SGLangEngineShape | None) -> list[Problem]:
     """What stops a recipe with ``lora``: RL's need of a deterministic adapter and what SGLang 0.5.23 cannot
-    serve (module docstring)."""
+    serve (module docstring); ``sglang``: the rollout engines' shape when they are SGLang (None: reference)."""
     problems: list[Problem] = []
     if lora.dropout > 0:
         problems.append(
@@ -84,7 +125,8 @@ def lora_errors(lora: LoRAConfig, arch: QwenArchitecture) -> list[Problem]:
         )
     targets: set[str] = set(lora.target_modules)
     listed: list[str] = list(lora.target_modules)
-    return problems + _attention_problems(targets, listed) + _mlp_problems(targets, listed, arch)
+    problems += _attention_problems(targets, listed) + _mlp_problems(targets, listed, arch)
+    return problems + (_sglang_engine_problems(lora, arch, sglang) if sglang is not None else [])
 
 
 def lora_warnings(lora: LoRAConfig, arch: QwenArchitecture) -> list[Problem]:
