@@ -49,9 +49,13 @@ from megatron_rl.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoadLoRAAdapterRequest,
+    LoRAUpdateResult,
     MemoryOccupationRequest,
     PauseGenerationRequest,
     PauseMode,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -343,6 +347,24 @@ class HttpEngine(RolloutEngine):
 
     def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> None:
         self.request("/update_weights_from_disk", request.to_json())
+
+    def load_lora_adapter_from_tensors(self, request: LoadLoRAAdapterFromTensorsRequest) -> LoRAUpdateResult:
+        """Register a LoRA adapter from tensors; the engine's adapters after it. A refusal (duplicate name, rank or
+        targets the engine was not started for, LoRA not enabled) raises EngineRequestError, status 400, whose
+        ``body`` is :class:`LoRAUpdateResult` JSON with SGLang's ``error_message``."""
+        return LoRAUpdateResult.from_json(self.request("/load_lora_adapter_from_tensors", request.to_json()))
+
+    def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> LoRAUpdateResult:
+        """Register a LoRA adapter from a PEFT directory the engine reads; refusals as
+        :meth:`load_lora_adapter_from_tensors`."""
+        return LoRAUpdateResult.from_json(self.request("/load_lora_adapter", request.to_json()))
+
+    def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateResult:
+        """Forget adapter ``lora_name``; an unknown name raises EngineRequestError (400, :class:`LoRAUpdateResult`
+        JSON)."""
+        return LoRAUpdateResult.from_json(
+            self.request("/unload_lora_adapter", UnloadLoRAAdapterRequest(lora_name).to_json())
+        )
 
     def check_weights(
         self, action: str, *, allow_quant_error: bool = False, skip_tensor_list: list[str] | None = None

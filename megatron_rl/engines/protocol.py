@@ -81,6 +81,9 @@ class GenerateRequest(_Body):
     ``rid``: the request's id; with n > 1 a string names the group (sample i is ``{rid}_{i}``)
     and a list names each sample; None lets the engine name them.
 
+    ``lora_path``: the NAME of a loaded LoRA adapter to generate with (SGLang's field name,
+    ``io_struct.py:277``); None: the base model.
+
     ``sample_seeds``: one sampling seed per sample, in place of ``sampling_params.sampling_seed`` (which
     must then be None). Not a ``GenerateReqInput`` field: the body goes as a batch whose
     ``sampling_params`` is a list, one dict per sample with its own ``sampling_seed`` (SGLang 0.5.23's
@@ -96,6 +99,7 @@ class GenerateRequest(_Body):
     routed_experts_start_len: int = 0
     stream: bool = False
     sample_seeds: list[int] | None = None
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.sample_seeds is not None:
@@ -194,6 +198,66 @@ class UpdateWeightsFromTensorRequest(_Body):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadLoRAAdapterFromTensorsRequest(_Body):
+    """``POST /load_lora_adapter_from_tensors`` (SGLang ``LoadLoRAAdapterFromTensorsReqInput``,
+    ``io_struct.py:2548-2569``): register adapter ``lora_name`` from PEFT-named tensors.
+
+    ``config_dict``: the PEFT ``adapter_config.json`` (``peft_type``, ``r``, ``lora_alpha``,
+    ``target_modules``); ``serialized_named_tensors``: one base64 payload per engine TP rank, each
+    the FULL unsharded PEFT dict (:func:`~megatron_rl.wire.tensor_serialization.serialize_named_tensors`;
+    ``load_format="flattened_bucket"`` for a flattened one). Not gated by weight-update sessions.
+    """
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    added_tokens_config: dict[str, int] | None = None
+    lora_id: str | None = None
+    load_format: str | None = None
+    expected_checksums: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class LoadLoRAAdapterRequest(_Body):
+    """``POST /load_lora_adapter`` (SGLang ``LoadLoRAAdapterReqInput``): register adapter ``lora_name`` from
+    ``lora_path``, a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``) the engine reads."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+@dataclass(frozen=True)
+class UnloadLoRAAdapterRequest(_Body):
+    """``POST /unload_lora_adapter`` (SGLang ``UnloadLoRAAdapterReqInput``): forget adapter ``lora_name``."""
+
+    lora_name: str
+    lora_id: str | None = None
+
+
+@dataclass(frozen=True)
+class LoRAUpdateResult:
+    """The answer of the three LoRA endpoints (SGLang ``LoRAUpdateOutput``, ``io_struct.py:2572-2580``), HTTP 200
+    when ``success`` else 400: ``loaded_adapters`` maps each loaded name to its path (``"__tensor__"`` for an
+    adapter loaded from tensors)."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The body SGLang answers."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> LoRAUpdateResult:
+        """Parse an answer (200 or 400)."""
+        return cls(body["success"], body.get("error_message"), body.get("loaded_adapters"))
 
 
 @dataclass(frozen=True)

@@ -56,9 +56,12 @@ from megatron_rl.engines.protocol import (
     GenerateResult,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoadLoRAAdapterRequest,
     MemoryOccupationRequest,
     PauseGenerationRequest,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -119,6 +122,17 @@ SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
     "CheckWeightsRequest": (
         "CheckWeightsReqInput", frozenset({"action", "allow_quant_error", "skip_tensor_list", "selector"}), frozenset()
     ),
+    "LoadLoRAAdapterFromTensorsRequest": (
+        "LoadLoRAAdapterFromTensorsReqInput",
+        frozenset({"lora_name", "config_dict", "serialized_named_tensors", "pinned", "added_tokens_config", "lora_id",
+                   "load_format", "expected_checksums"}),
+        frozenset({"lora_name", "config_dict", "serialized_named_tensors"}),
+    ),
+    "LoadLoRAAdapterRequest": (
+        "LoadLoRAAdapterReqInput", frozenset({"lora_name", "lora_path", "pinned", "lora_id"}),
+        frozenset({"lora_name", "lora_path"}),
+    ),
+    "UnloadLoRAAdapterRequest": ("UnloadLoRAAdapterReqInput", frozenset({"lora_name", "lora_id"}), frozenset({"lora_name"})),
 }  # fmt: skip
 INTERNAL_FIELDS = {"rid", "http_worker_ipc"}  # BaseReq routing fields; only AbortReq's rid is ours to set
 
@@ -135,12 +149,16 @@ BODIES = [
     AbortRequest("g17"),
     GetWeightsByNameRequest("model.embed_tokens.weight", 4),
     CheckWeightsRequest("compare", allow_quant_error=True, skip_tensor_list=["embed_tokens"]),
+    LoadLoRAAdapterFromTensorsRequest("policy-v3", {"peft_type": "LORA", "r": 8, "lora_alpha": 16}, ["aGVsbG8="]),
+    LoadLoRAAdapterRequest("policy-v3", "/ckpt/step3/adapter"),
+    UnloadLoRAAdapterRequest("policy-v2"),
 ]
 GENERATE = GenerateRequest(
     [1, 2, 3],
     SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, n=4, stop_token_ids=[2]),
     rid="g0",
     return_routed_experts=True,
+    lora_path="policy-v3",
 )
 SGLANG_IMPORTABLE = importlib.util.find_spec("sglang") is not None
 needs_sglang = pytest.mark.skipif(not SGLANG_IMPORTABLE, reason="sglang 0.5.23 not installed (see module docstring)")
@@ -185,6 +203,7 @@ def test_generate_body_passes_sglangs_contract_and_sampling_checks():
     assert (request.batch_size, request.parallel_sample_num) == (4, 1)
     assert [request[i].rid for i in range(4)] == ["g0_0", "g0_1", "g0_2", "g0_3"]
     assert all(request[i].input_ids == [1, 2, 3] and request[i].return_routed_experts for i in range(4))
+    assert [request[i].lora_path for i in range(4)] == ["policy-v3"] * 4
     params = SGLangSamplingParams(**request[0].sampling_params)
     params.normalize(None)
     params.verify(100)

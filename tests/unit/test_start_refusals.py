@@ -231,6 +231,13 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("engines/reference/backend.py", "weight elements"): "disk weight update contents, written by the trainer",
     ("engines/reference/backend.py", "WeightUpdateRefused"): "the weight-update protocol's state at request time "
     "(session, groups, flush), as SGLang refuses it",
+    ("engines/reference/lora_adapters.py", ""): "a LoRA request's answer at request time (SGLang's refusals of its "
+    "adapter, name or the engine's --enable-lora limits), not the recipe",
+    ("engines/reference/backend.py", "self.lora.refusal"): "a LoRA load request's answer at request time (SGLang's)",
+    ("engines/reference/backend.py", "expected_checksums"): "wire-format contract of a LoRA load (our client sends "
+    "no checksums)",
+    ("engines/reference/backend.py", "got {len(request.serialized_named_tensors)}"): "wire-format contract of a "
+    "LoRA load: one payload per engine TP rank",
     ("engines/reference/server.py", "timeout must be >= 0"): "a request argument of /flush_cache",
     ("engines/reference/backend.py", "tp_rank"): "node rank and count of an engine spanning nodes, set by its host "
     "from the placement (engine_node_slots), not the recipe",

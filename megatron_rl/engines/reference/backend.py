@@ -52,11 +52,19 @@ from megatron_rl.engines.protocol import (
     FinishReason,
     GenerateRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoadLoRAAdapterRequest,
     UpdateWeightsFromDistributedRequest,
     encode_routed_experts,
 )
 from megatron_rl.engines.reference.fp8_weights import Fp8Weights
 from megatron_rl.engines.reference.generator import RequestState, decode_step, eos_ids
+from megatron_rl.engines.reference.lora_adapters import (
+    TENSOR_PATH,
+    LoRARegistry,
+    LoRASettings,
+    read_peft_dir,
+)
 from megatron_rl.engines.reference.shared_buffers import SharedBufferMappings
 from megatron_rl.engines.reference.slot_model import SlotModel
 from megatron_rl.engines.reference.weight_checker import WeightChecker
@@ -111,6 +119,8 @@ class ReferenceBackend:
     process's rank in an engine of several node processes, one rank each
     (:mod:`~megatron_rl.engines.reference.node_group`): it joins weight groups at
     ``rank_offset + tp_rank`` and takes payload ``tp_rank`` of a tensor update, as SGLang's TP ranks do.
+    ``lora``: serve LoRA adapters within these limits (SGLang's ``--enable-lora``,
+    :mod:`~megatron_rl.engines.reference.lora_adapters`); None: LoRA not enabled.
     """
 
     def __init__(
@@ -124,6 +134,7 @@ class ReferenceBackend:
         fp8_block: tuple[int, int] | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        lora: LoRASettings | None = None,
     ) -> None:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} must be in [0, tp_size={tp_size})")
@@ -133,6 +144,7 @@ class ReferenceBackend:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.fp8 = None if fp8_block is None else Fp8Weights(fp8_block)
+        self.lora = LoRARegistry(model, lora)
         self.weight_checker = WeightChecker(model, self.fp8, tp_rank=tp_rank, tp_size=tp_size)
         context = context_length or model.config.max_position_embeddings
         self.slot_model = SlotModel(model, slots=max_running_requests, context_length=context)
@@ -192,7 +204,8 @@ class ReferenceBackend:
         if request.return_routed_experts and self.slot_model.routes_experts:
             routing_shape = (self.slot_model.context_length, self.slot_model.num_layers, self.slot_model.top_k)
         stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self._eos)
-        state = RequestState(request, generator, stop_ids, routing_shape)
+        adapter = self.lora.lookup(request.lora_path)
+        state = RequestState(request, generator, stop_ids, routing_shape, adapter)
         with self._state:
             self._state.wait_for(lambda: not self._writers)
             self._jobs[state] = (self._abort_epoch, sample_rids)
@@ -575,6 +588,51 @@ class ReferenceBackend:
             raise ValueError(f"{model_path} holds {written} weight elements; the model has {total}")
         with self._control:
             self._load(named, version, flush)
+
+    def _check_lora_enabled(self) -> None:
+        """SGLang's first checks of a LoRA load or unload: enabled, then ``dp_size == 1`` (an assertion: HTTP 500;
+        ``tokenizer_control_mixin.py:667-674``)."""
+        self.lora.check_enabled()
+        self._assert_single_dp("dynamic lora loading")
+
+    def load_lora_from_tensors(self, request: LoadLoRAAdapterFromTensorsRequest) -> dict[str, Any]:
+        """Register an adapter from payload ``tp_rank`` of ``serialized_named_tensors`` (copied); SGLang's
+        ``LoRAUpdateOutput``. Refusals (:mod:`lora_adapters`) raise LoRAUpdateFailed; ValueError for a payload
+        count other than the TP size or checksums (which the reference engine does not verify)."""
+        self._check_lora_enabled()
+        if request.added_tokens_config:
+            raise self.lora.refusal(
+                f"Failed to load {request.lora_name} because LoRA serving currently doesn't support adapters that "
+                "add tokens to the vocabulary"
+            )
+        if request.expected_checksums is not None:
+            raise ValueError("the reference engine does not verify expected_checksums; send None")
+        if request.load_format not in (None, FLATTENED_BUCKET):
+            raise ValueError(f"Unknown load_format={request.load_format}")
+        if len(request.serialized_named_tensors) != self.tp_size:
+            raise ValueError(
+                f"the reference engine has {self.tp_size} TP rank(s); "
+                f"got {len(request.serialized_named_tensors)} serialized_named_tensors"
+            )
+        named = deserialize_payload(request.serialized_named_tensors[self.tp_rank], request.load_format)
+        self.lora.load(request.lora_name, TENSOR_PATH, request.config_dict, named)
+        return self.lora.result().to_json()
+
+    def load_lora_from_path(self, request: LoadLoRAAdapterRequest) -> dict[str, Any]:
+        """Register an adapter from a PEFT directory; SGLang's ``LoRAUpdateOutput`` (refusals: LoRAUpdateFailed)."""
+        self._check_lora_enabled()
+        try:
+            config, named = read_peft_dir(request.lora_path)
+        except ValueError as error:
+            raise self.lora.refusal(str(error)) from error
+        self.lora.load(request.lora_name, request.lora_path, config, named)
+        return self.lora.result().to_json()
+
+    def unload_lora(self, name: str) -> dict[str, Any]:
+        """Forget adapter ``name`` (requests holding it finish with it); SGLang's ``LoRAUpdateOutput``."""
+        self._check_lora_enabled()
+        self.lora.unload(name)
+        return self.lora.result().to_json()
 
     def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
         """The weight ``name`` (Hub naming) as nested lists, first ``truncate_size`` rows (exact fp32 values)."""

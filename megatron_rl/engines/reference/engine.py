@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_rl.engines.access import API_KEY_ENV, check_listen_host
 from megatron_rl.engines.http_engine import HttpEngine
+from megatron_rl.engines.reference.lora_adapters import LoRASettings
 from megatron_rl.engines.server_process import ServerProcess
 
 
@@ -25,12 +26,16 @@ def build_reference_command(
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
+    lora: LoRASettings | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """``python -m megatron_rl.engines.reference.server ...`` for one engine (ValueError for a wildcard host;
     ``num_threads``: torch intra-op threads). ``nnodes``/``node_rank``/``dist_init_addr``: one node process
     of an engine spanning nodes, SGLang's flags (:mod:`~megatron_rl.engines.reference.node_group`);
     ValueError for a node rank outside [0, nnodes) or several nodes without ``dist_init_addr``.
+
+    ``lora``: serve LoRA adapters within these limits (``--enable-lora --max-lora-rank R
+    --lora-target-modules ...``, SGLang's flags).
 
     Never carries an API key: the key goes through the environment (:data:`~megatron_rl.engines.access.API_KEY_ENV`).
     """
@@ -45,6 +50,14 @@ def build_reference_command(
         if not dist_init_addr:
             raise ValueError("an engine spanning nodes (nnodes > 1) needs dist_init_addr (host:port of node 0)")
         command += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
+    if lora is not None:
+        command += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(lora.max_rank),
+            "--lora-target-modules",
+            *lora.target_modules,
+        ]
     return command
 
 
@@ -57,7 +70,8 @@ class ReferenceEngine(HttpEngine):
     ``api_key``: the server requires it (passed in its environment, kept out of its log) and this
     client sends it; ``env``: more environment variables for the server (e.g. ``GLOO_SOCKET_IFNAME``).
     ``nnodes``/``node_rank``/``dist_init_addr``: one node process of an engine spanning nodes (only node
-    rank 0 serves HTTP, so only its client talks to it).
+    rank 0 serves HTTP, so only its client talks to it). ``lora``: the server serves LoRA adapters
+    (:func:`build_reference_command`).
     """
 
     def __init__(
@@ -82,6 +96,7 @@ class ReferenceEngine(HttpEngine):
         nnodes: int = 1,
         node_rank: int = 0,
         dist_init_addr: str | None = None,
+        lora: LoRASettings | None = None,
     ) -> None:
         command = build_reference_command(
             model_path,
@@ -95,6 +110,7 @@ class ReferenceEngine(HttpEngine):
             nnodes=nnodes,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,
+            lora=lora,
         )
         server_env = dict(env or {}) | {API_KEY_ENV: api_key or ""}  # never a key inherited from this process
         process = ServerProcess(

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from megatron_rl.engines.protocol import FinishReason, GenerateRequest, SamplingParams
-from megatron_rl.engines.reference.slot_model import SlotModel
+from megatron_rl.engines.reference.lora_adapters import LoRAAdapter
+from megatron_rl.engines.reference.slot_model import LoRARows, SlotModel
 
 
 @dataclass
@@ -81,12 +82,14 @@ class RequestState:
 
     ``slots``: one cache slot per sample, assigned at admission, None once the sample is done.
     ``cached[i]``: how many of sample i's tokens its slot holds (0: prefill at the next step).
+    ``lora``: the adapter its tokens run with (the request's ``lora_path``), None for the base model.
     """
 
     request: GenerateRequest
     generator: torch.Generator
     stop_ids: set[int]
     routing_shape: tuple[int, int, int] | None
+    lora: LoRAAdapter | None = None
     slots: list[int | None] = field(init=False)
     outputs: list[list[int]] = field(init=False)
     logprobs: list[list[float]] = field(init=False)
@@ -232,6 +235,13 @@ class _Feed:
     owners: list[tuple[RequestState, list[int], int]] = field(default_factory=list)
     # (a sample's routing record, first fed row, first position, count): rows of the forward's routing to copy there
     routed: list[tuple[torch.Tensor, int, int, int]] = field(default_factory=list)
+    lora_rows: dict[int, tuple[LoRAAdapter, list[int]]] = field(default_factory=dict)
+    """By adapter object (a name reloaded while requests hold the old one gives two): the adapter and the
+    indices of the tokens fed for requests running with it."""
+
+    def lora(self, device: torch.device) -> list[LoRARows]:
+        """The forward's ``lora`` argument: each adapter with its tokens' indices on ``device``."""
+        return [(a, torch.tensor(rows, dtype=torch.long, device=device)) for a, rows in self.lora_rows.values()]
 
     def add(self, slot: int, tokens: list[int], start: int) -> int:
         """Feed ``tokens`` at positions ``start``.. of ``slot``; returns the index of the last one."""
@@ -242,6 +252,14 @@ class _Feed:
 
     def add_request(self, state: RequestState) -> list[int] | None:
         """Feed every running sample of ``state``; returns its samples when they share one prompt prefill."""
+        first = len(self.tokens)
+        shared = self._add_request(state)
+        if state.lora is not None:
+            rows = self.lora_rows.setdefault(id(state.lora), (state.lora, []))[1]
+            rows += range(first, len(self.tokens))
+        return shared
+
+    def _add_request(self, state: RequestState) -> list[int] | None:
         samples = state.running()
         prompt = state.request.input_ids
         routing = state.routing
@@ -283,7 +301,11 @@ def decode_step(slot_model: SlotModel, states: list[RequestState]) -> list[int]:
     shared = [(state, samples) for state in states if (samples := feed.add_request(state)) is not None]
     as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=slot_model.device)  # noqa: E731
     logits, routing = slot_model.forward(
-        as_tensor(feed.tokens), as_tensor(feed.slots), as_tensor(feed.positions), as_tensor(feed.logit_rows)
+        as_tensor(feed.tokens),
+        as_tensor(feed.slots),
+        as_tensor(feed.positions),
+        as_tensor(feed.logit_rows),
+        feed.lora(slot_model.device),
     )
     if routing is not None:
         for record, first, start, length in feed.routed:

@@ -69,8 +69,11 @@ from megatron_rl.engines.protocol import (
     GenerateRequest,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoadLoRAAdapterRequest,
     MemoryOccupationRequest,
     PauseGenerationRequest,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -82,6 +85,7 @@ from megatron_rl.engines.reference.backend import (
     WeightUpdateRefused,
 )
 from megatron_rl.engines.reference.fault_injection import exit_at_start_if_asked, exit_if_asked
+from megatron_rl.engines.reference.lora_adapters import LoRASettings, LoRAUpdateFailed
 from megatron_rl.engines.reference.weight_checker import WeightCheckFailed
 from megatron_rl.parallel.device import select_device
 
@@ -180,6 +184,11 @@ ROUTES: dict[str, Route] = {
     "/update_weights_from_distributed": _update(
         ReferenceBackend.update_from_distributed, UpdateWeightsFromDistributedRequest.from_json
     ),
+    "/load_lora_adapter_from_tensors": lambda b, body: b.load_lora_from_tensors(
+        LoadLoRAAdapterFromTensorsRequest.from_json(body)
+    ),
+    "/load_lora_adapter": lambda b, body: b.load_lora_from_path(LoadLoRAAdapterRequest.from_json(body)),
+    "/unload_lora_adapter": lambda b, body: b.unload_lora(UnloadLoRAAdapterRequest.from_json(body).lora_name),
     "/update_weights_from_disk": _update(
         lambda b, r: b.update_from_disk(r.model_path, r.weight_version, r.flush_cache),
         UpdateWeightsFromDiskRequest.from_json,
@@ -209,6 +218,8 @@ def answer(backend: ReferenceBackend, path: str, query: str, body: dict[str, Any
         if path in QUERY_ROUTES:
             return 200, QUERY_ROUTES[path](backend, parse_qs(query))
         return 200, ROUTES[path](backend, body)
+    except LoRAUpdateFailed as error:  # SGLang answers LoRAUpdateOutput with 400 (http_server.py:1652-1684)
+        return 400, error.result.to_json()
     except (WeightUpdateRefused, WeightCheckFailed) as error:
         return 400, {"success": False, "message": str(error)}
     except (ValueError, TypeError, KeyError, EngineStateError) as error:
@@ -372,7 +383,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nnodes", type=int, default=1, help="node processes of the engine (SGLang's --nnodes)")
     parser.add_argument("--node-rank", type=int, default=0, help="this process's node (0 serves HTTP)")
     parser.add_argument("--dist-init-addr", default=None, help="host:port of node 0's node-group store")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
+    parser.add_argument("--lora-target-modules", nargs="+", default=None, help="projections adapters may target")
     args = parser.parse_args(argv)
+    if args.enable_lora and (args.max_lora_rank is None or not args.lora_target_modules):
+        parser.error("--enable-lora needs --max-lora-rank and --lora-target-modules (as SGLang without --lora-paths)")
     if args.nnodes > 1 and not args.dist_init_addr:
         parser.error("--nnodes > 1 needs --dist-init-addr (host:port of node rank 0)")
     exit_at_start_if_asked()
@@ -392,6 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         fp8_block=fp8_block,
         tp_rank=args.node_rank,
         tp_size=args.nnodes,
+        lora=LoRASettings(args.max_lora_rank, tuple(args.lora_target_modules)) if args.enable_lora else None,
     )
     if fp8_block is not None and args.load_format != "dummy":
         backend.update_from_disk(args.model_path, version=None)

@@ -19,7 +19,9 @@ construction.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +32,28 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
+
+    from megatron_rl.engines.reference.lora_adapters import LoRAAdapter
+
+
+LoRARows = tuple["LoRAAdapter", torch.Tensor]
+"""An adapter and the indices of the tokens of a forward call that run with it."""
+Linear = Callable[[torch.Tensor, torch.nn.Linear, str], torch.Tensor]
+"""A layer's projection: (input, linear module, its name) -> output, LoRA added where the call asks for it."""
+
+
+def _adapted_linear(
+    x_TK: torch.Tensor, module: torch.nn.Linear, name: str, *, layer: int, lora: Sequence[LoRARows]
+) -> torch.Tensor:
+    """``module(x)``, each adapter's tokens plus its ``scaling * B(A(x))`` where it adapts ``(layer, name)``."""
+    out = row_invariant_linear(x_TK, module.weight, module.bias)
+    for adapter, rows in lora:
+        pair = adapter.weights.get((layer, name))
+        if pair is not None:
+            a, b = pair
+            delta = row_invariant_linear(row_invariant_linear(x_TK[rows], a), b) * adapter.scaling
+            out.index_add_(0, rows, delta)
+    return out
 
 
 class UnsupportedModelError(ValueError):
@@ -122,12 +146,19 @@ class SlotModel:
             cache[:, index, :, :length] = cache[:, source : source + 1, :, :length]
 
     def forward(
-        self, tokens_T: torch.Tensor, slots_T: torch.Tensor, positions_T: torch.Tensor, logits_rows: torch.Tensor
+        self,
+        tokens_T: torch.Tensor,
+        slots_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        logits_rows: torch.Tensor,
+        lora: Sequence[LoRARows] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed tokens; returns float32 logits [R, vocab] of the tokens ``logits_rows`` picks, and routing.
 
         ``tokens_T``, ``slots_T``, ``positions_T``: int64 [T]; each (slot, position) at most once per
         call, positions below ``context_length``. Writes the tokens' keys and values into the cache.
+        ``lora``: (adapter, int64 token indices) pairs, disjoint: those tokens' projections add the
+        adapter's ``scaling * B @ A @ x`` (PEFT's order: ``B(A(x)) * scaling``, row-invariant too).
         Routing: int32 [T, layers, top_k] (-1 in dense layers), or None for a model without experts.
         Counts itself in :attr:`forward_calls` and adds its wall time to :attr:`forward_seconds` under
         SGLang's forward-mode category: ``decode`` when every slot feeds one token after cached ones,
@@ -135,7 +166,7 @@ class SlotModel:
         """
         started = time.perf_counter()
         try:
-            return self._forward(tokens_T, slots_T, positions_T, logits_rows)
+            return self._forward(tokens_T, slots_T, positions_T, logits_rows, lora)
         finally:
             decode = bool((positions_T > 0).all()) and slots_T.unique().numel() == slots_T.numel()
             self.forward_seconds["decode" if decode else "extend"] += time.perf_counter() - started
@@ -143,7 +174,12 @@ class SlotModel:
 
     @torch.no_grad()
     def _forward(
-        self, tokens_T: torch.Tensor, slots_T: torch.Tensor, positions_T: torch.Tensor, logits_rows: torch.Tensor
+        self,
+        tokens_T: torch.Tensor,
+        slots_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        logits_rows: torch.Tensor,
+        lora: Sequence[LoRARows],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inner = self.model.model
         hidden: torch.Tensor = inner.embed_tokens.weight[tokens_T]
@@ -156,37 +192,34 @@ class SlotModel:
             routing = torch.full((tokens_T.shape[0], self.num_layers, self.top_k), -1, dtype=torch.int32)
         for index, layer in enumerate(inner.layers):
             attn = layer.self_attn
+            linear = functools.partial(_adapted_linear, layer=index, lora=lora)
             normed = rms_norm(hidden, layer.input_layernorm.weight, self.eps)
-            q = row_invariant_linear(normed, attn.q_proj.weight, attn.q_proj.bias).view(-1, self.heads, self.head_dim)
-            k = row_invariant_linear(normed, attn.k_proj.weight, attn.k_proj.bias).view(
-                -1, self.kv_heads, self.head_dim
-            )
-            v = row_invariant_linear(normed, attn.v_proj.weight, attn.v_proj.bias).view(
-                -1, self.kv_heads, self.head_dim
-            )
+            q = linear(normed, attn.q_proj, "q_proj").view(-1, self.heads, self.head_dim)
+            k = linear(normed, attn.k_proj, "k_proj").view(-1, self.kv_heads, self.head_dim)
+            v = linear(normed, attn.v_proj, "v_proj").view(-1, self.kv_heads, self.head_dim)
             q = rotary(rms_norm(q, attn.q_norm.weight, self.eps), cos, sin)
             k = rotary(rms_norm(k, attn.k_norm.weight, self.eps), cos, sin)
             keys[index, slots_T, :, positions_T] = k
             values[index, slots_T, :, positions_T] = v
             attended = slot_attention(q, keys[index], values[index], slots_T, positions_T, self.scaling)
-            hidden = hidden + row_invariant_linear(attended, attn.o_proj.weight, attn.o_proj.bias)
+            hidden = hidden + linear(attended, attn.o_proj, "o_proj")
             normed = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
             if self.sparse[index]:
                 mlp_out, experts = self._moe(layer.mlp, normed)
                 if routing is not None:
                     routing[:, index] = experts.to(torch.int32).cpu()
             else:
-                mlp_out = self._dense_mlp(layer.mlp, normed)
+                mlp_out = self._dense_mlp(layer.mlp, normed, linear)
             hidden = hidden + mlp_out
         last = rms_norm(hidden[logits_rows], inner.norm.weight, self.eps)
         logits = row_invariant_linear(last, self.model.lm_head.weight)
         return logits.float(), routing
 
     @staticmethod
-    def _dense_mlp(mlp: Qwen3MLP | Qwen3MoeMLP, x: torch.Tensor) -> torch.Tensor:
-        gate = row_invariant_linear(x, mlp.gate_proj.weight)
-        up = row_invariant_linear(x, mlp.up_proj.weight)
-        return row_invariant_linear(torch.nn.functional.silu(gate) * up, mlp.down_proj.weight)
+    def _dense_mlp(mlp: Qwen3MLP | Qwen3MoeMLP, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        gate = linear(x, mlp.gate_proj, "gate_proj")
+        up = linear(x, mlp.up_proj, "up_proj")
+        return linear(torch.nn.functional.silu(gate) * up, mlp.down_proj, "down_proj")
 
     def _moe(self, mlp: Qwen3MoeSparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routed experts (transformers' Qwen3-MoE maths); output [T, H] and expert ids [T, top_k]."""

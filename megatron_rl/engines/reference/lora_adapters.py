@@ -1,0 +1,218 @@
+"""LoRA adapters of the reference engine, served as SGLang 0.5.23 serves them (``--enable-lora``).
+
+An adapter (:class:`LoRAAdapter`) holds, per (layer, projection), PEFT's ``lora_A`` [r, in] and
+``lora_B`` [out, r] and the scaling ``lora_alpha / r`` (``srt/lora/lora.py:71``); a request naming it
+adds ``scaling * B @ A @ x`` to that projection's output for its tokens
+(:meth:`~megatron_rl.engines.reference.slot_model.SlotModel.forward`). Served projections: the
+attention's ``q/k/v/o_proj`` and a dense MLP's ``gate/up/down_proj`` (expert adapters are refused).
+
+:class:`LoRARegistry` keeps the loaded adapters by name and refuses as SGLang does, with its
+messages: LoRA not enabled (``srt/managers/tokenizer_control_mixin.py:667-670``), DoRA or added
+tokens (``srt/lora/lora_manager.py:337-349``), a name already loaded (``lora_manager.py:354-359``), a
+rank above ``--max-lora-rank`` or targets outside ``--lora-target-modules`` (``lora_manager.py:366-373``,
+``srt/lora/mem_pool.py:238-259``), unloading an unknown name (``srt/lora/lora_registry.py:117-121``),
+generating with an unknown one (``srt/managers/tokenizer_manager.py:3729-3770``). A refused
+load/unload raises :class:`LoRAUpdateFailed`, answered 400 with SGLang's ``LoRAUpdateOutput`` body.
+A request holds its adapter from its start, so unloading it never changes a request in flight
+(SGLang's unload waits for them instead: same outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.engines.protocol import LoRAUpdateResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+TENSOR_PATH = "__tensor__"
+"""The path SGLang records for an adapter loaded from tensors (``io_struct.py:2565``)."""
+NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+_NORMALIZED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+_NORMALIZED["up_proj"] = "gate_up_proj"
+_PEFT_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_(A|B)\.weight$")
+
+
+class LoRAUpdateFailed(ValueError):
+    """A refused load or unload: HTTP 400 with :attr:`result` (SGLang's ``LoRAUpdateOutput``) as the body."""
+
+    def __init__(self, result: LoRAUpdateResult) -> None:
+        super().__init__(result.error_message)
+        self.result = result
+
+
+def normalized_targets(modules: list[str] | str) -> set[str]:
+    """SGLang's ``get_normalized_target_modules`` (``srt/lora/utils.py:277``) for our projections: q/k/v share
+    ``qkv_proj``, gate/up ``gate_up_proj``; ``"all"`` / ``"all-linear"`` give ``{"all"}``."""
+    if isinstance(modules, str):
+        if modules not in ("all", "all-linear"):
+            raise ValueError("Only 'all' or 'all-linear' can be used as the string for target module")
+        return {"all"}
+    return {_NORMALIZED.get(name.rsplit(".", 1)[-1], name.rsplit(".", 1)[-1]) for name in modules}
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """SGLang's ``--max-lora-rank`` and ``--lora-target-modules``: what adapters the engine accepts."""
+
+    max_rank: int
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """One loaded adapter: ``weights[(layer, projection)] = (A [r, in], B [out, r])`` in the model's dtype and
+    device, ``scaling = lora_alpha / r``; ``path`` as SGLang reports it (:data:`TENSOR_PATH` for tensors)."""
+
+    name: str
+    path: str
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_peft_dir(path: str) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """The ``adapter_config.json`` and ``adapter_model.safetensors`` tensors of a PEFT directory (ValueError when
+    either is missing)."""
+    config, weights = Path(path) / "adapter_config.json", Path(path) / "adapter_model.safetensors"
+    if not (config.is_file() and weights.is_file()):
+        raise ValueError(f"{path}: a PEFT adapter directory needs adapter_config.json and adapter_model.safetensors")
+    return json.loads(config.read_text()), list(load_file(weights).items())
+
+
+def _projection(model: PreTrainedModel, layer: int, projection: str) -> torch.nn.Linear:
+    """The model's linear ``projection`` of ``layer``; ValueError when it has none the engine adapts (experts)."""
+    layers = model.model.layers
+    if layer >= len(layers):
+        raise ValueError(f"adapter weights for layer {layer}; the model has {len(layers)} layers")
+    block = layers[layer].self_attn if projection in ATTENTION else layers[layer].mlp
+    module = getattr(block, projection, None) if projection in ATTENTION + DENSE_MLP else None
+    if not isinstance(module, torch.nn.Linear):
+        raise ValueError(f"the reference engine serves LoRA on attention and dense MLP projections, not {projection}")
+    return module
+
+
+def build_adapter(
+    name: str, path: str, config: dict[str, Any], named: list[tuple[str, torch.Tensor]], model: PreTrainedModel
+) -> LoRAAdapter:
+    """The adapter of a PEFT config and its PEFT-named tensors, copied to the model's dtype and device.
+
+    ValueError for a config that is not ``peft_type`` LoRA (SGLang asserts it, ``srt/lora/lora.py:66``),
+    a name outside PEFT's ``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight``,
+    a projection not served, a missing half, or shapes that do not fit the projection and rank.
+    """
+    if str(config.get("peft_type", "")).lower() != "lora":
+        raise ValueError(f"adapter {name}: peft_type must be LORA, got {config.get('peft_type')!r}")
+    rank, param = int(config["r"]), next(model.parameters())
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in named:
+        match = _PEFT_NAME.match(key)
+        if match is None:
+            raise ValueError(f"adapter {name}: {key} is not a PEFT LoRA weight of a decoder layer's projection")
+        layer, projection = int(match.group(1)), match.group(3)
+        halves.setdefault((layer, projection), {})[match.group(4)] = tensor.to(param.device, param.dtype, copy=True)
+    weights = {}
+    for (layer, projection), pair in sorted(halves.items()):
+        linear = _projection(model, layer, projection)
+        a, b = pair.get("A"), pair.get("B")
+        if a is None or b is None:
+            raise ValueError(f"adapter {name}: layer {layer} {projection} lacks lora_A or lora_B")
+        if a.shape != (rank, linear.in_features) or b.shape != (linear.out_features, rank):
+            raise ValueError(
+                f"adapter {name}: layer {layer} {projection} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
+                f"fit r={rank} and the projection's {linear.in_features} -> {linear.out_features}"
+            )
+        weights[(layer, projection)] = (a, b)
+    return LoRAAdapter(name, path, float(config["lora_alpha"]) / rank, weights)
+
+
+class LoRARegistry:
+    """The adapters loaded by name; ``settings`` None: LoRA not enabled (every load and LoRA request refused)."""
+
+    def __init__(self, model: PreTrainedModel, settings: LoRASettings | None) -> None:
+        self.model, self.settings = model, settings
+        self._adapters: dict[str, LoRAAdapter] = {}
+        self._ever_loaded: set[str] = set()
+        self._lock = threading.Lock()
+
+    def result(self, error: str | None = None) -> LoRAUpdateResult:
+        """SGLang's answer: success unless ``error``, with every loaded adapter's path
+        (``lora_manager.py:267-277``)."""
+        loaded = {name: adapter.path for name, adapter in self._adapters.items()}
+        return LoRAUpdateResult(error is None, error or "", loaded)
+
+    def refusal(self, message: str) -> LoRAUpdateFailed:
+        """The LoRAUpdateFailed SGLang answers for ``message`` (with the loaded adapters)."""
+        return LoRAUpdateFailed(self.result(message))
+
+    def check_enabled(self) -> None:
+        """LoRAUpdateFailed with SGLang's message (no adapters listed) unless LoRA is enabled."""
+        if self.settings is None:
+            raise LoRAUpdateFailed(LoRAUpdateResult(False, NOT_ENABLED, None))
+
+    def load(self, name: str, path: str, config: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> None:
+        """Register adapter ``name``; LoRAUpdateFailed with SGLang's message when refused (module docstring)."""
+        self.check_enabled()
+        with self._lock:
+            assert self.settings is not None, "checked above"
+            if config.get("use_dora"):
+                raise self.refusal(
+                    f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters"
+                )
+            if name in self._adapters:
+                raise self.refusal(f"Failed to load LoRA adapter {name} because it is already loaded")
+            targets = normalized_targets(config.get("target_modules") or [])
+            allowed = normalized_targets(list(self.settings.target_modules))
+            if int(config["r"]) > self.settings.max_rank or not ("all" in targets or targets <= allowed):
+                raise self.refusal(
+                    f"LoRA adapter {name} with rank {config['r']} is incompatible with the current LoRA memory pool "
+                    "configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                    "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`."
+                )
+            try:
+                adapter = build_adapter(name, path, config, named, self.model)
+            except (ValueError, KeyError) as error:
+                raise self.refusal(str(error)) from error
+            self._adapters[name] = adapter
+            self._ever_loaded.add(name)
+
+    def unload(self, name: str) -> None:
+        """Forget adapter ``name``; LoRAUpdateFailed with SGLang's message for a name not loaded."""
+        self.check_enabled()
+        with self._lock:
+            if name not in self._adapters:
+                loaded = OrderedDict.fromkeys(self._adapters).keys()  # SGLang's registry is an OrderedDict
+                raise self.refusal(f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}")
+            del self._adapters[name]
+
+    def lookup(self, name: str | None) -> LoRAAdapter | None:
+        """The adapter a generate request's ``lora_path`` names (None: the base model); ValueError (HTTP 400) with
+        SGLang's message for LoRA not enabled or a name not loaded."""
+        if name is None:
+            return None
+        with self._lock:
+            if self.settings is None:
+                raise ValueError(
+                    f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server with "
+                    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+                )
+            adapter = self._adapters.get(name)
+            if adapter is not None:
+                return adapter
+            if name in self._ever_loaded:  # SGLang tries to reload it implicitly; we cannot re-open tensors
+                raise ValueError(f"Failed to implicitly load LoRA adapter {name}: it was unloaded; load it again")
+            raise ValueError(
+                f"Got LoRA adapter that has never been loaded: {name}\n"
+                f"All loaded adapters: {dict.fromkeys(self._ever_loaded).keys()}."
+            )
