@@ -216,6 +216,8 @@ def test_plan_of_the_30b_recipe_with_lora_on_one_node(capsys: pytest.CaptureFixt
     lora_plan = plan_memory(lora, ARCH_30B, 80.0)
     stage = lora_plan.stages[0]
     assert stage.total < 0.4 * full_stage.total and not lora_plan.problems
+    # README's figures: the trainer's GiB per GPU with and without lora:
+    assert (f"{stage.total / 2**30:.1f}", f"{full_stage.total / 2**30:.1f}") == ("23.9", "78.0")
     base = stage_params(ARCH_30B, lora.parallel, 0)
     adapter = stage_adapter(ARCH_30B, LoRAConfig(rank=32), lora.parallel, 0)
     # the frozen base: its bf16 parameters only; the adapter: what a full run's parameters would cost
