@@ -241,6 +241,14 @@ class UnloadLoRAAdapterRequest(_Body):
 
 
 @dataclass(frozen=True)
+class LoRASettings:
+    """SGLang's ``--max-lora-rank`` and ``--lora-target-modules``: what adapters the engine accepts."""
+
+    max_rank: int
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class LoRAUpdateResult:
     """The answer of the three LoRA endpoints (SGLang ``LoRAUpdateOutput``, ``io_struct.py:2572-2580``), HTTP 200
     when ``success`` else 400: ``loaded_adapters`` maps each loaded name to its path (``"__tensor__"`` for an

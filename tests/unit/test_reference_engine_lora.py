@@ -25,10 +25,10 @@ from megatron_rl.engines.protocol import (
     GenerateRequest,
     LoadLoRAAdapterFromTensorsRequest,
     LoadLoRAAdapterRequest,
+    LoRASettings,
     SamplingParams,
 )
 from megatron_rl.engines.reference.backend import ReferenceBackend
-from megatron_rl.engines.reference.lora_adapters import LoRASettings
 from megatron_rl.wire.tensor_serialization import serialize_named_tensors
 from tests.reference_servers import serving
 from tests.tiny_checkpoints import save_tiny_dense

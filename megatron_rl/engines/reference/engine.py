@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron_rl.engines.access import API_KEY_ENV, check_listen_host
 from megatron_rl.engines.http_engine import HttpEngine
-from megatron_rl.engines.reference.lora_adapters import LoRASettings
+from megatron_rl.engines.protocol import LoRASettings
 from megatron_rl.engines.server_process import ServerProcess
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.engines.protocol import LoRAUpdateResult
+from megatron_rl.engines.protocol import LoRASettings, LoRAUpdateResult
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -61,14 +61,6 @@ def normalized_targets(modules: list[str] | str) -> set[str]:
             raise ValueError("Only 'all' or 'all-linear' can be used as the string for target module")
         return {"all"}
     return {_NORMALIZED.get(name.rsplit(".", 1)[-1], name.rsplit(".", 1)[-1]) for name in modules}
-
-
-@dataclass(frozen=True)
-class LoRASettings:
-    """SGLang's ``--max-lora-rank`` and ``--lora-target-modules``: what adapters the engine accepts."""
-
-    max_rank: int
-    target_modules: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ from megatron_rl.engines.protocol import (
     InitWeightsUpdateGroupRequest,
     LoadLoRAAdapterFromTensorsRequest,
     LoadLoRAAdapterRequest,
+    LoRASettings,
     MemoryOccupationRequest,
     PauseGenerationRequest,
     UnloadLoRAAdapterRequest,
@@ -85,7 +86,7 @@ from megatron_rl.engines.reference.backend import (
     WeightUpdateRefused,
 )
 from megatron_rl.engines.reference.fault_injection import exit_at_start_if_asked, exit_if_asked
-from megatron_rl.engines.reference.lora_adapters import LoRASettings, LoRAUpdateFailed
+from megatron_rl.engines.reference.lora_adapters import LoRAUpdateFailed
 from megatron_rl.engines.reference.weight_checker import WeightCheckFailed
 from megatron_rl.parallel.device import select_device
 
