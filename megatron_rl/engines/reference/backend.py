@@ -54,6 +54,7 @@ from megatron_rl.engines.protocol import (
     InitWeightsUpdateGroupRequest,
     LoadLoRAAdapterFromTensorsRequest,
     LoadLoRAAdapterRequest,
+    LoRASettings,
     UpdateWeightsFromDistributedRequest,
     encode_routed_experts,
 )
@@ -62,7 +63,6 @@ from megatron_rl.engines.reference.generator import RequestState, decode_step, e
 from megatron_rl.engines.reference.lora_adapters import (
     TENSOR_PATH,
     LoRARegistry,
-    LoRASettings,
     read_peft_dir,
 )
 from megatron_rl.engines.reference.shared_buffers import SharedBufferMappings
