@@ -3,13 +3,16 @@
 Colocated mode runs rollout engines on the trainer's GPUs, so during
 generation the actor gives back the memory of its parameters, gradients and
 optimizer state. :class:`StateOffloader` does it on the storages underneath
-(Megatron's DDP param/grad buffers, the optimizer's master weights and Adam
-moments): each distinct storage is copied to host memory (pinned on GPU) and
+(Megatron's DDP param/grad buffers, the parameters outside them, the optimizer's
+master weights and Adam moments): each distinct storage is copied to host memory (pinned on GPU) and
 resized to zero bytes; reload resizes it and copies the bytes back. Every
 tensor and view keeps pointing at the same storage, so Megatron's buffers,
 bucket views and optimizer shards stay valid, and the round trip is
 bit-identical. On CPU the same calls run (the "device" is host memory), which
 is what the tests pin.
+
+DDP's buffers hold only parameters that require gradients; the frozen ones (the base
+model under LoRA) keep their own storages and count as parameters here.
 
 ``extra`` tensors (the reference weights when they live on the device) are
 offloaded with the optimizer state.
@@ -45,11 +48,18 @@ def _buffer_tensors(models: Sequence[DistributedDataParallel], attribute: str) -
     return tensors
 
 
+def _frozen_parameters(models: Sequence[DistributedDataParallel]) -> list[torch.Tensor]:
+    """The parameters DDP left out of its buffers: those that require no gradient."""
+    return [param for model in models for param in model.parameters() if not param.requires_grad]
+
+
 def _optimizer_tensors(optimizer: MegatronOptimizer) -> list[torch.Tensor]:
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     tensors = []
     for megatron_optimizer in inner:
         torch_optimizer = megatron_optimizer.optimizer
+        if torch_optimizer is None:  # a stub part, which has no parameters (LoRA on experts only, at EP > 1)
+            continue
         for group in torch_optimizer.param_groups:
             tensors.extend(group["params"])
         for state in torch_optimizer.state.values():
@@ -81,7 +91,7 @@ class StateOffloader:
 
         ``keep_params``: keep the parameter buffers (and optimizer tensors sharing their storage) on the device.
         """
-        params = _buffer_tensors(self._models, "param_data")
+        params = [*_buffer_tensors(self._models, "param_data"), *_frozen_parameters(self._models)]
         kept = {storage.data_ptr() for storage in _distinct_storages(params)} if keep_params else set()
         tensors = [
             *([] if keep_params else params),

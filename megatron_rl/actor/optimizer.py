@@ -32,7 +32,9 @@ def wrap_ddp(config: TransformerConfig, chunks: Sequence[torch.nn.Module]) -> li
     """Megatron DDP around each chunk: fp32 gradient buffers, sharded for the distributed optimizer.
 
     ``config.calculate_per_token_loss`` must already be set (DDP reads it to
-    choose its gradient scaling).
+    choose its gradient scaling). Parameters that require no gradient (the base under LoRA) must be
+    frozen before: megatron-core 0.19 gives only the others buffer space, a ``main_grad`` and a gradient
+    hook, and :func:`build_optimizer` only them a parameter group, main parameter and Adam state.
     """
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     return [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]

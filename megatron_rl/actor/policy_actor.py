@@ -9,7 +9,9 @@ data-parallel rank's :class:`~megatron_rl.actor.step_data.StepData` shard from t
 * :attr:`PolicyActor.step_context`, :meth:`PolicyActor.prepare` and
   :meth:`PolicyActor.batch_log_probs`: what the trainer's step (``train_step.train_step``, on
   this DP rank's own samples) reads and calls;
-* :meth:`PolicyActor.export_weights`: Hugging Face (name, tensor) pairs for weight sync;
+* :meth:`PolicyActor.export_weights`: Hugging Face (name, tensor) pairs for weight sync (the whole model; with
+  LoRA the frozen base, without the adapters);
+* :meth:`PolicyActor.export_adapter`: with LoRA (:attr:`PolicyActor.lora`), the adapter under PEFT names;
 * :meth:`PolicyActor.offload` / :meth:`PolicyActor.reload`: colocated mode memory hand-over.
 
 Requires :func:`megatron_rl.parallel.distributed.initialize_parallel` with
@@ -41,8 +43,10 @@ from megatron_rl.actor.step_data import StepData
 from megatron_rl.actor.token_logprobs import TokenLogProbs
 from megatron_rl.actor.train_step import StepContext
 from megatron_rl.config.hf_config import parse_hf_config
-from megatron_rl.config.schema import AlgorithmConfig, ParallelConfig, TrainConfig
+from megatron_rl.config.schema import AlgorithmConfig, LoRAConfig, ParallelConfig, TrainConfig
 from megatron_rl.models.builder import build_model_chunks
+from megatron_rl.models.lora import adapters_disabled, apply_lora
+from megatron_rl.models.lora_peft import lora_state_to_peft
 from megatron_rl.models.megatron_config import build_transformer_config
 from megatron_rl.models.weight_transfer import export_hf_weights, load_hf_weights
 from megatron_rl.parallel.device import on_accelerator, select_device, transformer_engine_problem
@@ -66,6 +70,10 @@ def parallel_sizes(parallel: ParallelConfig) -> ParallelSizes:
 class PolicyActor:
     """This rank's model chunks, optimizer, reference weights and routing replay.
 
+    With ``lora`` the model is the frozen base plus LoRA adapters (:func:`~megatron_rl.models.lora.apply_lora`):
+    only the adapters have gradients, DDP buffers and optimizer state, and the reference policy is the base with
+    the adapters switched off (no copy of any weight).
+
     Args:
         hf_config: the model's Hugging Face config.json as a dict.
         parallel, train, algorithm: the recipe's sections.
@@ -77,7 +85,9 @@ class PolicyActor:
             engine sampled from and reports log-probs of.
         hf_weights: checkpoint directory to load, or None to keep the random init.
         keep_reference: keep the initial weights as the reference policy
-            (default: when the recipe uses a KL loss).
+            (default: when the recipe uses a KL loss). Ignored with ``lora``: the reference is always there.
+        lora: the recipe's ``lora:`` section, or None to train every weight.
+        lora_seed: seeds the adapters' initial ``A`` (the same adapter at every parallel layout).
 
     Raises:
         ValueError: ``temperature`` is not a finite number > 0 (greedy
@@ -96,6 +106,8 @@ class PolicyActor:
         temperature: float,
         hf_weights: str | Path | None = None,
         keep_reference: bool | None = None,
+        lora: LoRAConfig | None = None,
+        lora_seed: int = 0,
     ) -> None:
         if not 0.0 < temperature < math.inf:
             raise ValueError(f"temperature must be a finite number > 0 to train on sampled rollouts; got {temperature}")
@@ -129,6 +141,10 @@ class PolicyActor:
         self.chunks = build_model_chunks(self.arch, self.config, use_transformer_engine=use_te)
         if hf_weights is not None:
             load_hf_weights(self.chunks, self.arch, hf_weights)
+        self.lora = lora
+        if lora is not None:
+            # before DDP: Megatron's buffers and the optimizer take only the parameters that require gradients
+            apply_lora(self.chunks, self.arch, lora, seed=lora_seed)
         self.models = wrap_ddp(self.config, self.chunks)
         self.optimizer = build_optimizer(self.models, train, dtype)
         replay = (
@@ -157,7 +173,7 @@ class PolicyActor:
         # The reference routes with its own routers: the engine's experts are the policy's choice.
         self._reference_forward = dataclasses.replace(self._forward, replay=None)
         self.step_context = StepContext(self.models, self.optimizer, train, algorithm, norm_constant, self._forward)
-        keep = algorithm.use_kl_loss if keep_reference is None else keep_reference
+        keep = lora is None and (algorithm.use_kl_loss if keep_reference is None else keep_reference)
         reference_device = select_device() if algorithm.reference_placement == "device" else "cpu"
         self._reference = ReferencePolicyWeights(self.models, device=reference_device) if keep else None
         on_device = algorithm.reference_placement == "device"
@@ -183,6 +199,9 @@ class PolicyActor:
         """:meth:`log_probs` of rows already prepared (:meth:`prepare`): the step pads and moves its shard once."""
         if not reference:
             return local_log_probs(self.models, local, self._forward)
+        if self.lora is not None:
+            with adapters_disabled(self.chunks):
+                return local_log_probs(self.models, local, self._reference_forward)
         if self._reference is None:
             raise RuntimeError("this actor keeps no reference weights; build it with keep_reference=True")
         with self._reference.swapped_in():
@@ -198,6 +217,17 @@ class PolicyActor:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) pairs of this rank's chunks; all ranks of a TP group iterate together."""
         return export_hf_weights(self.chunks, self.arch)
+
+    def export_adapter(self) -> dict[str, torch.Tensor]:
+        """The whole LoRA adapter under PEFT names (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``),
+        fp32 on CPU, on every rank; every rank calls it together.
+
+        Raises:
+            RuntimeError: the actor has no adapters (built without ``lora``).
+        """
+        if self.lora is None:
+            raise RuntimeError("this actor trains the whole model and has no LoRA adapter; build it with lora=...")
+        return lora_state_to_peft(self.chunks)
 
     def offload(self, *, keep_params: bool = False) -> None:
         """Move parameters, gradients and optimizer state to host memory (colocated rollout phase).

@@ -10,7 +10,9 @@ The optimizer's part of the checkpoint does not depend on how megatron-core spli
 optimizer. For a MoE model megatron-core 0.19.2 builds one optimizer at EP 1 (expert weights
 in the dense parameter groups) but a chain of two at EP > 1 (dense, expert), whose own
 checkpoint keys differ (``chained_0.`` / ``chained_1.`` prefixes, one common entry per part).
-Whatever the layout, this module writes what one unchained distributed optimizer writes:
+A part without parameters is a stub with no torch optimizer (the dense part when LoRA adapts only the
+experts, at EP > 1): it has no state, and this module leaves it out. Whatever the layout, this module writes
+what one unchained distributed optimizer writes:
 
 * per model parameter, tensors ``optimizer.state.<name>.<parameter key>`` (``exp_avg``,
   ``exp_avg_sq`` and ``param``, the fp32 main parameter); parameter keys are unique in the
@@ -63,8 +65,15 @@ def _model_state(chunks: Sequence[MegatronModule]) -> dict[str, Any]:
 
 
 def _optimizer_parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
-    """The optimizers megatron-core chained (dense, then expert at EP > 1), or ``[optimizer]``."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    """The optimizers megatron-core chained (dense, then expert at EP > 1), or ``[optimizer]``, without stubs.
+
+    megatron-core's chain cannot save or load around a stub (``ChainedOptimizer._synchronize_steps`` reads its
+    missing torch optimizer), so this module calls each part itself. What the chain adds, aligning Transformer
+    Engine's per-group ``step`` over the groups that hold parameters, changes nothing: every update advances them
+    together.
+    """
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part for part in parts if not getattr(part, "is_stub_optimizer", False)]
 
 
 def _sharded_optimizer_parts(
@@ -77,9 +86,10 @@ def _sharded_optimizer_parts(
     NotImplementedError for any other entry (an fp16 loss scaler's state), which this
     checkpoint format does not carry.
     """
-    state = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
-    count = len(_optimizer_parts(optimizer))
-    parts = [state] if count == 1 else [state[i] for i in range(count)]
+    parts = [
+        part.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
+        for part in _optimizer_parts(optimizer)
+    ]
     for part in parts:
         if set(part) != _PART_KEYS:
             raise NotImplementedError(
@@ -215,6 +225,7 @@ def load_megatron_state(
         for i, groups in enumerate(param_groups)
     ]
     with step_hidden_while_setting_param_state():
-        optimizer.load_state_dict(part_states[0] if len(part_states) == 1 else part_states)
+        for part, part_state in zip(_optimizer_parts(optimizer), part_states, strict=True):
+            part.load_state_dict(part_state)
     unshare_adam_steps(_optimizer_parts(optimizer))
     scheduler.load_state_dict(torch.load(scheduler_file, weights_only=False))

@@ -26,6 +26,13 @@ sequence parallelism the whole ``A`` (column) and ``B`` (row) of dense linears s
 and carry ``sequence_parallel = True``, so Megatron's ``finalize_model_grads`` all-reduces their gradients
 over TP as it does the norms'.
 
+Run checkpoints (:meth:`LoRALinear.sharded_state_dict`): the base keeps the ``torch_dist`` keys it has without
+LoRA (``...linear_qkv.weight``; fc1's gate/up split of Megatron's MLP applies as before), so a LoRA checkpoint holds a
+complete base model under the usual names; each factor is one more tensor, ``<linear>.lora_A.<target>`` /
+``<linear>.lora_B.<target>`` (``decoder.layers.3.self_attention.linear_qkv.lora_B.k_proj``,
+``decoder.layers.0.mlp.experts.experts.linear_fc1.lora_A.gate_proj`` with the expert axis), the whole Hugging
+Face-shaped factor sharded on the dimension this rank splits, so it loads at any layout.
+
 Initialisation (PEFT's default): ``A`` kaiming-uniform with ``a = sqrt(5)``, ``B`` zero. ``A`` is drawn whole
 from a generator seeded by ``(seed, Hugging Face name)`` and then sliced, so the adapter is the same under
 every parallel layout.
@@ -49,6 +56,8 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 from torch import nn
 
 from megatron_rl.config.hf_config import QwenArchitecture
@@ -130,6 +139,7 @@ class LoRALinear(nn.Module):
             for factor in (a, b):
                 factor.allreduce = getattr(weight, "allreduce", True)  # type: ignore[attr-defined]
             self.lora_A[proj.target], self.lora_B[proj.target] = a, b
+        self.register_load_state_dict_pre_hook(_base_entries_to_base)
 
     def __getattr__(self, name: str) -> Any:
         """The base linear's attributes (``weight``, ``backward_dw``, ...), which Megatron's modules read."""
@@ -145,6 +155,31 @@ class LoRALinear(nn.Module):
         if self.size == 1:
             return None, None
         return (1, None) if self.row_parallel else (None, 0)
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The base's entries under its keys without LoRA (``<prefix>weight``, ...), and each factor under
+        ``<prefix>lora_A.<target>`` / ``<prefix>lora_B.<target>`` (module docstring), its ``data`` the parameter itself
+        (the distributed optimizer finds its state's keys by it). Loading puts the base's entries back under
+        ``base.`` (a load_state_dict pre-hook)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state: dict[str, Any] = sharded_state_dict_default(self.base, prefix, sharded_offsets, metadata)
+        groups = {"tp_group": self.group, "dp_cp_group": metadata["dp_cp_group"]}
+        for factor, dim in zip(("lora_A", "lora_B"), self.shard_dims(), strict=True):
+            for target, param in getattr(self, factor).items():
+                key = f"{prefix}{factor}.{target}"
+                state[key] = (
+                    make_sharded_tensor_for_checkpoint(param, key, sharded_offsets, **groups)
+                    if dim is None
+                    else make_tp_sharded_tensor_for_checkpoint(
+                        param, key, dim, prepend_offsets=sharded_offsets, **groups
+                    )
+                )
+        return state
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output, bias = self.base(*args, **kwargs)
@@ -197,6 +232,15 @@ class LoRALinear(nn.Module):
         groups = self.qkv_groups // self.size
         per_group = [p.reshape(*lead, groups, p.shape[-1] // groups) for p in filled]
         return torch.cat(per_group, dim=-1).reshape(*lead, -1)
+
+
+def _base_entries_to_base(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load-state-dict pre-hook of :class:`LoRALinear`: entries under the base's keys without LoRA
+    (``<prefix>weight``, as :meth:`LoRALinear.sharded_state_dict` saves them) belong to ``<prefix>base.``."""
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        local = key[len(prefix) :]
+        if local.split(".", 1)[0] not in module._modules:  # base, lora_A, lora_B
+            state_dict[f"{prefix}base.{local}"] = state_dict.pop(key)
 
 
 def _attention_projections(arch: QwenArchitecture, prefix: str) -> list[Projection]:

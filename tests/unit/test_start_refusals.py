@@ -200,6 +200,8 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("actor/packing.py", "cannot pack"): "internal contract of the packer",
     ("actor/policy_actor.py", "initialize_parallel"): "call order inside the trainer worker",
     ("actor/policy_actor.py", "keeps no reference weights"): "the actor keeps them whenever use_kl_loss asks",
+    ("actor/policy_actor.py", "has no LoRA adapter"): "internal: only an actor built with the recipe's lora "
+    "section is asked for its adapter",
     ("actor/routing_replay.py", ""): "the actor sets moe_enable_routing_replay and the engines return routed experts "
     "whenever algorithm.routing_replay is on",
     ("models/forward.py", "same [batch, sequence] shape"): "internal contract of the schedule",
