@@ -26,6 +26,7 @@ import torch
 from megatron_rl.checkpoint.layout import HF_METADATA_DIR
 from megatron_rl.config.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
 from megatron_rl.config.hf_weights import weight_problems
+from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.models.builder import build_qwen_model
 from megatron_rl.models.hf_export import write_hf_model_dir
 from megatron_rl.models.hf_files import (
@@ -35,6 +36,7 @@ from megatron_rl.models.hf_files import (
     distributed_output_dir,
     partial_dir,
 )
+from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.mcore_checkpoint import load_model_weights, save_model_weights
 from megatron_rl.models.megatron_config import check_layout
 from megatron_rl.models.weight_transfer import load_hf_weights
@@ -94,14 +96,17 @@ def _mcore_to_hf_rank(
     ckpt_dir: Path,
     metadata_dir: Path,
     max_shard_bytes: int,
+    lora: LoRAConfig | None,
     out_dir: Path,
 ) -> None:
     initialize_parallel(sizes)
     try:
         with distributed_output_dir(out_dir) as staging:
             arch, chunks = _build(load_hf_config(metadata_dir), sizes)
+            if lora is not None:
+                apply_lora(chunks, arch, lora)  # the checkpoint's factors replace the fresh ones
             load_model_weights(chunks, ckpt_dir)
-            write_hf_model_dir(chunks, arch, metadata_dir, staging, max_shard_bytes)
+            write_hf_model_dir(chunks, arch, metadata_dir, staging, max_shard_bytes, lora=lora)
     finally:
         destroy_parallel()
 
@@ -113,6 +118,7 @@ def convert_mcore_to_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     *,
     metadata_dir: str | Path | None = None,
+    lora: LoRAConfig | None = None,
 ) -> None:
     """Write the torch_dist checkpoint at ``ckpt_dir`` as a Hugging Face model directory.
 
@@ -122,10 +128,13 @@ def convert_mcore_to_hf(
 
     Written by :func:`~megatron_rl.models.hf_export.write_hf_model_dir` (each rank its
     designated tensors; weights in the dtype the metadata's config.json names).
+
+    ``lora``: the checkpoint holds a LoRA run's adapters too (its ``trainer_state.json`` says which); the
+    model written is the merged one, and ``OUT/adapter/`` the adapter alone as PEFT files.
     """
     ckpt_dir = Path(ckpt_dir)
     metadata_dir = Path(metadata_dir) if metadata_dir is not None else ckpt_dir / HF_METADATA_DIR
     if not (metadata_dir / "config.json").is_file():
         raise FileNotFoundError(f"{metadata_dir}/config.json missing: not written by hf-to-mcore or a training run")
     check_layout(parse_hf_config(load_hf_config(metadata_dir)), sizes)
-    _run_converter(_mcore_to_hf_rank, sizes, Path(out_dir), ckpt_dir, metadata_dir, max_shard_bytes)
+    _run_converter(_mcore_to_hf_rank, sizes, Path(out_dir), ckpt_dir, metadata_dir, max_shard_bytes, lora)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from megatron_rl.checkpoint.commit import commit_checkpoint, latest_checkpoint, prune_checkpoints, staging_dir
 from megatron_rl.checkpoint.layout import HF_EXPORT_DIR, HF_METADATA_DIR
@@ -48,6 +48,44 @@ def check_same_model(cfg: RunConfig, checkpoint: Path) -> None:
             f"checkpoint.resume: {checkpoint} holds another model ({'; '.join(differing)}); "
             "resume with the recipe it was saved with, or set checkpoint.resume=none (or another checkpoint.dir)"
         )
+
+
+_ADAPTER_SHAPE = ("rank", "alpha", "target_modules", "experts_shared_outer")
+"""The ``lora:`` fields that make an adapter another function (dropout is 0 and slots are the engines')."""
+
+
+def _adapter_shape(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    if lora is None:
+        return None
+    return {key: sorted(lora[key]) if key == "target_modules" else lora[key] for key in _ADAPTER_SHAPE}
+
+
+def check_same_adapter(cfg: RunConfig, state: TrainerState, checkpoint: Path) -> None:
+    """Raise ValueError when ``checkpoint`` (whose state is ``state``) holds another adapter than the recipe's
+    ``lora:`` section trains, or an adapter the recipe lacks, or none where the recipe has one."""
+    saved = _adapter_shape(state.lora)
+    wanted = _adapter_shape(cfg.lora.model_dump(mode="json") if cfg.lora is not None else None)
+    if saved == wanted:
+        return
+    if saved is None:
+        raise ValueError(
+            f"checkpoint.resume: {checkpoint} trained every weight, the recipe's lora: section trains an adapter; "
+            "to train an adapter on those weights, convert the checkpoint (megatron-rl convert mcore-to-hf) and set "
+            "model.path to it with checkpoint.resume=none, or remove the lora section to continue the run"
+        )
+    if wanted is None:
+        raise ValueError(
+            f"checkpoint.resume: {checkpoint} holds a LoRA adapter ({saved}) and the recipe has no lora: section; "
+            "resume with the recipe's lora section as saved, or export the merged model (megatron-rl convert "
+            "mcore-to-hf) and start a new run from it with checkpoint.resume=none"
+        )
+    differing = [
+        f"{key}: {saved[key]} saved, {wanted[key]} in the recipe" for key in _ADAPTER_SHAPE if saved[key] != wanted[key]
+    ]
+    raise ValueError(
+        f"checkpoint.resume: {checkpoint} holds another adapter ({'; '.join(differing)}); resume with the lora "
+        "section it was saved with, or set checkpoint.resume=none (or another checkpoint.dir)"
+    )
 
 
 def save_run_checkpoint(

@@ -20,7 +20,8 @@ class TrainerState:
     ``state_dict()``; ``weight_version`` the version last synced to the engines;
     ``carried_over`` names a file (relative to the checkpoint) of rollout groups generated
     but not yet trained on and of unfinished partial-rollout groups, or is None. ``layout`` is the trainer's rank layout at save
-    (:func:`megatron_rl.config.layout_record`), None in checkpoints that predate it.
+    (:func:`megatron_rl.config.layout_record`), None in checkpoints that predate it. ``lora`` is the recipe's
+    ``lora:`` section the model was trained with (its JSON form), None for a run that trains every weight.
     """
 
     step: int
@@ -28,6 +29,7 @@ class TrainerState:
     weight_version: int
     carried_over: str | None = None
     layout: dict[str, int] | None = None
+    lora: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -48,3 +50,11 @@ def load_trainer_state(checkpoint_dir: str | Path) -> TrainerState:
     if version != _FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {version!r}, this megatron-rl reads {_FORMAT_VERSION}")
     return TrainerState(**record)
+
+
+def saved_lora(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+    """The ``lora:`` section a run checkpoint was trained with (:attr:`TrainerState.lora`), None for a checkpoint
+    that trains every weight or is no run checkpoint (``convert hf-to-mcore``'s output has no trainer state)."""
+    if not (Path(checkpoint_dir) / TRAINER_STATE_FILE).is_file():
+        return None
+    return load_trainer_state(checkpoint_dir).lora

@@ -11,13 +11,16 @@ is that reverse, exact (a permutation and a block-diagonal split), so the import
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from safetensors.torch import save_file
 from torch import nn
 
 from megatron_rl.config.schema import LoRAConfig
@@ -82,6 +85,19 @@ def peft_adapter_config(lora: LoRAConfig, base_model: str = "") -> dict[str, Any
         "bias": "none",
         "base_model_name_or_path": base_model,
     }
+
+
+def save_peft_adapter(
+    directory: str | Path, state: Mapping[str, torch.Tensor], lora: LoRAConfig, base_model: str
+) -> Path:
+    """Write ``state`` (PEFT names, :func:`lora_state_to_peft`) as a PEFT adapter folder: ``adapter_config.json``
+    (:func:`peft_adapter_config`) and ``adapter_model.safetensors``; ``directory``, created if missing."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, directory / "adapter_model.safetensors")
+    config = peft_adapter_config(lora, base_model)
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    return directory
 
 
 def _unfuse(prefix: str, gate_up: bool, factor: str, tensor: torch.Tensor, experts: int) -> dict[str, torch.Tensor]:

@@ -46,7 +46,12 @@ from pathlib import Path
 
 from megatron_rl.checkpoint import TrainerState, load_trainer_state
 from megatron_rl.checkpoint.layout import CARRIED_OVER_FILE
-from megatron_rl.checkpoint.run_checkpoint import check_same_model, checkpoint_to_resume, save_run_checkpoint
+from megatron_rl.checkpoint.run_checkpoint import (
+    check_same_adapter,
+    check_same_model,
+    checkpoint_to_resume,
+    save_run_checkpoint,
+)
 from megatron_rl.config import RunConfig, describe_layout, layout_record
 from megatron_rl.config.schema import CheckpointConfig, TrainConfig
 from megatron_rl.orchestration.batch_assembly import (
@@ -128,6 +133,7 @@ def train(cfg: RunConfig) -> RunEnd:
     state = load_trainer_state(resume_from) if resume_from else TrainerState(step=0, sampler={}, weight_version=0)
     if resume_from:
         check_same_model(cfg, resume_from)
+        check_same_adapter(cfg, state, resume_from)
         notice = finished_run_notice(cfg, resume_from, state.step)
         if notice is not None:
             print(notice, flush=True)
@@ -334,6 +340,7 @@ def save_checkpoint(run: RunResources, step: int, carried: CarriedOver) -> Path:
         weight_version=step,
         carried_over=CARRIED_OVER_FILE if carried else None,
         layout=layout,
+        lora=run.cfg.lora.model_dump(mode="json") if run.cfg.lora is not None else None,
     )
 
     def write(staging: Path) -> None:

@@ -105,6 +105,8 @@ class TrainerWorker:
             norm_constant=cfg.loss_norm_constant,
             temperature=cfg.rollout.temperature,
             hf_weights=paths.hf_dir,
+            lora=cfg.lora,
+            lora_seed=cfg.train.seed,
         )
         self._cfg, self._paths, self._api_key = cfg, paths, api_key
         self._clients: list[HttpEngine] = []
@@ -195,10 +197,11 @@ class TrainerWorker:
 
         Weights in the dtype the starting checkpoint's config.json names (as ``convert mcore-to-hf``
         writes them), with its config, generation config and tokenizer files; complete on return.
+        With LoRA: the adapters merged in, and the adapter alone in ``adapter/`` (PEFT files).
         """
         from megatron_rl.models.hf_export import write_hf_model_dir
 
-        write_hf_model_dir(self.actor.chunks, self.actor.arch, self._paths.hf_dir, directory)
+        write_hf_model_dir(self.actor.chunks, self.actor.arch, self._paths.hf_dir, directory, lora=self.actor.lora)
 
     def load_checkpoint(self, directory: str, *, reseed: int | None = None) -> None:
         """Restore what :meth:`save_checkpoint` wrote, from this or any other layout.

@@ -1,4 +1,5 @@
-"""What the driver checks before resuming: the checkpoint holds the recipe's model."""
+"""What the driver checks before resuming: the checkpoint holds the recipe's model, and the adapter its ``lora:``
+section trains (or none)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from megatron_rl.checkpoint import TrainerState
 from megatron_rl.checkpoint.commit import commit_checkpoint, staging_dir
 from megatron_rl.checkpoint.layout import HF_METADATA_DIR
-from megatron_rl.checkpoint.run_checkpoint import check_same_model
+from megatron_rl.checkpoint.run_checkpoint import check_same_adapter, check_same_model
 from megatron_rl.checkpoint.trainer_state import save_trainer_state
 from megatron_rl.cli import main
 from megatron_rl.config import load_recipe
@@ -40,6 +41,32 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_fields(tmp_path: Pa
         check_same_model(load_recipe(RECIPE)[0], checkpoint)
     assert "hidden_size: 128 saved, 64 in the recipe" in str(error.value)
     assert "num_experts: 8 saved, 4 in the recipe" in str(error.value)
+
+
+def _state(lora: dict[str, object] | None) -> TrainerState:
+    return TrainerState(step=2, sampler={}, weight_version=2, lora=lora)
+
+
+def test_a_checkpoint_resumes_only_into_the_adapter_it_holds(tmp_path: Path) -> None:
+    plain = load_recipe(RECIPE)[0]
+    adapted = load_recipe(RECIPE, ["lora.rank=4", "lora.target_modules=[v_proj, q_proj]"])[0]
+    assert adapted.lora is not None
+    saved = adapted.lora.model_dump(mode="json")
+    check_same_adapter(plain, _state(None), tmp_path)
+    check_same_adapter(adapted, _state(saved), tmp_path)
+    # the adapter's function: target order, the engines' slot count and (zero) dropout are not part of it
+    check_same_adapter(
+        adapted, _state(saved | {"target_modules": ["q_proj", "v_proj"], "max_loras_per_batch": 2}), tmp_path
+    )
+
+    with pytest.raises(
+        ValueError, match=r"checkpoint.resume: .* holds another adapter \(rank: 8 saved, 4 in the recipe"
+    ):
+        check_same_adapter(adapted, _state(saved | {"rank": 8}), tmp_path)
+    with pytest.raises(ValueError, match="holds a LoRA adapter .* and the recipe has no lora: section"):
+        check_same_adapter(plain, _state(saved), tmp_path)
+    with pytest.raises(ValueError, match="trained every weight, the recipe's lora: section trains an adapter"):
+        check_same_adapter(adapted, _state(None), tmp_path)
 
 
 def _finished_run(tmp_path: Path, step: int) -> list[str]:

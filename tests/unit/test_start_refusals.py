@@ -214,6 +214,7 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ): "not built yet (experts_shared_outer, dropout, TE grouped experts); `train` refuses `lora:` "
     "until LoRA training is wired (orchestration/driver.refuse_unbuilt)",
     ("models/lora_peft.py", ""): "adapter file contents",
+    ("models/lora_merge.py", ""): "adapter contents (a run checkpoint's or a PEFT file's), not the recipe",
     ("models/weight_map.py", ""): "internal: every parameter the builder makes is mapped",
     ("rollout/manager.py", "generation batch"): "the driver sizes the sampler from train.prompts_per_step",
     ("rollout/engine_pool.py", "failures[0][1]"): "an engine crash at run time, re-raised by a pool without recovery",
