@@ -22,8 +22,9 @@ importable). RL-specific choices:
 - ``--skip-server-warmup`` (the first generate warms up; saves start-up time);
 - with a recipe's ``lora:``, ``--enable-lora --max-lora-rank R --lora-target-modules ... --max-loras-per-batch N``
   (and ``--experts-shared-outer-loras`` when asked): the engines serve the base and load each synced adapter
-  (:mod:`~megatron_rl.weight_sync.lora_sync`). Not on CPU, where SGLang 0.5.23 cannot start with LoRA
-  (``sglang_pin.LORA_ON_CPU_PROBLEM``).
+  (:mod:`~megatron_rl.weight_sync.lora_sync`); on CPU with ``--lora-backend torch_native``, its only backend
+  without Triton or CUDA kernels (SGLang 0.5.23 itself does not start so: ``sglang_pin.LORA_ON_CPU_PROBLEM``,
+  which ``validate`` refuses).
 
 Where an engine sits (first GPU, ports, the one address it listens on, multi-node
 address) is decided by the orchestrator and passed as :class:`SGLangPlacement`.
@@ -57,8 +58,8 @@ from megatron_rl.config.sglang_pin import (
     CPU_FLAGS,
     DETERMINISTIC_INFERENCE_FLAG,
     EXPERTS_SHARED_OUTER_FLAG,
+    LORA_CPU_FLAGS,
     LORA_FLAGS,
-    LORA_ON_CPU_PROBLEM,
     MEMORY_SAVER_FLAGS,
     ROUTED_EXPERTS_FLAG,
 )
@@ -108,7 +109,7 @@ def build_sglang_command(
     Raises ValueError for a placement that cannot work (negative GPU id, port
     outside 1..65535, node_rank >= nnodes, several nodes without dist_init_addr,
     a wildcard host that would listen on every interface, a CPU engine without
-    ``max_total_tokens``, a CPU engine with ``lora``).
+    ``max_total_tokens``).
     """
     check_listen_host(placement.host)
     if placement.base_gpu_id < 0:
@@ -122,8 +123,6 @@ def build_sglang_command(
         raise ValueError("an engine spanning nodes (nnodes > 1) needs dist_init_addr (host:port of node 0)")
     if placement.device == "cpu" and config.max_total_tokens is None:
         raise ValueError("a CPU SGLang engine needs rollout.max_total_tokens (SGLang sizes its cache from host RAM)")
-    if placement.device == "cpu" and lora is not None:
-        raise ValueError(f"{LORA_ON_CPU_PROBLEM}; serve a lora: recipe on CPU with rollout.engine=reference")
     python = python or sglang_python()
     if python is None:
         raise ValueError(f"no SGLang installation found: {INSTALL_HINT}")
@@ -164,6 +163,8 @@ def build_sglang_command(
         command += [slots, str(lora.max_loras_per_batch)]
         if lora.experts_shared_outer:
             command.append(EXPERTS_SHARED_OUTER_FLAG)
+        if placement.device == "cpu":
+            command += LORA_CPU_FLAGS
     if config_file is not None:
         command += [CONFIG_FLAG, str(config_file)]
     return command

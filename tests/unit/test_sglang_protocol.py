@@ -263,7 +263,7 @@ def test_command_refuses_a_bad_placement():
 LORA = LoRAConfig(rank=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], max_loras_per_batch=2)
 
 
-def test_a_lora_command_carries_the_lora_flags_and_is_refused_on_cpu():
+def test_a_lora_command_carries_the_lora_flags_and_the_torch_backend_on_cpu():
     command = build_sglang_command(RolloutConfig(), SGLangPlacement(0, 30000, 30001), "/m", lora=LORA, python="py")
     at = command.index("--enable-lora")
     assert command[at:] == [
@@ -271,8 +271,8 @@ def test_a_lora_command_carries_the_lora_flags_and_is_refused_on_cpu():
         "--max-loras-per-batch", "2",
     ]  # fmt: skip
     cpu = SGLangPlacement(0, 30000, 30001, device="cpu")
-    with pytest.raises(ValueError, match="with --enable-lora does not start on CPU"):
-        build_sglang_command(RolloutConfig(max_total_tokens=4096), cpu, "/m", lora=LORA, python="py")
+    command = build_sglang_command(RolloutConfig(max_total_tokens=4096), cpu, "/m", lora=LORA, python="py")
+    assert command[-2:] == ["--lora-backend", "torch_native"]
 
 
 @needs_sglang
@@ -289,6 +289,9 @@ def test_a_lora_command_parses_into_sglangs_server_args():
     assert args.enable_lora and (args.max_lora_rank, args.max_loras_per_batch) == (32, 2)
     assert args.lora_target_modules == list(LORA.target_modules) and args.experts_shared_outer_loras is True
     assert args.lora_backend == "csgmv"  # SGLang's GPU default (Triton kernels)
+    cpu = SGLangPlacement(0, 30000, 30001, device="cpu")
+    command = build_sglang_command(RolloutConfig(max_total_tokens=4096), cpu, "/m", lora=lora, python="py")
+    assert parser.parse_args(command[3:]).lora_backend == "torch_native"
 
 
 @needs_sglang

@@ -152,13 +152,6 @@ START_REFUSALS = (
     ),
     Refusal("engines/sglang_engine.py", "an engine spanning nodes", ("rollout.tp=12",), "rollout.tp", QWEN_30B),
     Refusal(
-        "engines/sglang_engine.py",
-        "LORA_ON_CPU_PROBLEM",
-        ("lora.rank=4",),
-        "rollout.engine",
-        "tiny_moe_cpu_dapo_sglang.yaml",
-    ),
-    Refusal(
         "weight_sync/lora_sync.py",
         "LORA_NOT_BY_BROADCAST",
         ("lora.rank=4", "weight_sync.transport=distributed"),
