@@ -31,7 +31,7 @@ from megatron_rl.config.model_source import has_hf_config, has_hf_weights
 from megatron_rl.config.pipeline_split import pipeline_split
 from megatron_rl.config.schema import JUDGE_REWARD, REMOTE_REWARD, RunConfig
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
-from megatron_rl.config.sglang_pin import SGLANG_VERSION
+from megatron_rl.config.sglang_pin import LORA_NOT_BY_BROADCAST, SGLANG_VERSION
 
 
 @dataclass(frozen=True)
@@ -734,6 +734,12 @@ def _check_lora(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:
     sglang = SGLangEngineShape(rollout.dp, cfg.cluster.gpus_per_node == 0) if rollout.engine == "sglang" else None
     yield from (_error(field, message) for field, message in lora_errors(cfg.lora, arch, sglang))
     yield from (_warning(field, message) for field, message in lora_warnings(cfg.lora, arch))
+    if cfg.weight_sync.transport == "distributed":
+        yield _error(
+            "weight_sync.transport",
+            f"distributed with lora: {LORA_NOT_BY_BROADCAST}; set weight_sync.transport to tensor (engines on the "
+            "trainer ranks' nodes), disk (a filesystem every node shares) or auto",
+        )
 
 
 def _check_network(cfg: RunConfig, arch: QwenArchitecture) -> Iterator[Finding]:

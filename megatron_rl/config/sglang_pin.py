@@ -36,3 +36,27 @@ prefix cache, so a weight sync has nothing to flush (a CPU flush is a ``gc.colle
 reuses no prefix across weight versions, and a group's samples are prefilled together)."""
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 """Set to ``1`` for a CPU engine: SGLang's CPU path (without it SGLang imports ``vllm``)."""
+
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch")
+"""A LoRA run's engines: LoRA on, the recipe's rank as the largest accepted, its targets, its adapter slots per batch
+(the flags SGLang needs without ``--lora-paths``, ``srt/arg_groups/lora_hook.py:150-153``). The default LoRA
+kernel backend (``csgmv``, Triton) is the GPU's."""
+EXPERTS_SHARED_OUTER_FLAG = "--experts-shared-outer-loras"
+"""Force shared outer expert matrices (``lora.experts_shared_outer``); unset, SGLang infers it from the adapter."""
+LORA_CPU_FLAGS = ("--lora-backend", "torch_native")
+"""A CPU engine's LoRA kernels: SGLang's torch-native backend (``srt/lora/backend/torch_backend.py``), the one without
+Triton or CUDA kernels (its default ``csgmv``, ``triton`` and ``triton_v2`` are Triton, ``uno_cublas`` CUDA,
+``ascend`` NPU; ``srt/lora/backend/lora_registry.py``)."""
+LORA_ON_CPU_PROBLEM = (
+    "SGLang 0.5.23 with --enable-lora does not start on CPU: every LoRA linear layer allocates pinned host memory "
+    "when the server starts (srt/lora/layers.py:475-480, torch.tensor(..., pin_memory=True)), which needs the NVIDIA "
+    "driver, so the scheduler exits with 'Found no NVIDIA driver on your system' whatever --lora-backend (measured "
+    "2026-12-07 with torch_native)"
+)
+"""Why no CPU SGLang engine serves LoRA: the recipe checks refuse it (``config/lora_checks.py``)."""
+LORA_NOT_BY_BROADCAST = (
+    "SGLang 0.5.23 loads a LoRA adapter from tensors (/load_lora_adapter_from_tensors) or from a directory "
+    "(/load_lora_adapter), not by broadcast"
+)
+"""Why an adapter sync has no ``distributed`` transport: ``auto`` takes tensors when colocated, a directory when
+disaggregated (``weight_sync/lora_sync.lora_delivery_kind``)."""

@@ -59,6 +59,7 @@ from megatron_rl.engines.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
 )
 from megatron_rl.engines.server_process import ServerProcess
 
@@ -365,6 +366,12 @@ class HttpEngine(RolloutEngine):
         return LoRAUpdateResult.from_json(
             self.request("/unload_lora_adapter", UnloadLoRAAdapterRequest(lora_name).to_json())
         )
+
+    def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> None:
+        """Report ``new_version`` as the weight version of generation results from now on (SGLang's
+        ``/update_weight_version``; the weights stay). ``abort_all_requests``: abort every request in flight first
+        (SGLang's default for the endpoint, not ours)."""
+        self.request("/update_weight_version", UpdateWeightVersionRequest(new_version, abort_all_requests).to_json())
 
     def check_weights(
         self, action: str, *, allow_quant_error: bool = False, skip_tensor_list: list[str] | None = None

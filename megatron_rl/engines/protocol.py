@@ -20,9 +20,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import numpy as np
+
+if TYPE_CHECKING:  # the recipe schema; the CLI imports engines and stays light
+    from megatron_rl.config.schema import LoRAConfig
 
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -207,8 +210,9 @@ class LoadLoRAAdapterFromTensorsRequest(_Body):
 
     ``config_dict``: the PEFT ``adapter_config.json`` (``peft_type``, ``r``, ``lora_alpha``,
     ``target_modules``); ``serialized_named_tensors``: one base64 payload per engine TP rank, each
-    the FULL unsharded PEFT dict (:func:`~megatron_rl.wire.tensor_serialization.serialize_named_tensors`;
-    ``load_format="flattened_bucket"`` for a flattened one). Not gated by weight-update sessions.
+    the FULL unsharded PEFT dict: a pickled dict (:func:`~megatron_rl.wire.tensor_serialization.serialize_tensor_dict`;
+    SGLang's loader calls ``.items()`` on it, so a list of pairs fails) or, with ``load_format="flattened_bucket"``,
+    a flattened bucket. Not gated by weight-update sessions; sets no weight version.
     """
 
     lora_name: str
@@ -241,11 +245,40 @@ class UnloadLoRAAdapterRequest(_Body):
 
 
 @dataclass(frozen=True)
+class UpdateWeightVersionRequest(_Body):
+    """``POST /update_weight_version`` (SGLang ``UpdateWeightVersionReqInput``, ``io_struct.py:2155-2159``): the
+    version generation results report from now on (``meta_info.weight_version``), weights unchanged. SGLang's LoRA
+    endpoints set no version, so an adapter sync reports its own through this. ``abort_all_requests`` defaults to
+    True as SGLang's does (every request in flight is aborted); a sync sends False."""
+
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass(frozen=True)
 class LoRASettings:
-    """SGLang's ``--max-lora-rank`` and ``--lora-target-modules``: what adapters the engine accepts."""
+    """SGLang's ``--max-lora-rank``, ``--lora-target-modules`` and ``--max-loras-per-batch``: what adapters the
+    engine accepts and how many distinct ones (the base model counting as one) a batch may mix (SGLang's default 8)."""
 
     max_rank: int
     target_modules: tuple[str, ...]
+    max_loras_per_batch: int = 8
+
+    @classmethod
+    def of(cls, lora: LoRAConfig) -> LoRASettings:
+        """The settings a recipe's ``lora:`` section starts its engines with: its rank as the largest accepted, its
+        targets, its slots per batch."""
+        return cls(lora.rank, tuple(lora.target_modules), lora.max_loras_per_batch)
+
+
+LORA_ADAPTER_PREFIX = "policy-v"
+"""Adapter names are ``policy-v{weight version}``: one name per synced version (``docs/lora-sync.md``)."""
+
+
+def lora_adapter_name(version: str | int) -> str:
+    """The name the engines serve the policy's adapter of weight version ``version`` under (``policy-v{version}``);
+    every generate request of a LoRA run names it in ``lora_path``."""
+    return f"{LORA_ADAPTER_PREFIX}{version}"
 
 
 @dataclass(frozen=True)

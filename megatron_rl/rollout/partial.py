@@ -185,10 +185,16 @@ class WindowPlan:
 
 
 def continuation_requests(
-    group: PartialGroup, plan: WindowPlan, params: SamplingParams, *, routing_replay: bool
+    group: PartialGroup,
+    plan: WindowPlan,
+    params: SamplingParams,
+    *,
+    routing_replay: bool,
+    lora_path: str | None = None,
 ) -> list[tuple[int, GenerateRequest, bool]]:
     """The next window's requests of an unfinished group: one ``n=1`` request per unfinished response,
-    as ``(sample index, request, capped)``; rids are ``<uid>.<window>.<sample>``."""
+    as ``(sample index, request, capped)``; rids are ``<uid>.<window>.<sample>``. ``lora_path``: the LoRA
+    adapter the requests name (None: the base model), the one the engines hold now."""
     requests = []
     for index, sample in enumerate(group.samples):
         if sample.finished:
@@ -201,6 +207,7 @@ def continuation_requests(
             sampling,
             rid=f"{group.uid}.{group.windows}.{index}",
             return_routed_experts=routing_replay,
+            lora_path=lora_path,
         )
         requests.append((index, request, capped))
     return requests

@@ -6,7 +6,9 @@ Request ids are ``<uid_prefix><serial>``, the serial counting the sampler's prom
 they (and, with ``seed``, each request's sampling seed ``seed * 2**32 + serial``) are the same after
 a resume from the sampler's state. On SGLang the request carries one seed per sample instead,
 derived from that one (:func:`~megatron_rl.rollout.partial.sample_seeds`): SGLang seeds each sample
-on its own, and a request's one seed would make its ``n`` samples alike.
+on its own, and a request's one seed would make its ``n`` samples alike. In a LoRA run every request
+names the policy's adapter the engines hold when it is built
+(:class:`~megatron_rl.rollout.policy_adapter.PolicyAdapter`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.data import PromptDataset, PromptItem, PromptSampler
     from megatron_rl.rollout.episodes import EnvironmentReply
+    from megatron_rl.rollout.policy_adapter import PolicyAdapter
 
 SEED_STRIDE = 1 << 32
 """Request seeds are ``seed * SEED_STRIDE + serial``: distinct per prompt for any run of fewer than 2**32 prompts."""
@@ -144,7 +147,9 @@ class WindowProgress:
 class SubmissionPlanner:
     """Makes the windows a step sends: new prompts' first windows and carried groups' next ones.
 
-    ``next_engine`` picks each request's engine (the engine pool's round-robin).
+    ``next_engine`` picks each request's engine (the engine pool's round-robin). ``adapter``: a LoRA run's
+    :class:`~megatron_rl.rollout.policy_adapter.PolicyAdapter`, whose name every request carries as it is built
+    (None: no LoRA, requests name no adapter).
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class SubmissionPlanner:
         seed: int | None,
         routing_replay: bool,
         stop_token_ids: tuple[int, ...] = (),
+        adapter: PolicyAdapter | None = None,
     ) -> None:
         self.dataset, self.sampler, self.rollout = dataset, sampler, rollout
         self.windows = WindowPlan(
@@ -166,6 +172,12 @@ class SubmissionPlanner:
         self._next_engine = next_engine
         self._uid_prefix, self._seed, self._routing_replay = uid_prefix, seed, routing_replay
         self._stop_token_ids = list(stop_token_ids) or None
+        self._adapter = adapter
+
+    @property
+    def lora_path(self) -> str | None:
+        """The adapter a request built now names (None: the base model)."""
+        return None if self._adapter is None else self._adapter.name
 
     def new(self, indices: list[int]) -> list[Submission]:
         """The first windows of the prompts ``indices``, just taken from the sampler: their serials (request
@@ -179,7 +191,7 @@ class SubmissionPlanner:
     def continued(self, group: PartialGroup) -> Submission:
         """A carried group's next window: one request per unfinished response."""
         planned = continuation_requests(
-            group, self.windows, self._sampling(0, None), routing_replay=self._routing_replay
+            group, self.windows, self._sampling(0, None), routing_replay=self._routing_replay, lora_path=self.lora_path
         )
         requests = [Request(self._next_engine(), request, [index], capped) for index, request, capped in planned]
         return Submission(group, requests, True)
@@ -200,6 +212,7 @@ class SubmissionPlanner:
             dataclasses.replace(self._sampling(max_new, seed), n=1),
             rid=f"{group.uid}.{group.windows}.{sample}.{turn}",
             return_routed_experts=self._routing_replay,
+            lora_path=self.lora_path,
         )
         return Request(self._next_engine(), request, [sample], capped)
 
@@ -215,6 +228,7 @@ class SubmissionPlanner:
             rid=uid,
             return_routed_experts=self._routing_replay,
             sample_seeds=seeds,
+            lora_path=self.lora_path,
         )
         group = PartialGroup(item, uid, seed, [PartialSample() for _ in range(n)])
         return Submission(group, [Request(self._next_engine(), request, list(range(n)), capped)], False)

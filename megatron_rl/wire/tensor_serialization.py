@@ -47,7 +47,7 @@ import os
 import pickle
 import re
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -190,6 +190,17 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -
     return _dumps([(name, tensor.detach()) for name, tensor in named_tensors])
 
 
+def serialize_tensor_dict(tensors: Mapping[str, torch.Tensor]) -> str:
+    """Base64 text of a ``{name: tensor}`` dict as IPC handles: the payload SGLang 0.5.23's
+    ``/load_lora_adapter_from_tensors`` reads without a ``load_format`` (its loader calls ``tensors.items()``,
+    ``srt/lora/lora.py:158-160``), where ``/update_weights_from_tensor`` reads a list of pairs
+    (:func:`serialize_named_tensors`). Raises TypeError for a key that is not a str or a value that is not a tensor."""
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected str -> torch.Tensor, got {type(name).__name__} -> {type(tensor).__name__}")
+    return _dumps({name: tensor.detach() for name, tensor in tensors.items()})
+
+
 def flattened_bucket(
     named_tensors: Sequence[tuple[str, torch.Tensor]],
 ) -> tuple[torch.Tensor, list[types.SimpleNamespace]] | None:
@@ -252,12 +263,26 @@ def deserialize_named_tensors(payload: str) -> NamedTensors:
 
     Raises UnsafePayloadError for a payload naming any other global, or not a list of (str, Tensor) pairs.
     """
+    loaded = deserialize_tensors(payload)
+    if isinstance(loaded, dict):
+        raise UnsafePayloadError("payload must be a list of (name, tensor) pairs")
+    return loaded
+
+
+def deserialize_tensors(payload: str) -> NamedTensors | dict[str, torch.Tensor]:
+    """A payload of :func:`serialize_named_tensors` (a list of pairs) or :func:`serialize_tensor_dict` (a dict), as
+    pickled; tensors are views of the sender's memory (copy them). Raises UnsafePayloadError for any global outside
+    the tensor allow-list and for anything but those two shapes."""
     loaded = _unpickle(payload, _TensorOnlyUnpickler)
+    if isinstance(loaded, dict):
+        if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
+            raise UnsafePayloadError("a dict payload must map str names to tensors")
+        return loaded
     if not isinstance(loaded, list) or not all(
         isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
         for item in loaded
     ):
-        raise UnsafePayloadError("payload must be a list of (name, tensor) pairs")
+        raise UnsafePayloadError("payload must be a list of (name, tensor) pairs or a dict of name -> tensor")
     return loaded
 
 

@@ -29,7 +29,7 @@ from megatron_rl.engines.protocol import (
     SamplingParams,
 )
 from megatron_rl.engines.reference.backend import ReferenceBackend
-from megatron_rl.wire.tensor_serialization import serialize_named_tensors
+from megatron_rl.wire.tensor_serialization import serialize_tensor_dict
 from tests.reference_servers import serving
 from tests.tiny_checkpoints import save_tiny_dense
 
@@ -82,7 +82,7 @@ def served(hf_dir) -> Iterator[tuple[HttpEngine, ReferenceBackend]]:
 
 
 def _load(engine: HttpEngine, name: str, named: list[tuple[str, torch.Tensor]], config=None):
-    request = LoadLoRAAdapterFromTensorsRequest(name, config or CONFIG, [serialize_named_tensors(named)])
+    request = LoadLoRAAdapterFromTensorsRequest(name, config or CONFIG, [serialize_tensor_dict(dict(named))])
     return engine.load_lora_adapter_from_tensors(request)
 
 
@@ -167,10 +167,10 @@ def test_unknown_adapters_are_refused_as_sglang_refuses_them(served, peft_model)
     assert "Got LoRA adapter that has never been loaded: missing" in generating.value.body
     with pytest.raises(EngineRequestError) as unloading:
         engine.unload_lora_adapter("missing")
-    assert json.loads(unloading.value.body) == {
+    assert json.loads(unloading.value.body) == {  # raised in the tokenizer manager: no adapters listed
         "success": False,
         "error_message": "LoRA with name missing does not exist. Loaded LoRAs: odict_keys([])",
-        "loaded_adapters": {},
+        "loaded_adapters": None,
     }
 
 

@@ -44,7 +44,7 @@ import pytest
 import torch
 from torch.multiprocessing import reductions
 
-from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.config.schema import LoRAConfig, RolloutConfig
 from megatron_rl.engines.protocol import (
     AbortRequest,
     BeginWeightUpdateRequest,
@@ -65,6 +65,7 @@ from megatron_rl.engines.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
 )
 from megatron_rl.engines.reference.backend import ReferenceBackend
 from megatron_rl.engines.reference.generator import SampleOutput
@@ -72,12 +73,15 @@ from megatron_rl.engines.sglang_engine import SGLangEngine, SGLangPlacement, bui
 from megatron_rl.parallel.local_launch import free_port, run_local_ranks
 from megatron_rl.rollout.partial import sample_seeds
 from megatron_rl.weight_sync.bucket_buffers import BucketBuffers
+from megatron_rl.weight_sync.lora_sync import packed
 from megatron_rl.wire.dense_buckets import aligned_runs, pack
 from megatron_rl.wire.tensor_serialization import (
+    FLATTENED_BUCKET,
     flattened_bucket,
     rebuild_args_with_uuid,
     serialize_flattened_bucket,
     serialize_named_tensors,
+    serialize_tensor_dict,
 )
 from megatron_rl.wire.weight_group import broadcast_from_trainer, create_weight_group, destroy_weight_group
 from tests.api_key_cases import API_KEY, KEY_CASES, raw_request
@@ -133,6 +137,9 @@ SGLANG_0_5_23: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
         frozenset({"lora_name", "lora_path"}),
     ),
     "UnloadLoRAAdapterRequest": ("UnloadLoRAAdapterReqInput", frozenset({"lora_name", "lora_id"}), frozenset({"lora_name"})),
+    "UpdateWeightVersionRequest": (
+        "UpdateWeightVersionReqInput", frozenset({"new_version", "abort_all_requests"}), frozenset({"new_version"})
+    ),
 }  # fmt: skip
 INTERNAL_FIELDS = {"rid", "http_worker_ipc"}  # BaseReq routing fields; only AbortReq's rid is ours to set
 
@@ -152,6 +159,7 @@ BODIES = [
     LoadLoRAAdapterFromTensorsRequest("policy-v3", {"peft_type": "LORA", "r": 8, "lora_alpha": 16}, ["aGVsbG8="]),
     LoadLoRAAdapterRequest("policy-v3", "/ckpt/step3/adapter"),
     UnloadLoRAAdapterRequest("policy-v2"),
+    UpdateWeightVersionRequest("3", abort_all_requests=False),
 ]
 GENERATE = GenerateRequest(
     [1, 2, 3],
@@ -252,6 +260,40 @@ def test_command_refuses_a_bad_placement():
         build_sglang_command(RolloutConfig(), SGLangPlacement(0, 30000, 30001, nnodes=2), "/m")
 
 
+LORA = LoRAConfig(rank=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], max_loras_per_batch=2)
+
+
+def test_a_lora_command_carries_the_lora_flags_and_the_torch_backend_on_cpu():
+    command = build_sglang_command(RolloutConfig(), SGLangPlacement(0, 30000, 30001), "/m", lora=LORA, python="py")
+    at = command.index("--enable-lora")
+    assert command[at:] == [
+        "--enable-lora", "--max-lora-rank", "32", "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj",
+        "--max-loras-per-batch", "2",
+    ]  # fmt: skip
+    cpu = SGLangPlacement(0, 30000, 30001, device="cpu")
+    command = build_sglang_command(RolloutConfig(max_total_tokens=4096), cpu, "/m", lora=LORA, python="py")
+    assert command[-2:] == ["--lora-backend", "torch_native"]
+
+
+@needs_sglang
+def test_a_lora_command_parses_into_sglangs_server_args():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    lora = LORA.model_copy(update={"experts_shared_outer": True})
+    command = build_sglang_command(RolloutConfig(), SGLangPlacement(0, 30000, 30001), "/m", lora=lora, python="py")
+    args = parser.parse_args(command[3:])
+    assert args.enable_lora and (args.max_lora_rank, args.max_loras_per_batch) == (32, 2)
+    assert args.lora_target_modules == list(LORA.target_modules) and args.experts_shared_outer_loras is True
+    assert args.lora_backend == "csgmv"  # SGLang's GPU default (Triton kernels)
+    cpu = SGLangPlacement(0, 30000, 30001, device="cpu")
+    command = build_sglang_command(RolloutConfig(max_total_tokens=4096), cpu, "/m", lora=lora, python="py")
+    assert parser.parse_args(command[3:]).lora_backend == "torch_native"
+
+
 @needs_sglang
 def test_command_parses_into_sglangs_server_args():
     import argparse
@@ -318,6 +360,55 @@ def test_sglang_loads_our_flattened_bucket_exactly():
     assert WeightUpdater._update_weights_from_flattened_bucket(runner, flattened_tensor_bucket_dict=payload)[0]
     assert [name for name, _ in loaded] == ["a", "b", "c"]
     assert all(t.dtype == o.dtype and torch.equal(t, o) for (_, t), (_, o) in zip(loaded, sent, strict=True))
+
+
+@needs_sglang
+@pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "dict"])
+def test_sglangs_tp_worker_hands_its_lora_manager_our_adapter_exactly(flattened):
+    """Our adapter payload through SGLang's own request parsing, payload normalisation and TP worker
+    (``TpModelWorker.load_lora_adapter_from_tensors``): its LoRA manager gets the PEFT dict, bit for bit, in the
+    engine's dtype; SGLang's adapter then stacks q/k/v into one ``qkv_proj`` weight as it serves it."""
+    from pydantic import TypeAdapter
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.lora.lora_config import LoRAConfig as SGLangLoRAConfig
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
+    from transformers import Qwen3Config
+
+    prefix = "base_model.model.model.layers.0.self_attn"
+    shapes = {"q_proj": (16, 8), "k_proj": (8, 8), "v_proj": (8, 8)}  # (out, in)
+    adapter = {}
+    for proj, (out_features, in_features) in shapes.items():
+        adapter[f"{prefix}.{proj}.lora_A.weight"] = torch.randn(4, in_features)
+        adapter[f"{prefix}.{proj}.lora_B.weight"] = torch.randn(out_features, 4)
+    views = packed(adapter, torch.device("cpu"), torch.bfloat16)
+    flat = flattened_bucket(views)
+    assert flat is not None
+    payload = serialize_flattened_bucket(*flat) if flattened else serialize_tensor_dict(dict(views))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(shapes)}
+    request = LoadLoRAAdapterFromTensorsRequest(
+        "policy-v3", config, [payload], load_format=FLATTENED_BUCKET if flattened else None
+    )
+    received = TypeAdapter(LoadLoRAAdapterFromTensorsReqInput).validate_python(request.to_json())
+    received.serialized_named_tensors = normalize_serialized_named_tensor_payloads(received.serialized_named_tensors)
+    received.lora_id = "id"  # the tokenizer manager's, as it sends the request on (tokenizer_control_mixin.py:782)
+    handed: dict[str, torch.Tensor] = {}
+    worker = types.SimpleNamespace(
+        deserialize_own_rank=lambda payloads: MultiprocessingSerializer.deserialize(payloads[0]),
+        model_runner=types.SimpleNamespace(
+            load_lora_adapter_from_tensors=lambda ref, tensors, *_: handed.update(tensors)
+        ),
+    )
+    TpModelWorker.load_lora_adapter_from_tensors(worker, received)
+    assert list(handed) == list(adapter)
+    assert all(handed[k].dtype == torch.bfloat16 and torch.equal(handed[k], v.bfloat16()) for k, v in adapter.items())
+    base = Qwen3Config(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    served = LoRAAdapter("id", SGLangLoRAConfig.from_dict(config, None, base_vocab_size=100), base, None, None)
+    served.initialize_weights_from_tensors(handed)
+    stacked = served.layers[0].weights[f"{prefix}.qkv_proj.lora_B.weight"]
+    expected = torch.cat([adapter[f"{prefix}.{p}.lora_B.weight"] for p in shapes]).bfloat16()
+    assert torch.equal(stacked, expected)
 
 
 @needs_sglang

@@ -152,6 +152,12 @@ START_REFUSALS = (
     ),
     Refusal("engines/sglang_engine.py", "an engine spanning nodes", ("rollout.tp=12",), "rollout.tp", QWEN_30B),
     Refusal(
+        "weight_sync/lora_sync.py",
+        "LORA_NOT_BY_BROADCAST",
+        ("lora.rank=4", "weight_sync.transport=distributed"),
+        "weight_sync.transport",
+    ),
+    Refusal(
         "engines/sglang_engine.py",
         "needs rollout.max_total_tokens",
         ("rollout.engine=sglang",),
@@ -242,6 +248,10 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     ("engines/reference/backend.py", "got {len(request.serialized_named_tensors)}"): "wire-format contract of a "
     "LoRA load: one payload per engine TP rank",
     ("engines/reference/server.py", "timeout must be >= 0"): "a request argument of /flush_cache",
+    ("weight_sync/lora_sync.py", "failed on trainer rank"): "an engine's answer to an adapter load at sync time, "
+    "raised on every trainer rank",
+    ("weight_sync/lora_sync.py", "needs disk_dir"): "internal contract: the trainer worker passes the run's "
+    "weight_sync directory",
     ("engines/reference/backend.py", "tp_rank"): "node rank and count of an engine spanning nodes, set by its host "
     "from the placement (engine_node_slots), not the recipe",
     ("engines/reference/engine.py", "node_rank"): "node rank and count of an engine spanning nodes, set by its host "

@@ -56,6 +56,7 @@ from megatron_rl.engines.protocol import (
     LoadLoRAAdapterRequest,
     LoRASettings,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightVersionRequest,
     encode_routed_experts,
 )
 from megatron_rl.engines.reference.fp8_weights import Fp8Weights
@@ -71,7 +72,12 @@ from megatron_rl.engines.reference.weight_checker import WeightChecker
 from megatron_rl.engines.reference.weights import load_named_tensors, resolve_weight
 from megatron_rl.wire.dense_buckets import empty_bucket
 from megatron_rl.wire.fp8_blocks import SCALE_SUFFIX
-from megatron_rl.wire.tensor_serialization import FLATTENED_BUCKET, deserialize_payload, shared_memory_owners
+from megatron_rl.wire.tensor_serialization import (
+    FLATTENED_BUCKET,
+    deserialize_payload,
+    deserialize_tensors,
+    shared_memory_owners,
+)
 from megatron_rl.wire.weight_group import (
     WeightGroup,
     broadcast_from_trainer,
@@ -204,24 +210,27 @@ class ReferenceBackend:
         if request.return_routed_experts and self.slot_model.routes_experts:
             routing_shape = (self.slot_model.context_length, self.slot_model.num_layers, self.slot_model.top_k)
         stop_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self._eos)
-        adapter = self.lora.lookup(request.lora_path)
+        adapter = self.lora.acquire(request.lora_path)
         state = RequestState(request, generator, stop_ids, routing_shape, adapter)
-        with self._state:
-            self._state.wait_for(lambda: not self._writers)
-            self._jobs[state] = (self._abort_epoch, sample_rids)
-            self._waiting.append(state)
-            self._in_flight += 1
-            self._active_rids |= set(sample_rids)
-            self._state.notify_all()
         try:
-            state.done.wait()
-        finally:
             with self._state:
-                self._in_flight -= 1
-                self._active_rids -= set(sample_rids)
-                self._aborted_rids -= set(sample_rids)
-                self._jobs.pop(state, None)
+                self._state.wait_for(lambda: not self._writers)
+                self._jobs[state] = (self._abort_epoch, sample_rids)
+                self._waiting.append(state)
+                self._in_flight += 1
+                self._active_rids |= set(sample_rids)
                 self._state.notify_all()
+            try:
+                state.done.wait()
+            finally:
+                with self._state:
+                    self._in_flight -= 1
+                    self._active_rids -= set(sample_rids)
+                    self._aborted_rids -= set(sample_rids)
+                    self._jobs.pop(state, None)
+                    self._state.notify_all()
+        finally:
+            self.lora.release(adapter)
         if state.error is not None:
             raise state.error
         answers = [
@@ -589,6 +598,16 @@ class ReferenceBackend:
         with self._control:
             self._load(named, version, flush)
 
+    def update_weight_version(self, request: UpdateWeightVersionRequest) -> dict[str, Any]:
+        """Report ``request.new_version`` from now on, weights unchanged; with ``abort_all_requests`` (SGLang's
+        default) every request in flight is aborted first. SGLang's answer (``http_server.py:1527-1555``)."""
+        if request.abort_all_requests:
+            self.abort("", abort_all=True)
+        with self._state:
+            self.weight_version = request.new_version
+        version = request.new_version
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
     def _check_lora_enabled(self) -> None:
         """SGLang's first checks of a LoRA load or unload: enabled, then ``dp_size == 1`` (an assertion: HTTP 500;
         ``tokenizer_control_mixin.py:667-674``)."""
@@ -597,8 +616,10 @@ class ReferenceBackend:
 
     def load_lora_from_tensors(self, request: LoadLoRAAdapterFromTensorsRequest) -> dict[str, Any]:
         """Register an adapter from payload ``tp_rank`` of ``serialized_named_tensors`` (copied); SGLang's
-        ``LoRAUpdateOutput``. Refusals (:mod:`lora_adapters`) raise LoRAUpdateFailed; ValueError for a payload
-        count other than the TP size or checksums (which the reference engine does not verify)."""
+        ``LoRAUpdateOutput``. The payload is SGLang's (``srt/managers/tp_worker.py:217-230``): a
+        ``flattened_bucket``, or else a pickled DICT of name -> tensor (a list of pairs fails as in SGLang, whose
+        loader calls ``tensors.items()``). Refusals (:mod:`lora_adapters`) raise LoRAUpdateFailed; ValueError for a
+        payload count other than the TP size or checksums (which the reference engine does not verify)."""
         self._check_lora_enabled()
         if request.added_tokens_config:
             raise self.lora.refusal(
@@ -614,7 +635,14 @@ class ReferenceBackend:
                 f"the reference engine has {self.tp_size} TP rank(s); "
                 f"got {len(request.serialized_named_tensors)} serialized_named_tensors"
             )
-        named = deserialize_payload(request.serialized_named_tensors[self.tp_rank], request.load_format)
+        payload = request.serialized_named_tensors[self.tp_rank]
+        if request.load_format == FLATTENED_BUCKET:
+            named = deserialize_payload(payload, request.load_format)
+        else:
+            tensors = deserialize_tensors(payload)
+            if not isinstance(tensors, dict):  # SGLang: AttributeError in initialize_weights_from_tensors, answered
+                raise self.lora.refusal(f"'{type(tensors).__name__}' object has no attribute 'items'")
+            named = list(tensors.items())
         self.lora.load(request.lora_name, TENSOR_PATH, request.config_dict, named)
         return self.lora.result().to_json()
 

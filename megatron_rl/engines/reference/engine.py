@@ -35,7 +35,7 @@ def build_reference_command(
     ValueError for a node rank outside [0, nnodes) or several nodes without ``dist_init_addr``.
 
     ``lora``: serve LoRA adapters within these limits (``--enable-lora --max-lora-rank R
-    --lora-target-modules ...``, SGLang's flags).
+    --lora-target-modules ... --max-loras-per-batch N``, SGLang's flags).
 
     Never carries an API key: the key goes through the environment (:data:`~megatron_rl.engines.access.API_KEY_ENV`).
     """
@@ -57,6 +57,8 @@ def build_reference_command(
             str(lora.max_rank),
             "--lora-target-modules",
             *lora.target_modules,
+            "--max-loras-per-batch",
+            str(lora.max_loras_per_batch),
         ]
     return command
 

@@ -13,8 +13,7 @@ rank above ``--max-lora-rank`` or targets outside ``--lora-target-modules`` (``l
 ``srt/lora/mem_pool.py:238-259``), unloading an unknown name (``srt/lora/lora_registry.py:117-121``),
 generating with an unknown one (``srt/managers/tokenizer_manager.py:3729-3770``). A refused
 load/unload raises :class:`LoRAUpdateFailed`, answered 400 with SGLang's ``LoRAUpdateOutput`` body.
-A request holds its adapter from its start, so unloading it never changes a request in flight
-(SGLang's unload waits for them instead: same outputs).
+An unload waits until no request holds the adapter, as SGLang's does (:class:`LoRARegistry`).
 """
 
 from __future__ import annotations
@@ -130,18 +129,30 @@ def build_adapter(
 
 
 class LoRARegistry:
-    """The adapters loaded by name; ``settings`` None: LoRA not enabled (every load and LoRA request refused)."""
+    """The adapters loaded by name; ``settings`` None: LoRA not enabled (every load and LoRA request refused).
+
+    As SGLang's tokenizer manager (``srt/managers/tokenizer_control_mixin.py:634-657``, ``srt/lora/lora_registry.py``):
+    loads and unloads run one at a time (its ``lora_update_lock``); a request holds the adapter it named from its start
+    to its end (:meth:`acquire`, :meth:`release`: its usage counter); an unload removes the name at once, then waits
+    until no request holds the adapter, so an unload while generation is paused with requests holding the adapter
+    does not return before they end (``wait_for_unload``). A request naming an adapter loaded before but not now is
+    given it again from its last path (``_resolve_lora_path``): read again from a PEFT directory; refused for one
+    loaded from tensors (SGLang reloads from the path ``__tensor__``, which fails).
+    """
 
     def __init__(self, model: PreTrainedModel, settings: LoRASettings | None) -> None:
         self.model, self.settings = model, settings
         self._adapters: dict[str, LoRAAdapter] = {}
-        self._ever_loaded: set[str] = set()
-        self._lock = threading.Lock()
+        self._paths: dict[str, str] = {}  # SGLang's lora_ref_cache: every name ever loaded -> its last path
+        self._holders: dict[int, int] = {}  # id(adapter) -> requests holding it (SGLang's counter per lora_id)
+        self._update = threading.Lock()
+        self._state = threading.Condition()
 
     def result(self, error: str | None = None) -> LoRAUpdateResult:
         """SGLang's answer: success unless ``error``, with every loaded adapter's path
         (``lora_manager.py:267-277``)."""
-        loaded = {name: adapter.path for name, adapter in self._adapters.items()}
+        with self._state:
+            loaded = {name: adapter.path for name, adapter in self._adapters.items()}
         return LoRAUpdateResult(error is None, error or "", loaded)
 
     def refusal(self, message: str) -> LoRAUpdateFailed:
@@ -156,55 +167,85 @@ class LoRARegistry:
     def load(self, name: str, path: str, config: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> None:
         """Register adapter ``name``; LoRAUpdateFailed with SGLang's message when refused (module docstring)."""
         self.check_enabled()
-        with self._lock:
-            assert self.settings is not None, "checked above"
-            if config.get("use_dora"):
-                raise self.refusal(
-                    f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters"
-                )
-            if name in self._adapters:
-                raise self.refusal(f"Failed to load LoRA adapter {name} because it is already loaded")
-            targets = normalized_targets(config.get("target_modules") or [])
-            allowed = normalized_targets(list(self.settings.target_modules))
-            if int(config["r"]) > self.settings.max_rank or not ("all" in targets or targets <= allowed):
-                raise self.refusal(
-                    f"LoRA adapter {name} with rank {config['r']} is incompatible with the current LoRA memory pool "
-                    "configuration. Please ensure that the LoRA adapter's rank is within the configured "
-                    "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`."
-                )
-            try:
-                adapter = build_adapter(name, path, config, named, self.model)
-            except (ValueError, KeyError) as error:
-                raise self.refusal(str(error)) from error
+        with self._update:
+            self._load(name, path, config, named)
+
+    def _load(self, name: str, path: str, config: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> None:
+        assert self.settings is not None, "checked by the caller"
+        if config.get("use_dora"):
+            raise self.refusal(f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters")
+        if name in self._adapters:
+            raise self.refusal(f"Failed to load LoRA adapter {name} because it is already loaded")
+        targets = normalized_targets(config.get("target_modules") or [])
+        allowed = normalized_targets(list(self.settings.target_modules))
+        if int(config["r"]) > self.settings.max_rank or not ("all" in targets or targets <= allowed):
+            raise self.refusal(
+                f"LoRA adapter {name} with rank {config['r']} is incompatible with the current LoRA memory pool "
+                "configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`."
+            )
+        try:
+            adapter = build_adapter(name, path, config, named, self.model)
+        except (ValueError, KeyError) as error:
+            raise self.refusal(str(error)) from error
+        with self._state:
             self._adapters[name] = adapter
-            self._ever_loaded.add(name)
+            self._paths[name] = path
 
     def unload(self, name: str) -> None:
-        """Forget adapter ``name``; LoRAUpdateFailed with SGLang's message for a name not loaded."""
+        """Forget adapter ``name`` once no request holds it (module docstring); LoRAUpdateFailed with SGLang's
+        message, and no adapters listed, for a name not loaded (``tokenizer_control_mixin.py:858-859``)."""
         self.check_enabled()
-        with self._lock:
-            if name not in self._adapters:
+        with self._update, self._state:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
                 loaded = OrderedDict.fromkeys(self._adapters).keys()  # SGLang's registry is an OrderedDict
-                raise self.refusal(f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}")
-            del self._adapters[name]
+                message = f"LoRA with name {name} does not exist. Loaded LoRAs: {loaded}"
+                raise LoRAUpdateFailed(LoRAUpdateResult(False, message, None))
+            self._state.wait_for(lambda: not self._holders.get(id(adapter)))
+            self._holders.pop(id(adapter), None)
 
-    def lookup(self, name: str | None) -> LoRAAdapter | None:
-        """The adapter a generate request's ``lora_path`` names (None: the base model); ValueError (HTTP 400) with
-        SGLang's message for LoRA not enabled or a name not loaded."""
+    def acquire(self, name: str | None) -> LoRAAdapter | None:
+        """The adapter a generate request's ``lora_path`` names, held until :meth:`release` (None: the base model);
+        ValueError (HTTP 400) with SGLang's message for LoRA not enabled or a name never loaded, or when giving an
+        unloaded adapter again fails. Waits while a load or unload runs when the name is not loaded."""
         if name is None:
             return None
-        with self._lock:
-            if self.settings is None:
+        if self.settings is None:
+            raise ValueError(
+                f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server with "
+                "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+            )
+        with self._state:
+            if name not in self._adapters and name not in self._paths:
                 raise ValueError(
-                    f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server with "
-                    "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+                    f"Got LoRA adapter that has never been loaded: {name}\nAll loaded adapters: {self._paths.keys()}."
                 )
             adapter = self._adapters.get(name)
             if adapter is not None:
+                self._holders[id(adapter)] = self._holders.get(id(adapter), 0) + 1
                 return adapter
-            if name in self._ever_loaded:  # SGLang tries to reload it implicitly; we cannot re-open tensors
-                raise ValueError(f"Failed to implicitly load LoRA adapter {name}: it was unloaded; load it again")
-            raise ValueError(
-                f"Got LoRA adapter that has never been loaded: {name}\n"
-                f"All loaded adapters: {dict.fromkeys(self._ever_loaded).keys()}."
-            )
+        self._load_again(name)
+        return self.acquire(name)
+
+    def _load_again(self, name: str) -> None:
+        """Give ``name`` again from its last path, as SGLang's implicit reload (under the update lock)."""
+        with self._update:
+            with self._state:
+                if name in self._adapters:
+                    return
+                path = self._paths[name]
+            try:
+                if path == TENSOR_PATH:
+                    raise LoRAUpdateFailed(self.result(f"{path} is not a PEFT adapter directory to load again"))
+                self._load(name, path, *read_peft_dir(path))
+            except (LoRAUpdateFailed, ValueError) as error:
+                raise ValueError(f"Failed to implicitly load LoRA adapter {name}: {error}") from error
+
+    def release(self, adapter: LoRAAdapter | None) -> None:
+        """A request that held ``adapter`` (from :meth:`acquire`) ended; an unload waiting for it may go on."""
+        if adapter is None:
+            return
+        with self._state:
+            self._holders[id(adapter)] -= 1
+            self._state.notify_all()

@@ -78,6 +78,7 @@ from megatron_rl.engines.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
 )
 from megatron_rl.engines.reference.backend import (
     DEFAULT_MAX_RUNNING_REQUESTS,
@@ -190,6 +191,7 @@ ROUTES: dict[str, Route] = {
     ),
     "/load_lora_adapter": lambda b, body: b.load_lora_from_path(LoadLoRAAdapterRequest.from_json(body)),
     "/unload_lora_adapter": lambda b, body: b.unload_lora(UnloadLoRAAdapterRequest.from_json(body).lora_name),
+    "/update_weight_version": lambda b, body: b.update_weight_version(UpdateWeightVersionRequest.from_json(body)),
     "/update_weights_from_disk": _update(
         lambda b, r: b.update_from_disk(r.model_path, r.weight_version, r.flush_cache),
         UpdateWeightsFromDiskRequest.from_json,
@@ -387,6 +389,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
     parser.add_argument("--lora-target-modules", nargs="+", default=None, help="projections adapters may target")
+    parser.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="SGLang's adapter slots per batch; accepted, not needed here (any adapters share a step; same outputs)",
+    )
     args = parser.parse_args(argv)
     if args.enable_lora and (args.max_lora_rank is None or not args.lora_target_modules):
         parser.error("--enable-lora needs --max-lora-rank and --lora-target-modules (as SGLang without --lora-paths)")
@@ -409,7 +417,11 @@ def main(argv: list[str] | None = None) -> None:
         fp8_block=fp8_block,
         tp_rank=args.node_rank,
         tp_size=args.nnodes,
-        lora=LoRASettings(args.max_lora_rank, tuple(args.lora_target_modules)) if args.enable_lora else None,
+        lora=(
+            LoRASettings(args.max_lora_rank, tuple(args.lora_target_modules), args.max_loras_per_batch)
+            if args.enable_lora
+            else None
+        ),
     )
     if fp8_block is not None and args.load_format != "dummy":
         backend.update_from_disk(args.model_path, version=None)
