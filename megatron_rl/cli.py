@@ -358,20 +358,12 @@ def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
-    from megatron_rl.checkpoint.convert import convert_mcore_to_hf
+    from megatron_rl.checkpoint.convert import convert_mcore_to_hf, saved_lora_config
     from megatron_rl.checkpoint.layout import model_weight_dirs
-    from megatron_rl.checkpoint.trainer_state import saved_lora
-    from megatron_rl.config.schema import LoRAConfig
 
     weights, metadata = model_weight_dirs(args.ckpt)
-    lora = saved_lora(weights.parent) if metadata is not None else None  # a run checkpoint's step_* folder
-    convert_mcore_to_hf(
-        weights,
-        args.out,
-        _parallel_sizes(args),
-        metadata_dir=metadata,
-        lora=LoRAConfig.model_validate(lora) if lora is not None else None,
-    )
+    lora = saved_lora_config(weights, metadata)
+    convert_mcore_to_hf(weights, args.out, _parallel_sizes(args), metadata_dir=metadata, lora=lora)
     return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from megatron_rl.checkpoint.layout import HF_METADATA_DIR
+from megatron_rl.checkpoint.trainer_state import saved_lora
 from megatron_rl.config.hf_config import QwenArchitecture, checkpoint_dtype_name, load_hf_config, parse_hf_config
 from megatron_rl.config.hf_weights import weight_problems
 from megatron_rl.config.schema import LoRAConfig
@@ -109,6 +110,14 @@ def _mcore_to_hf_rank(
             write_hf_model_dir(chunks, arch, metadata_dir, staging, max_shard_bytes, lora=lora)
     finally:
         destroy_parallel()
+
+
+def saved_lora_config(weights: Path, metadata: Path | None) -> LoRAConfig | None:
+    """The ``lora:`` section a run checkpoint's model was trained with, for :func:`convert_mcore_to_hf`'s ``lora``;
+    ``(weights, metadata)`` as :func:`~megatron_rl.checkpoint.layout.model_weight_dirs` returns them (None for
+    ``hf-to-mcore``'s output, which holds no adapter)."""
+    saved = saved_lora(weights.parent) if metadata is not None else None  # a run checkpoint's step_* folder
+    return LoRAConfig.model_validate(saved) if saved is not None else None
 
 
 def convert_mcore_to_hf(

@@ -111,12 +111,21 @@ class RunEnd:
 
 
 def refuse_unbuilt(cfg: RunConfig) -> None:
-    """Raise ValueError for a recipe section ``validate`` and ``plan`` accept but training does not run yet:
-    ``lora:`` (issue 40 builds it in slices; the section's schema, checks and memory plan come first)."""
-    if cfg.lora is not None:
+    """Raise ValueError for what ``validate`` and ``plan`` accept but training does not run yet (issue 40 builds
+    LoRA in slices): ``lora:`` on GPU trainer ranks, whose Transformer Engine layers get no adapters yet, and
+    ``lora.experts_shared_outer``."""
+    if cfg.lora is None:
+        return
+    if cfg.cluster.gpus_per_node > 0:
         raise ValueError(
-            "lora: LoRA training is not built yet (issue 40): the recipe section is validated and planned only; "
-            "remove the lora section to train every parameter"
+            "lora: LoRA training on GPUs is not built yet (issue 40: adapters on Transformer Engine's layers come "
+            "next); the recipe is validated and planned, and trains on CPU (cluster.gpus_per_node=0); remove the "
+            "lora section to train every parameter"
+        )
+    if cfg.lora.experts_shared_outer:
+        raise ValueError(
+            "lora.experts_shared_outer: true is not built yet (issue 40): set lora.experts_shared_outer=false "
+            "(every expert its own A and B)"
         )
 
 

@@ -46,8 +46,10 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.engines import EngineStartupError, HttpEngine, ReferenceEngine, SGLangEngine, SGLangPlacement
 from megatron_rl.engines.access import check_listen_host
+from megatron_rl.engines.protocol import LoRASettings
 from megatron_rl.orchestration.actor_handle import ActorHandle
 from megatron_rl.orchestration.network import RunNetwork
 from megatron_rl.plan.placement import ActorResources
@@ -72,6 +74,7 @@ class EngineSpec:
     ``routed_experts_shape``: (num_layers, top_k) when routing replay is on, else None.
     ``network``: where the engine listens; ``api_key``: the run's key the engine requires (kept out
     of the spec's repr, of its command line and of its log).
+    ``lora``: the recipe's ``lora:`` section: the engine serves LoRA adapters (SGLang's ``--enable-lora`` flags).
     ``nnodes``/``node_rank``: one node's process of an engine spanning ``nnodes`` nodes (``gpu_ids``: that
     node's); ``dist_init_addr`` (node 0's ``host:port``) is filled in by :class:`EngineHosts` at each start.
     ``model_path`` and ``log_dir`` are absolute (ValueError otherwise): a host on another node has a working
@@ -92,6 +95,7 @@ class EngineSpec:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         paths = {"model_path": self.model_path, "log_dir": self.log_dir}
@@ -186,6 +190,7 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
             die_with_parent=True,
             api_key=spec.api_key,
             env=env,
+            lora=spec.lora,
         )
     device = f"cuda:{first_visible_index(spec.gpu_ids, visible_devices)}" if spec.gpu_ids else "cpu"
     return ReferenceEngine(
@@ -205,6 +210,7 @@ def build_engine(spec: EngineSpec, *, host: str, port: int, nccl_port: int, visi
         nnodes=spec.nnodes,
         node_rank=spec.node_rank,
         dist_init_addr=spec.dist_init_addr,
+        lora=LoRASettings.of(spec.lora) if spec.lora is not None else None,
     )
 
 

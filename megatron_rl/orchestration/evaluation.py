@@ -56,10 +56,11 @@ def hf_weights_of(checkpoint: Path, out_dir: Path) -> Path:
         return weights.parent / HF_EXPORT_DIR
     target = out_dir / "hf"
     if not (target / "config.json").is_file():
-        from megatron_rl.checkpoint.convert import convert_mcore_to_hf
+        from megatron_rl.checkpoint.convert import convert_mcore_to_hf, saved_lora_config
 
         print(f"# eval: converting {weights} into {target} (torch_dist -> Hugging Face)", flush=True)
-        convert_mcore_to_hf(weights, target, metadata_dir=metadata)
+        # a LoRA run's checkpoint: its merged model
+        convert_mcore_to_hf(weights, target, metadata_dir=metadata, lora=saved_lora_config(weights, metadata))
     return target
 
 

@@ -16,6 +16,9 @@ parameters cannot be read):
 3. to_rollout: the actor offloads its parameters; engines resume ``kv_cache``
    and ``cuda_graph``.
 
+A LoRA run's engines (``adapter`` given) keep their weights, the base they serve (a sync sends the adapter alone,
+so released base weights could never come back): step 1 releases only ``kv_cache`` and ``cuda_graph``.
+
 A checkpoint needs the trainer's state: the driver calls ``to_training`` before it and
 nothing after; the next ``to_rollout`` re-syncs the last version first
 (``time/weight_resync_s``).
@@ -37,6 +40,7 @@ from typing import Literal, Protocol
 
 from megatron_rl.engines import RolloutEngine
 from megatron_rl.engines.protocol import MEMORY_TAGS
+from megatron_rl.rollout.policy_adapter import PolicyAdapter
 
 Timer = Callable[[str], AbstractContextManager[None]]
 """``timer(phase)``: a context manager recording the phase's seconds (the driver's PhaseTimer)."""
@@ -77,11 +81,17 @@ def release_engine_caches(engines: Sequence[RolloutEngine]) -> None:
 
 
 class HandOver:
-    """Disaggregated engines: nothing moves; :meth:`sync_weights` delivers the trainer's weights."""
+    """Disaggregated engines: nothing moves; :meth:`sync_weights` delivers the trainer's weights.
 
-    def __init__(self, engines: Sequence[RolloutEngine], trainers: TrainerMemory) -> None:
+    ``adapter``: a LoRA run's (the trainers sync the adapter alone); every sync names its version's adapter there.
+    """
+
+    def __init__(
+        self, engines: Sequence[RolloutEngine], trainers: TrainerMemory, adapter: PolicyAdapter | None = None
+    ) -> None:
         self.engines = list(engines)
         self.trainers = trainers
+        self.adapter = adapter
         self.version: int | None = None
 
     def to_training(self, timer: Timer = _untimed) -> None:
@@ -92,6 +102,8 @@ class HandOver:
         with timer(phase):
             self.trainers.sync_weights(version)
         self.version = version
+        if self.adapter is not None:
+            self.adapter.synced(version)
 
     def to_rollout(self, timer: Timer = _untimed) -> None:
         """Make the engines ready to generate with the last synced weights."""
@@ -118,12 +130,14 @@ class ColocatedHandOver(HandOver):
         self,
         engines: Sequence[RolloutEngine],
         trainers: TrainerMemory,
+        adapter: PolicyAdapter | None = None,
         *,
         engine_tags: Sequence[str] = ("weights",),
         engine_weights_current: bool = True,
         actor: ActorState = "all",
     ) -> None:
-        super().__init__(engines, trainers)
+        super().__init__(engines, trainers, adapter)
+        self.released_tags = set(CACHE_TAGS if adapter is not None else MEMORY_TAGS)
         self.engine_tags = set(engine_tags)
         self.engine_weights_current = engine_weights_current
         self.actor: ActorState = actor
@@ -138,10 +152,11 @@ class ColocatedHandOver(HandOver):
             self.engine_tags |= set(tags)
 
     def to_training(self, timer: Timer = _untimed) -> None:
-        if self.engine_tags:
+        release = self.engine_tags & self.released_tags
+        if release:
             with timer("engines_release"):
-                self._engines("release", sorted(self.engine_tags))
-            self.engine_weights_current = False
+                self._engines("release", sorted(release))
+            self.engine_weights_current = "weights" in self.engine_tags
         if self.actor != "all":
             with timer("actor_reload"):
                 self.trainers.reload()

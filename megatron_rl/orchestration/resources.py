@@ -66,6 +66,7 @@ from megatron_rl.rollout.engine_pool import EnginePool, Recovery
 from megatron_rl.rollout.episodes import Episode, build_episode
 from megatron_rl.rollout.group_assembler import GroupAssembler
 from megatron_rl.rollout.manager import RolloutManager, StepPolicy
+from megatron_rl.rollout.policy_adapter import PolicyAdapter
 from megatron_rl.rollout.submissions import SubmissionPlanner
 from megatron_rl.weight_sync.engine_feeds import engine_feeders
 
@@ -223,7 +224,9 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         if colocated and not engines_first:
             release_engine_caches(run.engines)
         run.trainers.connect_engines(run.engine_hosts.addresses)
-        run._hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers)
+        # a LoRA run's requests name the adapter of the version the engines hold, which each sync moves on
+        adapter = PolicyAdapter() if cfg.lora is not None else None
+        run._hand_over = (ColocatedHandOver if colocated else HandOver)(run.engines, run.trainers, adapter)
         recovery = EngineRecovery(
             run.engine_hosts, run.trainers, run.hand_over, max_restarts=cfg.rollout.max_engine_restarts
         )
@@ -232,10 +235,10 @@ def start_run(cfg: RunConfig, *, resume_step: int) -> RunResources:
         run.deferred_recovery = DeferredEngineRecovery(recovery) if cfg.train.max_staleness else None
         served = served_reward(cfg, run.judge)
         run._rollout = build_rollout_manager(
-            cfg, data, run.engines, run.deferred_recovery or recovery, run.episode, served
+            cfg, data, run.engines, run.deferred_recovery or recovery, run.episode, served, adapter
         )
         run.validation = build_validation_sets(
-            cfg, data, run.engines, recover=recovery, episode=run.episode, served_reward=served
+            cfg, data, run.engines, recover=recovery, episode=run.episode, served_reward=served, adapter=adapter
         )
         run._logger = build_metric_logger(
             cfg.logging, log_dir=cfg.log_dir, run_name=cfg.name, total_steps=cfg.train.steps, resume_step=resume_step
@@ -462,6 +465,7 @@ def engine_specs(
             network=network,
             api_key=api_key,
             nnodes=nnodes,
+            lora=cfg.lora,
         )
         gpus = [engine_gpu_ids(node) if cfg.cluster.gpus_per_node else () for node in nodes]
         specs.append([replace(spec, node_rank=rank, gpu_ids=ids) for rank, ids in enumerate(gpus)])
@@ -522,11 +526,12 @@ def build_rollout_manager(
     recover: Recovery | None = None,
     episode: Episode | None = None,
     served: ServedReward | None = None,
+    adapter: PolicyAdapter | None = None,
 ) -> RolloutManager:
     """The training rollout: ``dynamic_sampling.gen_batch_prompts`` (default ``prompts_per_step``) prompts per
     generation batch, sampler seeded by ``train.seed``; ``recover`` restarts crashed engines; ``episode`` (from
     :func:`~megatron_rl.rollout.episodes.build_episode`; None: single-turn) is not closed by the manager;
-    ``served``: the served reward (:func:`served_reward`)."""
+    ``served``: the served reward (:func:`served_reward`); ``adapter``: a LoRA run's, named by every request."""
     batch = cfg.algorithm.dynamic_sampling.gen_batch_prompts or cfg.train.prompts_per_step
     sampler = PromptSampler(len(data.train), batch, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     pool = EnginePool(engines, cfg.rollout.max_concurrent_requests, recover)
@@ -539,6 +544,7 @@ def build_rollout_manager(
         seed=cfg.train.seed,
         routing_replay=cfg.algorithm.routing_replay,
         stop_token_ids=episode.stop_token_ids if episode is not None else (),
+        adapter=adapter,
     )
     assembler = GroupAssembler(
         cfg.algorithm.overlong,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.step_data import StepData
 from megatron_rl.config.hf_config import load_hf_config
-from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.schema import LoRAConfig, RunConfig
 from megatron_rl.engines import HttpEngine
 from megatron_rl.orchestration.engine_host import EngineAddress
 from megatron_rl.orchestration.network import RunNetwork
@@ -29,6 +29,7 @@ from megatron_rl.parallel.device import check_gpu_arch
 # ranks and name their methods, and megatron-core costs it 3 s of start-up (benchmarks/startup.py).
 if TYPE_CHECKING:
     from megatron_rl.actor.policy_actor import PolicyActor
+    from megatron_rl.weight_sync.lora_sync import LoRASyncer
     from megatron_rl.weight_sync.syncer import WeightSyncer
 
 
@@ -111,15 +112,20 @@ class TrainerWorker:
         self._cfg, self._paths, self._api_key = cfg, paths, api_key
         self._clients: list[HttpEngine] = []
         self._weight_syncer: WeightSyncer | None = None
+        self._lora_syncer: LoRASyncer | None = None
         self._rank = dist.get_rank()
         self._dp_rank: int = parallel_state.get_data_parallel_rank()
 
     def connect_engines(self, engines: Sequence[EngineAddress]) -> None:
-        """Weight sync delivers to the engines at ``engines`` (name, host, port), in engine order."""
+        """Weight sync delivers to the engines at ``engines`` (name, host, port), in engine order: the whole model,
+        or with ``lora:`` the adapter alone."""
         from megatron_rl.weight_sync.syncer import build_syncer
 
         cfg = self._cfg
         self._clients = [HttpEngine(name, host, port, api_key=self._api_key) for name, host, port in engines]
+        if cfg.lora is not None:
+            self._lora_syncer = self._build_lora_syncer(cfg.lora)
+            return
         self._weight_syncer = build_syncer(
             cfg.weight_sync,
             cfg.rollout.placement,
@@ -131,6 +137,25 @@ class TrainerWorker:
             master_address=RunNetwork.of_run(cfg).address(ray.util.get_node_ip_address()),
             disk_dir=self._paths.weight_sync_dir,
             hf_config_dir=self._paths.engine_config_dir,
+        )
+
+    def _build_lora_syncer(self, lora: LoRAConfig) -> LoRASyncer:
+        import torch
+
+        from megatron_rl.models.lora_peft import peft_adapter_config
+        from megatron_rl.weight_sync.lora_sync import build_lora_syncer
+
+        cfg = self._cfg
+        return build_lora_syncer(
+            cfg.weight_sync,
+            cfg.rollout.placement,
+            self._clients,
+            peft_adapter_config(lora),
+            flush_cache=not cfg.sglang_on_cpu,  # as the full sync's
+            engine_tp_sizes=[cfg.engine_tp_ranks] * len(self._clients),
+            disk_dir=self._paths.weight_sync_dir,
+            # "auto": the adapter travels in float32 (as the trainer exports it) and the engine casts it
+            dtype=None if cfg.rollout.dtype == "auto" else getattr(torch, cfg.rollout.dtype),
         )
 
     @property
@@ -175,7 +200,10 @@ class TrainerWorker:
         return {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
 
     def sync_weights(self, version: int) -> float:
-        """Deliver the current weights to every engine as ``version``; seconds it took on this rank."""
+        """Deliver the current weights (with ``lora:``, the adapter) to every engine as ``version``; seconds it took
+        on this rank."""
+        if self._lora_syncer is not None:
+            return self._lora_syncer.sync(self.actor.export_adapter(), str(version)).seconds
         return self._syncer.sync_megatron(self.actor.chunks, self.actor.arch, str(version)).seconds
 
     def engines_restarted(self, addresses: dict[int, EngineAddress]) -> None:
@@ -183,6 +211,9 @@ class TrainerWorker:
         fresh start."""
         for index, (_, host, port) in addresses.items():
             self._clients[index].rebind(host, port)
+        if self._lora_syncer is not None:
+            self._lora_syncer.engines_replaced(list(addresses))
+            return
         self._syncer.transport.engines_replaced(addresses.keys())
 
     def save_checkpoint(self, directory: str) -> None:

@@ -16,6 +16,7 @@ from megatron_rl.rollout.episodes import Episode
 from megatron_rl.rollout.group_assembler import GroupAssembler
 from megatron_rl.rollout.groups import RolloutGroup, RolloutStep
 from megatron_rl.rollout.manager import RolloutManager, StepPolicy
+from megatron_rl.rollout.policy_adapter import PolicyAdapter
 from megatron_rl.rollout.submissions import SubmissionPlanner
 
 FAILURE_COUNTS = ("reward_errors", "reward_timeouts", "engine_restarts")
@@ -86,13 +87,14 @@ def build_validation_sets(
     recover: Recovery | None = None,
     episode: Episode | None = None,
     served_reward: ServedReward | None = None,
+    adapter: PolicyAdapter | None = None,
 ) -> list[ValidationSet]:
     """A manager per set: ``names`` (None: the sets training validates, those of interval > 0), in recipe order.
 
     Each call of a set's manager generates its whole set, ``n`` responses per prompt sampled as the set says,
     unshaped, unfiltered, each response whole (no partial-rollout windows), in the training rollout's
     ``episode``; ``recover`` restarts crashed engines; ``served_reward`` scores as in training (a reward server's
-    or the judge's scorer). Raises ValueError for a name the recipe does not define or
+    or the judge's scorer); ``adapter``: a LoRA run's, named by every request. Raises ValueError for a name the recipe does not define or
     a set without prompts (no files of its own and no ``data.val_files``).
     """
     sets = cfg.validation.sets
@@ -109,7 +111,9 @@ def build_validation_sets(
             name,
             sets[name],
             cfg.validation.interval_of(name),
-            _set_manager(cfg, data, name, engines, recover=recover, episode=episode, served_reward=served_reward),
+            _set_manager(
+                cfg, data, name, engines, recover=recover, episode=episode, served_reward=served_reward, adapter=adapter
+            ),
         )
         for name in chosen
     ]
@@ -130,6 +134,7 @@ def _set_manager(
     recover: Recovery | None,
     episode: Episode | None,
     served_reward: ServedReward | None,
+    adapter: PolicyAdapter | None,
 ) -> RolloutManager:
     validation_set, dataset = cfg.validation.sets[name], data.val_sets[name]
     rollout = cfg.rollout.model_copy(
@@ -153,6 +158,7 @@ def _set_manager(
         seed=validation_seed(cfg, name),
         routing_replay=False,
         stop_token_ids=episode.stop_token_ids if episode is not None else (),
+        adapter=adapter,
     )
     assembler = GroupAssembler(
         OverlongConfig(enable=False),

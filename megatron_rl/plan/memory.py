@@ -63,7 +63,8 @@ largest gathered tensor and a bucket; with the tensor transport, on every GPU si
 rank assembles the whole model, its two device bucket buffers, each up to twice the larger of a
 bucket and that tensor, the bucket being filled, and the largest tensor with its all-gather
 shards), rollout (the engine's ``mem_fraction`` share plus both processes' reserves; the trainer
-is fully offloaded to pinned host memory).
+is fully offloaded to pinned host memory). With ``lora:`` the colocated engines keep their weights and LoRA
+pool through training (they serve the base; a sync sends the adapter alone): the training peak counts them.
 """
 
 from __future__ import annotations
@@ -253,6 +254,12 @@ def stage_plan(arch: QwenArchitecture, cfg: RunConfig, pp_rank: int, reserves: i
     if pp_rank == parallel.pp - 1:
         working.append(
             Amount("log-prob working set (logits + fp32 softmax)", logprob_bytes(arch, parallel, train), exact=False)
+        )
+    if cfg.lora is not None and cfg.rollout.placement == "colocated" and cfg.cluster.gpus_per_node > 0:
+        # colocated LoRA engines keep the base they serve: each sync sends the adapter alone
+        engine_bytes = engine_gpu_weights(arch, cfg.rollout).nbytes(cfg.rollout.quantization)
+        working.append(
+            Amount("engine weights + LoRA pool (kept through training)", engine_bytes + lora_pool_bytes(arch, cfg))
         )
     working.append(_reserve(reserves))
     return StagePlan(pp_rank, params, tuple(state), tuple(working), parameter_bytes, adapter)

@@ -272,9 +272,11 @@ NOT_FROM_THE_RECIPE: dict[tuple[str, str], str] = {
     "manager's stale-group rule never make such a token",
     ("orchestration/driver.py", "NonFiniteTrainingError"): "a run-time outcome of training "
     "(train.max_consecutive_bad_steps steps in a row with NaN/Inf gradients)",
-    ("orchestration/driver.py", "LoRA training is not built yet"): "a feature not built yet (issue 40), refused "
-    "by design only at train start so that validate and plan accept and plan the lora section "
-    "(test_lora_config.py::test_train_refuses_lora_before_anything_starts)",
+    ("orchestration/driver.py", "LoRA training on GPUs is not built yet"): "a feature not built yet (issue 40), "
+    "refused by design only at train start so that validate and plan accept and plan the lora section "
+    "(test_lora_config.py::test_train_refuses_what_lora_does_not_build_yet_before_anything_starts)",
+    ("orchestration/driver.py", "experts_shared_outer: true is not built yet"): "a feature not built yet (issue "
+    "40), refused at train start as the GPU case",
     ("weight_sync/send_lock.py", "TimeoutError"): "a rank stuck in a weight update at run time",
     ("weight_sync/transports.py", "before begin()"): "call order inside the syncer",
     ("orchestration/resources.py", "that feed them their"): "where Ray put the bundles at run time (the plan "
