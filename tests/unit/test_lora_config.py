@@ -210,7 +210,8 @@ def test_the_30b_lora_recipe_fits_one_node_and_prints_its_sync(capsys: pytest.Ca
     recipe = RECIPES / "qwen3_30b_a3b_dapo_lora.yaml"
     cfg, _ = _load(recipe, f"model.config_fallback={QWEN3_30B_A3B_CONFIG_FILE}")
     assert cfg.lora is not None and (cfg.cluster.nodes, cfg.cluster.gpus_per_node) == (1, 8)
-    assert not plan_memory(cfg, ARCH_30B, 80.0).problems
+    plan = plan_memory(cfg, ARCH_30B, 80.0)
+    assert not plan.problems and f"{plan.stages[0].total / 2**30:.1f}" == "39.0"  # README's figure
     assert main(["plan", str(recipe), f"model.config_fallback={QWEN3_30B_A3B_CONFIG_FILE}"]) == 0
     out = capsys.readouterr().out
     assert "each weight sync sends the adapter alone: 3,375.4 MB" in out
