@@ -6,7 +6,8 @@ ahead (``carried_over.pt``), which the resumed run trains on; and again with par
 (4-token windows, dynamic sampling on score variance so that steps fill and groups still generating
 are carried), whose checkpoints also hold the unfinished groups, which the resumed run continues; and that
 once more in multi-turn tool episodes (the synthetic lookup task), windows cutting turns and tool
-replies. The second run's
+replies; and with LoRA (``recipes/tiny_moe_cpu_dapo_lora.yaml``: the checkpoints hold the frozen base, the adapter and
+its optimizer state, and each sync loads the adapter into the engine). The second run's
 process group is killed as soon as ``latest`` exists; the same command runs again, resumes
 from it, and is killed while the step-4 checkpoint is being written (its staging directory
 holds Megatron's shard directory); ``latest`` must still name the step-2 checkpoint. The
@@ -44,15 +45,17 @@ from tests.e2e.tiny_runs import (
 )
 
 ASYNC_RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_async.yaml"
+LORA_RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_lora.yaml"
 RECIPES = {
     "sync": (RECIPE, Path("runs") / "tiny-moe-cpu-dapo", []),
     "async": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", []),
     "async-partial": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL_ROLLOUTS),
     "async-partial-tools": (ASYNC_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-async", PARTIAL_ROLLOUTS + TOOLS),
+    "lora": (LORA_RECIPE, Path("runs") / "tiny-moe-cpu-dapo-lora", []),
 }
-IN_CI = "async-partial-tools"
-"""CI resumes the case that holds the most state (the generation carried ahead, unfinished groups, tool turns); the
-others are in the full tier."""
+IN_CI = ("async-partial-tools", "lora")
+"""CI resumes the case that holds the most state (the generation carried ahead, unfinished groups, tool turns) and the
+LoRA run (another model state and sync); the others are in the full tier."""
 
 
 def _run_killed_when(cwd: Path, recipe: Path, overrides: list[str], moment: Callable[[], bool], what: str) -> None:
@@ -79,7 +82,7 @@ def _metrics(run_dir: Path) -> list[dict[str, float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "loop", [pytest.param(loop, marks=() if loop == IN_CI else pytest.mark.full) for loop in RECIPES]
+    "loop", [pytest.param(loop, marks=() if loop in IN_CI else pytest.mark.full) for loop in RECIPES]
 )
 def test_killed_and_resumed_run_matches_the_straight_run(
     tmp_path: Path, straight_runs: StraightRuns, loop: str
@@ -95,7 +98,7 @@ def test_killed_and_resumed_run_matches_the_straight_run(
     _run_killed_when(resumed, recipe, overrides, saving.exists, "it wrote its second checkpoint")
     assert latest.read_text().strip() == "step_000002"
     carried_file = checkpoints / "step_000002" / "carried_over.pt"
-    assert carried_file.exists() == (loop != "sync")
+    assert carried_file.exists() == (loop.startswith("async"))
     if loop.startswith("async-partial"):
         assert torch.load(carried_file, weights_only=False)["unfinished"], "no group was still generating"
     run_train(resumed, overrides, recipe)
