@@ -36,3 +36,15 @@ prefix cache, so a weight sync has nothing to flush (a CPU flush is a ``gc.colle
 reuses no prefix across weight versions, and a group's samples are prefilled together)."""
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 """Set to ``1`` for a CPU engine: SGLang's CPU path (without it SGLang imports ``vllm``)."""
+
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch")
+"""A LoRA run's engines: LoRA on, the recipe's rank as the largest accepted, its targets, its adapter slots per batch
+(the flags SGLang needs without ``--lora-paths``, ``srt/arg_groups/lora_hook.py:150-153``). The default LoRA
+kernel backend (``csgmv``, Triton) is the GPU's."""
+EXPERTS_SHARED_OUTER_FLAG = "--experts-shared-outer-loras"
+"""Force shared outer expert matrices (``lora.experts_shared_outer``); unset, SGLang infers it from the adapter."""
+CPU_LORA_FLAGS = ("--lora-backend", "torch_native")
+"""A CPU engine's LoRA kernels: every other backend of ``srt/lora/backend/lora_registry.py`` is Triton's (or Ascend's);
+``torch_native`` (``srt/lora/backend/torch_backend.py``) runs the adapters of attention and dense MLPs with torch.
+Routed experts have no such path (``srt/lora/layers.py:1075,1125``: the Triton MoE runner), so a CPU engine adapts
+no experts; and SGLang's LoRA code pins host memory, a no-op on CPU only through ``engines/native/cpu_site``."""

@@ -19,7 +19,10 @@ importable). RL-specific choices:
   measured here). It needs a deterministic attention backend (0.5.23: fa3, fa4, flashinfer,
   triton, ...; unset, SGLang picks fa3 on Hopper, flashinfer on Blackwell); the CPU's
   ``torch_native`` is not one, so a CPU engine with it refuses to start;
-- ``--skip-server-warmup`` (the first generate warms up; saves start-up time).
+- ``--skip-server-warmup`` (the first generate warms up; saves start-up time);
+- with a recipe's ``lora:``, ``--enable-lora --max-lora-rank R --lora-target-modules ... --max-loras-per-batch N``
+  (and ``--experts-shared-outer-loras`` when asked); a CPU engine adds ``--lora-backend torch_native``
+  (``sglang_pin.CPU_LORA_FLAGS``: the other LoRA backends are Triton kernels).
 
 Where an engine sits (first GPU, ports, the one address it listens on, multi-node
 address) is decided by the orchestrator and passed as :class:`SGLangPlacement`.
@@ -51,7 +54,10 @@ from megatron_rl.config.sglang_pin import (
     CONFIG_FILE_NAME,
     CONFIG_FLAG,
     CPU_FLAGS,
+    CPU_LORA_FLAGS,
     DETERMINISTIC_INFERENCE_FLAG,
+    EXPERTS_SHARED_OUTER_FLAG,
+    LORA_FLAGS,
     MEMORY_SAVER_FLAGS,
     ROUTED_EXPERTS_FLAG,
 )
@@ -61,7 +67,7 @@ from megatron_rl.engines.server_process import ServerProcess
 from megatron_rl.engines.sglang_cpu import cpu_engine_environment
 
 if TYPE_CHECKING:  # the recipe schema imports models.hf_config; rollout stays import-free of it
-    from megatron_rl.config.schema import RolloutConfig
+    from megatron_rl.config.schema import LoRAConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -91,11 +97,13 @@ def build_sglang_command(
     seed: int = 0,
     config_file: str | Path | None = None,
     python: str | None = None,
+    lora: LoRAConfig | None = None,
 ) -> list[str]:
     """``python -m sglang.launch_server ...`` for one engine (``python``: default
     :func:`~megatron_rl.config.sglang_env.sglang_python`).
 
-    ``config_file``: a YAML file of more arguments (``--config``; how the API key gets in).
+    ``config_file``: a YAML file of more arguments (``--config``; how the API key gets in). ``lora``: the recipe's
+    ``lora:`` section, served with SGLang's LoRA flags (module docstring).
     Raises ValueError for a placement that cannot work (negative GPU id, port
     outside 1..65535, node_rank >= nnodes, several nodes without dist_init_addr,
     a wildcard host that would listen on every interface, a CPU engine without
@@ -147,6 +155,14 @@ def build_sglang_command(
         command += ["--quantization", config.quantization]
     if config.deterministic_inference:
         command.append(DETERMINISTIC_INFERENCE_FLAG)
+    if lora is not None:
+        enable, max_rank, targets, slots = LORA_FLAGS
+        command += [enable, max_rank, str(lora.rank), targets, *lora.target_modules]
+        command += [slots, str(lora.max_loras_per_batch)]
+        if lora.experts_shared_outer:
+            command.append(EXPERTS_SHARED_OUTER_FLAG)
+        if placement.device == "cpu":
+            command += CPU_LORA_FLAGS
     if config_file is not None:
         command += [CONFIG_FLAG, str(config_file)]
     return command
@@ -171,7 +187,8 @@ class SGLangEngine(HttpEngine):
     ``die_with_parent``: the server is killed when the thread that starts it ends (see ``ServerProcess``).
     ``api_key``: the server's ``--api-key``, given through a private config file (module docstring);
     this client sends it. ``env``: more environment variables for the server (e.g. ``NCCL_SOCKET_IFNAME``);
-    a CPU placement adds :func:`~megatron_rl.engines.sglang_cpu.cpu_engine_environment`.
+    a CPU placement adds :func:`~megatron_rl.engines.sglang_cpu.cpu_engine_environment`. ``lora``: the recipe's
+    ``lora:`` section (:func:`build_sglang_command`).
     """
 
     def __init__(
@@ -188,11 +205,12 @@ class SGLangEngine(HttpEngine):
         die_with_parent: bool = False,
         api_key: str | None = None,
         env: Mapping[str, str] | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         self._private_dir = tempfile.mkdtemp(prefix="megatron-rl-sglang-") if api_key else None  # mode 0700
         config_file = Path(self._private_dir, CONFIG_FILE_NAME) if self._private_dir else None
         command = build_sglang_command(
-            config, placement, model_path, routing_replay=routing_replay, seed=seed, config_file=config_file
+            config, placement, model_path, routing_replay=routing_replay, seed=seed, config_file=config_file, lora=lora
         )
         if placement.device == "cpu":
             env = {**(env or {}), **cpu_engine_environment()}
