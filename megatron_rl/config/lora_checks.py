@@ -17,9 +17,11 @@ Each rule cites the SGLang source it follows (paths under ``sglang/srt/`` of the
 - ``managers/tokenizer_control_mixin.py`` ``load_lora_adapter`` (and the tensor and unload variants): an
   adapter is loaded into a running engine only without data-parallel replicas (``dp_size == 1`` asserted),
   and a run loads each new adapter version so.
-- ``lora/layers.py:475-480``: every LoRA linear layer allocates pinned host memory when the server starts,
-  which needs the NVIDIA driver, so SGLang with ``--enable-lora`` does not start on CPU at all
-  (:data:`~megatron_rl.config.sglang_pin.LORA_ON_CPU_PROBLEM`, measured).
+- ``lora/layers.py`` ``FusedMoEWithLoRA``: a MoE layer with LoRA runs its experts through the Triton MoE
+  runner (``MoeRunnerBackend.TRITON``, ``fused_moe_lora``), which SGLang's CPU device does not have, so an
+  engine on CPU serves LoRA on attention (and dense MLPs) only.
+  (It serves those with ``--lora-backend torch_native`` and host-memory pinning made a no-op:
+  ``docs/sglang-lora-cpu.md``.)
 
 Not refused, because SGLang 0.5.23 serves it: FP8 rollouts with LoRA (``lora/layers.py``
 ``FusedMoEWithLoRA`` runs on the base layer's quant method, ``Fp8MoEMethod.get_triton_quant_info``, and
@@ -34,7 +36,6 @@ from dataclasses import dataclass
 
 from megatron_rl.config.hf_config import QwenArchitecture
 from megatron_rl.config.schema import LoRAConfig
-from megatron_rl.config.sglang_pin import LORA_ON_CPU_PROBLEM
 
 Problem = tuple[str, str]
 """(dotted field, message with the fix)."""
@@ -88,7 +89,7 @@ def _mlp_problems(targets: set[str], listed: list[str], arch: QwenArchitecture) 
     return []
 
 
-def _sglang_engine_problems(engine: SGLangEngineShape) -> list[Problem]:
+def _sglang_engine_problems(lora: LoRAConfig, arch: QwenArchitecture, engine: SGLangEngineShape) -> list[Problem]:
     problems: list[Problem] = []
     if engine.dp > 1:
         problems.append(
@@ -99,8 +100,16 @@ def _sglang_engine_problems(engine: SGLangEngineShape) -> list[Problem]:
                 "one; set rollout.dp=1 and rollout.num_engines to the replicas you want",
             )
         )
-    if engine.on_cpu:
-        problems.append(("rollout.engine", f"sglang with lora: {LORA_ON_CPU_PROBLEM}; use rollout.engine=reference"))
+    experts = sorted(set(lora.target_modules) & {"gate_proj", "up_proj", "down_proj"})
+    if engine.on_cpu and arch.is_moe and experts:
+        problems.append(
+            (
+                "lora.target_modules",
+                f"{experts} on the routed experts: SGLang 0.5.23 runs MoE LoRA through its Triton MoE runner "
+                "(lora/layers.py FusedMoEWithLoRA), which its CPU device lacks; on CPU adapt attention only "
+                "(q_proj, k_proj, v_proj, o_proj) or use rollout.engine=reference",
+            )
+        )
     return problems
 
 
@@ -119,7 +128,7 @@ def lora_errors(lora: LoRAConfig, arch: QwenArchitecture, sglang: SGLangEngineSh
     targets: set[str] = set(lora.target_modules)
     listed: list[str] = list(lora.target_modules)
     problems += _attention_problems(targets, listed) + _mlp_problems(targets, listed, arch)
-    return problems + (_sglang_engine_problems(sglang) if sglang is not None else [])
+    return problems + (_sglang_engine_problems(lora, arch, sglang) if sglang is not None else [])
 
 
 def lora_warnings(lora: LoRAConfig, arch: QwenArchitecture) -> list[Problem]:

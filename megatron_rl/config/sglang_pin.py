@@ -43,17 +43,11 @@ LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--ma
 kernel backend (``csgmv``, Triton) is the GPU's."""
 EXPERTS_SHARED_OUTER_FLAG = "--experts-shared-outer-loras"
 """Force shared outer expert matrices (``lora.experts_shared_outer``); unset, SGLang infers it from the adapter."""
-LORA_CPU_FLAGS = ("--lora-backend", "torch_native")
-"""A CPU engine's LoRA kernels: SGLang's torch-native backend (``srt/lora/backend/torch_backend.py``), the one without
-Triton or CUDA kernels (its default ``csgmv``, ``triton`` and ``triton_v2`` are Triton, ``uno_cublas`` CUDA,
-``ascend`` NPU; ``srt/lora/backend/lora_registry.py``)."""
-LORA_ON_CPU_PROBLEM = (
-    "SGLang 0.5.23 with --enable-lora does not start on CPU: every LoRA linear layer allocates pinned host memory "
-    "when the server starts (srt/lora/layers.py:475-480, torch.tensor(..., pin_memory=True)), which needs the NVIDIA "
-    "driver, so the scheduler exits with 'Found no NVIDIA driver on your system' whatever --lora-backend (measured "
-    "2026-12-07 with torch_native)"
-)
-"""Why no CPU SGLang engine serves LoRA: the recipe checks refuse it (``config/lora_checks.py``)."""
+CPU_LORA_FLAGS = ("--lora-backend", "torch_native")
+"""A CPU engine's LoRA kernels: every other backend of ``srt/lora/backend/lora_registry.py`` is Triton's (or Ascend's);
+``torch_native`` (``srt/lora/backend/torch_backend.py``) runs the adapters of attention and dense MLPs with torch.
+Routed experts have no such path (``srt/lora/layers.py:1075,1125``: the Triton MoE runner), so a CPU engine adapts
+no experts; and SGLang's LoRA code pins host memory, a no-op on CPU only through ``engines/native/cpu_site``."""
 LORA_NOT_BY_BROADCAST = (
     "SGLang 0.5.23 loads a LoRA adapter from tensors (/load_lora_adapter_from_tensors) or from a directory "
     "(/load_lora_adapter), not by broadcast"

@@ -7,6 +7,10 @@ machine without a driver they do not load; :func:`driver_standin_dir` builds a s
 ``native/libcuda_standin.c`` (every entry point answers "no device") and the engine process finds
 it through ``LD_LIBRARY_PATH``. Only CPU engine processes get it; :func:`cpu_engine_environment`
 refuses on a machine where torch sees a GPU, so the stand-in never shadows a real driver.
+
+SGLang's LoRA code pins host memory unconditionally, which torch cannot do without a GPU; the engine's
+``PYTHONPATH`` is led by :data:`SITE_DIR`, whose ``sitecustomize`` makes pinning a no-op there (that module
+says where and why).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from megatron_rl.config.sglang_pin import CPU_ENGINE_ENV
 
 STANDIN_SOURCE = Path(__file__).with_name("native") / "libcuda_standin.c"
 STANDIN_LIBRARY = "libcuda.so.1"
+SITE_DIR = Path(__file__).with_name("native") / "cpu_site"
+"""Holds the ``sitecustomize`` that makes pinned host memory a no-op in a CPU engine's processes."""
 
 
 def default_build_root() -> Path:
@@ -65,7 +71,8 @@ def driver_standin_dir(build_root: Path | None = None) -> Path:
 def cpu_engine_environment() -> dict[str, str]:
     """The variables a CPU SGLang engine process needs beyond this process's environment.
 
-    ``SGLANG_USE_CPU_ENGINE=1`` and ``LD_LIBRARY_PATH`` led by the stand-in's directory. Raises
+    ``SGLANG_USE_CPU_ENGINE=1``, ``LD_LIBRARY_PATH`` led by the stand-in's directory and ``PYTHONPATH`` led by
+    :data:`SITE_DIR` (each keeps what this process has after it). Raises
     RuntimeError when torch sees a GPU here: a GPU machine runs SGLang on its GPUs, with the real driver.
     """
     import torch  # here, not at the top: the CLI and every spawned reward worker import this module
@@ -75,6 +82,14 @@ def cpu_engine_environment() -> dict[str, str]:
             "a CPU SGLang engine was asked for on a machine with a GPU; set cluster.gpus_per_node to the GPUs "
             "per node so the engine runs on them"
         )
-    inherited = [path for path in os.environ.get("LD_LIBRARY_PATH", "").split(":") if path]
-    library_path = [str(driver_standin_dir()), *inherited]
-    return {CPU_ENGINE_ENV: "1", "LD_LIBRARY_PATH": ":".join(library_path)}
+    return {
+        CPU_ENGINE_ENV: "1",
+        "LD_LIBRARY_PATH": _led_by(str(driver_standin_dir()), "LD_LIBRARY_PATH"),
+        "PYTHONPATH": _led_by(str(SITE_DIR), "PYTHONPATH"),
+    }
+
+
+def _led_by(first: str, variable: str) -> str:
+    """``first``, then the entries of this process's ``variable`` (a ``:``-separated path list)."""
+    inherited = [path for path in os.environ.get(variable, "").split(":") if path]
+    return ":".join([first, *inherited])

@@ -21,10 +21,8 @@ importable). RL-specific choices:
   ``torch_native`` is not one, so a CPU engine with it refuses to start;
 - ``--skip-server-warmup`` (the first generate warms up; saves start-up time);
 - with a recipe's ``lora:``, ``--enable-lora --max-lora-rank R --lora-target-modules ... --max-loras-per-batch N``
-  (and ``--experts-shared-outer-loras`` when asked): the engines serve the base and load each synced adapter
-  (:mod:`~megatron_rl.weight_sync.lora_sync`); on CPU with ``--lora-backend torch_native``, its only backend
-  without Triton or CUDA kernels (SGLang 0.5.23 itself does not start so: ``sglang_pin.LORA_ON_CPU_PROBLEM``,
-  which ``validate`` refuses).
+  (and ``--experts-shared-outer-loras`` when asked); a CPU engine adds ``--lora-backend torch_native``
+  (``sglang_pin.CPU_LORA_FLAGS``: the other LoRA backends are Triton kernels).
 
 Where an engine sits (first GPU, ports, the one address it listens on, multi-node
 address) is decided by the orchestrator and passed as :class:`SGLangPlacement`.
@@ -56,9 +54,9 @@ from megatron_rl.config.sglang_pin import (
     CONFIG_FILE_NAME,
     CONFIG_FLAG,
     CPU_FLAGS,
+    CPU_LORA_FLAGS,
     DETERMINISTIC_INFERENCE_FLAG,
     EXPERTS_SHARED_OUTER_FLAG,
-    LORA_CPU_FLAGS,
     LORA_FLAGS,
     MEMORY_SAVER_FLAGS,
     ROUTED_EXPERTS_FLAG,
@@ -164,7 +162,7 @@ def build_sglang_command(
         if lora.experts_shared_outer:
             command.append(EXPERTS_SHARED_OUTER_FLAG)
         if placement.device == "cpu":
-            command += LORA_CPU_FLAGS
+            command += CPU_LORA_FLAGS
     if config_file is not None:
         command += [CONFIG_FLAG, str(config_file)]
     return command

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.config.schema import LoRAConfig, RolloutConfig
 from megatron_rl.config.sglang_env import INSTALL_HINT, sglang_python
 from megatron_rl.engines import ReferenceEngine, SGLangEngine, SGLangPlacement
 from megatron_rl.engines.http_engine import HttpEngine
@@ -39,12 +39,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def start_sglang(
-    model_dir: Path, log_dir: Path, name: str = "sglang", api_key: str | None = API_KEY, **rollout: Any
+    model_dir: Path,
+    log_dir: Path,
+    name: str = "sglang",
+    api_key: str | None = API_KEY,
+    lora: LoRAConfig | None = None,
+    **rollout: Any,
 ) -> SGLangEngine:
-    """A healthy CPU SGLang engine serving ``model_dir`` (the caller shuts it down)."""
+    """A healthy CPU SGLang engine serving ``model_dir`` (the caller shuts it down); ``lora``: it serves adapters."""
     config = RolloutConfig(**(CPU_ROLLOUT | rollout))
     placement = SGLangPlacement(base_gpu_id=0, port=free_port(), nccl_port=free_port(), device="cpu")
-    engine = SGLangEngine(name, config, placement, model_dir, log_dir=log_dir, seed=1, api_key=api_key)
+    engine = SGLangEngine(name, config, placement, model_dir, log_dir=log_dir, seed=1, api_key=api_key, lora=lora)
     engine.start()
     try:
         engine.wait_healthy(STARTUP_TIMEOUT_S)
