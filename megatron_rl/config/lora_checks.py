@@ -27,7 +27,8 @@ Not refused, because SGLang 0.5.23 serves it: FP8 rollouts with LoRA (``lora/lay
 ``FusedMoEWithLoRA`` runs on the base layer's quant method, ``Fp8MoEMethod.get_triton_quant_info``, and
 the linear LoRA wrappers call ``base_layer.quant_method.apply``); engine EP (``lora/mem_pool.py`` keeps
 the local experts' slots). The rank cannot exceed the engines' ``--max-lora-rank``: the run starts them
-with ``lora.rank``.
+with ``lora.rank``. The target rules hold for the reference engine too: it serves what SGLang serves, routed
+experts included (``engines/reference/lora_adapters.py``), and runs LoRA on CPU.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def test_targets_sglang_cannot_serve_are_refused_with_the_fix(targets: str, mess
 )
 def test_targets_sglang_serves_validate(targets: str) -> None:
     cfg, _ = _load(TINY, "lora.rank=4", f"lora.target_modules={targets}")
-    assert cfg.lora is not None and cfg.rollout.engine == "reference"  # the reference engine will learn adapters
+    assert cfg.lora is not None and cfg.rollout.engine == "reference"  # it serves them, experts included
 
 
 def test_a_dense_model_may_adapt_down_proj_alone_and_shared_outer_warns() -> None:

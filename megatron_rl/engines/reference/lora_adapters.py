@@ -4,7 +4,13 @@ An adapter (:class:`LoRAAdapter`) holds, per (layer, projection), PEFT's ``lora_
 ``lora_B`` [out, r] and the scaling ``lora_alpha / r`` (``srt/lora/lora.py:71``); a request naming it
 adds ``scaling * B @ A @ x`` to that projection's output for its tokens
 (:meth:`~megatron_rl.engines.reference.slot_model.SlotModel.forward`). Served projections: the
-attention's ``q/k/v/o_proj`` and a dense MLP's ``gate/up/down_proj`` (expert adapters are refused).
+attention's ``q/k/v/o_proj``, a dense MLP's ``gate/up/down_proj`` and each routed expert's, in PEFT's
+per-expert form (``mlp.experts.{e}.gate_proj``, which our trainer exports): SGLang's ``FusedMoEWithLoRA``
+(``srt/lora/layers.py``) adds the stacked gate/up delta before the activation and the down delta before
+the routing weight, with B scaled by ``lora_alpha / r`` (``srt/lora/mem_pool.py``), which is PEFT's
+per-expert maths. As SGLang's ``init_lora_modules`` (``srt/lora/lora_manager.py``), experts are served
+their adapter only when ``--lora-target-modules`` holds both ``gate_up_proj`` and ``down_proj`` (or
+``all``); otherwise an adapter's expert weights are loaded and not applied.
 
 :class:`LoRARegistry` keeps the loaded adapters by name and refuses as SGLang does, with its
 messages: LoRA not enabled (``srt/managers/tokenizer_control_mixin.py:667-670``), DoRA or added
@@ -41,7 +47,11 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 _NORMALIZED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
 _NORMALIZED["up_proj"] = "gate_up_proj"
-_PEFT_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_(A|B)\.weight$")
+_PEFT_NAME = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\."
+    r"(?:self_attn\.([qkvo]_proj)|mlp\.((?:experts\.\d+\.)?(?:gate|up|down)_proj))\.lora_(A|B)\.weight$"
+)
+_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
 class LoRAUpdateFailed(ValueError):
@@ -65,7 +75,9 @@ def normalized_targets(modules: list[str] | str) -> set[str]:
 @dataclass(frozen=True)
 class LoRAAdapter:
     """One loaded adapter: ``weights[(layer, projection)] = (A [r, in], B [out, r])`` in the model's dtype and
-    device, ``scaling = lora_alpha / r``; ``path`` as SGLang reports it (:data:`TENSOR_PATH` for tensors)."""
+    device, ``scaling = lora_alpha / r``; ``path`` as SGLang reports it (:data:`TENSOR_PATH` for tensors).
+    ``projection``: ``q_proj`` ... ``down_proj``, or ``experts.{e}.gate_proj`` (``up_proj``, ``down_proj``) for
+    routed expert e."""
 
     name: str
     path: str
@@ -82,26 +94,46 @@ def read_peft_dir(path: str) -> tuple[dict[str, Any], list[tuple[str, torch.Tens
     return json.loads(config.read_text()), list(load_file(weights).items())
 
 
-def _projection(model: PreTrainedModel, layer: int, projection: str) -> torch.nn.Linear:
-    """The model's linear ``projection`` of ``layer``; ValueError when it has none the engine adapts (experts)."""
+def _fan(model: PreTrainedModel, layer: int, projection: str) -> tuple[int, int]:
+    """(in, out) features of ``projection`` of ``layer`` (see :class:`LoRAAdapter`); ValueError when the model has
+    no such projection the engine adapts. An expert's are read from transformers' fused ``mlp.experts``:
+    ``gate_up_proj`` [E, 2F, H] (gate rows, then up), ``down_proj`` [E, H, F]."""
     layers = model.model.layers
     if layer >= len(layers):
         raise ValueError(f"adapter weights for layer {layer}; the model has {len(layers)} layers")
+    expert = _EXPERT.match(projection)
+    if expert is not None:
+        experts = getattr(layers[layer].mlp, "experts", None)
+        if experts is None:
+            raise ValueError(f"adapter weights for {projection} of layer {layer}, which has no routed experts")
+        index, name = int(expert.group(1)), expert.group(2)
+        count, two_f, hidden = experts.gate_up_proj.shape
+        if index >= count:
+            raise ValueError(f"adapter weights for {projection} of layer {layer}; the layer has {count} experts")
+        return (two_f // 2, hidden) if name == "down_proj" else (hidden, two_f // 2)
     block = layers[layer].self_attn if projection in ATTENTION else layers[layer].mlp
-    module = getattr(block, projection, None) if projection in ATTENTION + DENSE_MLP else None
-    if not isinstance(module, torch.nn.Linear):
-        raise ValueError(f"the reference engine serves LoRA on attention and dense MLP projections, not {projection}")
-    return module
+    module = getattr(block, projection, None)
+    if not isinstance(module, torch.nn.Linear):  # a dense MLP's name on a layer of routed experts
+        raise ValueError(f"adapter weights for {projection} of layer {layer}, whose MLP has no {projection}")
+    return module.in_features, module.out_features
 
 
 def build_adapter(
-    name: str, path: str, config: dict[str, Any], named: list[tuple[str, torch.Tensor]], model: PreTrainedModel
+    name: str,
+    path: str,
+    config: dict[str, Any],
+    named: list[tuple[str, torch.Tensor]],
+    model: PreTrainedModel,
+    *,
+    serve_experts: bool = True,
 ) -> LoRAAdapter:
     """The adapter of a PEFT config and its PEFT-named tensors, copied to the model's dtype and device.
 
     ValueError for a config that is not ``peft_type`` LoRA (SGLang asserts it, ``srt/lora/lora.py:66``),
-    a name outside PEFT's ``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight``,
-    a projection not served, a missing half, or shapes that do not fit the projection and rank.
+    a name outside PEFT's ``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight`` (or
+    ``...mlp.experts.{e}.{proj}...``), a projection not served, a missing half, or shapes that do not fit the
+    projection and rank. ``serve_experts`` False: expert weights are checked, then left out (SGLang serves the
+    experts without them when ``--lora-target-modules`` lacks ``gate_up_proj`` or ``down_proj``).
     """
     if str(config.get("peft_type", "")).lower() != "lora":
         raise ValueError(f"adapter {name}: peft_type must be LORA, got {config.get('peft_type')!r}")
@@ -110,21 +142,25 @@ def build_adapter(
     for key, tensor in named:
         match = _PEFT_NAME.match(key)
         if match is None:
-            raise ValueError(f"adapter {name}: {key} is not a PEFT LoRA weight of a decoder layer's projection")
-        layer, projection = int(match.group(1)), match.group(3)
+            raise ValueError(
+                f"adapter {name}: {key} is not a PEFT LoRA weight of a projection the reference engine serves "
+                "(self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, mlp.experts.{e}.{gate,up,down}_proj)"
+            )
+        layer, projection = int(match.group(1)), match.group(2) or match.group(3)
         halves.setdefault((layer, projection), {})[match.group(4)] = tensor.to(param.device, param.dtype, copy=True)
     weights = {}
     for (layer, projection), pair in sorted(halves.items()):
-        linear = _projection(model, layer, projection)
+        fan_in, fan_out = _fan(model, layer, projection)
         a, b = pair.get("A"), pair.get("B")
         if a is None or b is None:
             raise ValueError(f"adapter {name}: layer {layer} {projection} lacks lora_A or lora_B")
-        if a.shape != (rank, linear.in_features) or b.shape != (linear.out_features, rank):
+        if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise ValueError(
                 f"adapter {name}: layer {layer} {projection} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
-                f"fit r={rank} and the projection's {linear.in_features} -> {linear.out_features}"
+                f"fit r={rank} and the projection's {fan_in} -> {fan_out}"
             )
-        weights[(layer, projection)] = (a, b)
+        if serve_experts or _EXPERT.match(projection) is None:
+            weights[(layer, projection)] = (a, b)
     return LoRAAdapter(name, path, float(config["lora_alpha"]) / rank, weights)
 
 
@@ -185,7 +221,8 @@ class LoRARegistry:
                 "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`."
             )
         try:
-            adapter = build_adapter(name, path, config, named, self.model)
+            experts = "all" in allowed or {"gate_up_proj", "down_proj"} <= allowed
+            adapter = build_adapter(name, path, config, named, self.model, serve_experts=experts)
         except (ValueError, KeyError) as error:
             raise self.refusal(str(error)) from error
         with self._state:

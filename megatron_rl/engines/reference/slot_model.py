@@ -50,10 +50,21 @@ def _adapted_linear(
     for adapter, rows in lora:
         pair = adapter.weights.get((layer, name))
         if pair is not None:
-            a, b = pair
-            delta = row_invariant_linear(row_invariant_linear(x_TK[rows], a), b) * adapter.scaling
-            out.index_add_(0, rows, delta)
+            _add_lora(out, x_TK, rows, pair, adapter.scaling)
     return out
+
+
+def _add_lora(
+    out_TN: torch.Tensor,
+    x_TK: torch.Tensor,
+    rows: torch.Tensor,
+    pair: tuple[torch.Tensor, torch.Tensor],
+    scaling: float,
+) -> None:
+    """Add ``scaling * B(A(x))`` (PEFT's order, row-invariant) to the rows ``rows`` (int64 indices) of ``out_TN``, in
+    place; ``pair``: A [r, K], B [N, r]."""
+    a, b = pair
+    out_TN.index_add_(0, rows, row_invariant_linear(row_invariant_linear(x_TK[rows], a), b) * scaling)
 
 
 class UnsupportedModelError(ValueError):
@@ -205,7 +216,7 @@ class SlotModel:
             hidden = hidden + linear(attended, attn.o_proj, "o_proj")
             normed = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
             if self.sparse[index]:
-                mlp_out, experts = self._moe(layer.mlp, normed)
+                mlp_out, experts = self._moe(layer.mlp, normed, index, lora)
                 if routing is not None:
                     routing[:, index] = experts.to(torch.int32).cpu()
             else:
@@ -221,8 +232,15 @@ class SlotModel:
         up = linear(x, mlp.up_proj, "up_proj")
         return linear(torch.nn.functional.silu(gate) * up, mlp.down_proj, "down_proj")
 
-    def _moe(self, mlp: Qwen3MoeSparseMoeBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k routed experts (transformers' Qwen3-MoE maths); output [T, H] and expert ids [T, top_k]."""
+    def _moe(
+        self, mlp: Qwen3MoeSparseMoeBlock, x: torch.Tensor, layer: int, lora: Sequence[LoRARows]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routed experts (transformers' Qwen3-MoE maths); output [T, H] and expert ids [T, top_k].
+
+        An adapter with weights for expert e of ``layer`` (``experts.{e}.{gate|up|down}_proj``) adds its
+        ``scaling * B(A(x))`` to that expert's gate, up and down projections of its tokens routed to e, before the
+        activation and before the routing weight, as SGLang's ``FusedMoEWithLoRA`` (and PEFT per expert) do.
+        """
         router_logits = row_invariant_linear(x, mlp.gate.weight)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
         top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)
@@ -233,8 +251,28 @@ class SlotModel:
         out = torch.zeros_like(x)
         for expert in torch.unique(top_ids).tolist():
             token_idx, k_idx = torch.nonzero(top_ids == expert, as_tuple=True)
-            gate_up = row_invariant_linear(x[token_idx], experts.gate_up_proj[expert])
+            x_e = x[token_idx]
+            adapted = [
+                (adapter, torch.isin(token_idx, rows).nonzero().squeeze(1))  # the adapter's tokens among the expert's
+                for adapter, rows in lora
+            ]
+            gate_up = row_invariant_linear(x_e, experts.gate_up_proj[expert])
             gate, up = gate_up.chunk(2, dim=-1)
-            y = row_invariant_linear(torch.nn.functional.silu(gate) * up, experts.down_proj[expert])
+            self._add_expert_lora(gate, x_e, adapted, layer, f"experts.{expert}.gate_proj")
+            self._add_expert_lora(up, x_e, adapted, layer, f"experts.{expert}.up_proj")
+            h = torch.nn.functional.silu(gate) * up
+            y = row_invariant_linear(h, experts.down_proj[expert])
+            self._add_expert_lora(y, h, adapted, layer, f"experts.{expert}.down_proj")
             out.index_add_(0, token_idx, y * top_weights[token_idx, k_idx, None])
         return out, top_ids
+
+    @staticmethod
+    def _add_expert_lora(
+        out: torch.Tensor, x: torch.Tensor, adapted: Sequence[LoRARows], layer: int, name: str
+    ) -> None:
+        """Each adapter of ``adapted`` (with its rows of ``x``) that adapts ``(layer, name)`` adds its delta to
+        ``out`` (a view of the projection's output is written through)."""
+        for adapter, rows in adapted:
+            pair = adapter.weights.get((layer, name))
+            if pair is not None and rows.numel():
+                _add_lora(out, x, rows, pair, adapter.scaling)
