@@ -1,14 +1,12 @@
 """LoRA runs end to end on the tiny recipe (``recipes/tiny_moe_cpu_dapo_lora.yaml``, the reference engine).
 
 A disaggregated run syncs the adapter through PEFT files on disk and exports its checkpoint as the merged model plus
-the adapter; the recipe's learning run reaches the default recipe's accuracy within 2.5 times its wall time, both
-measured in the same test. Exact resume after SIGKILL is ``test_exact_resume.py``'s ``lora`` case.
+the adapter. Exact resume after SIGKILL is ``test_exact_resume.py``'s ``lora`` case.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ from safetensors.torch import load_file
 from megatron_rl.checkpoint.trainer_state import load_trainer_state
 from megatron_rl.models.lora_merge import adapter_modules
 from megatron_rl.models.safetensors_reader import SafetensorsCheckpoint
-from tests.e2e.tiny_runs import RECIPE, ROOT, RUN, TWO_STEPS, read_metrics, run_train
+from tests.e2e.tiny_runs import ROOT, TWO_STEPS, read_metrics, run_train
 
 LORA_RECIPE = ROOT / "recipes" / "tiny_moe_cpu_dapo_lora.yaml"
 LORA_RUN = Path("runs") / "tiny-moe-cpu-dapo-lora"
@@ -49,24 +47,3 @@ def test_a_disaggregated_lora_run_syncs_through_disk_and_exports_the_merged_mode
         assert torch.isfinite(merged.read(f"{module}.weight")).all()  # tests/distributed/test_lora_convert.py)
     left = sorted(p.name for p in (tmp_path / LORA_RUN / "weight_sync").iterdir())
     assert left == ["policy-v2"], "each adapter's directory goes once the engine unloaded it"
-
-
-@pytest.mark.full
-def test_the_tiny_lora_recipe_learns_within_two_and_a_half_times_the_default_recipes_time(tmp_path: Path) -> None:
-    """Both recipes to the default's 150 steps, greedy validation every 25; the default run's wall time is the
-    baseline. The LoRA run must reach greedy accuracy >= 0.9 and take at most 2.5 times as long."""
-    overrides = ["checkpoint.interval=0", "logging.sinks=[jsonl]"]
-    started = time.monotonic()
-    run_train(tmp_path / "default", overrides, RECIPE)
-    default_s = time.monotonic() - started
-    started = time.monotonic()
-    run_train(tmp_path / "lora", overrides, LORA_RECIPE)
-    lora_s = time.monotonic() - started
-
-    def greedy(run: Path) -> list[float]:
-        return [r["val/greedy/mean@1"] for r in read_metrics(run) if "val/greedy/mean@1" in r]
-
-    assert greedy(tmp_path / "default" / RUN)[-1] >= 0.9
-    accuracy = greedy(tmp_path / "lora" / LORA_RUN)
-    assert accuracy[0] <= 0.1 and max(accuracy) >= 0.9, accuracy
-    assert lora_s <= 2.5 * default_s, (lora_s, default_s)
